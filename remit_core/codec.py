@@ -1,0 +1,152 @@
+"""Records that cannot lie: a sealed envelope, and a JSON codec that runs no code.
+
+`seal` frames a payload with a record-format version and a keyed BLAKE2b
+checksum over the record's identity and bytes, so altered bytes, a payload
+moved to another row, or an unknown format all fail loudly in `unseal`.
+
+`dumps` / `loads` encode plain Python values as JSON with explicit tags for
+the types JSON lacks (datetime, date, time, timedelta, UUID, Decimal, bytes,
+tuple, set, frozenset, non-string dict keys). Anything else is refused at
+write time with `TypeError`; reading never imports or calls anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import json
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+from remit_core.errors import CorruptRecord, VersionMismatch
+
+#: Record format version, part of the 4-byte magic.
+RECORD_FORMAT = 1
+_MAGIC = b"RMT" + bytes([RECORD_FORMAT])
+_DIGEST_SIZE = 16
+_HEADER = len(_MAGIC) + _DIGEST_SIZE
+
+
+def _digest(identity: str, body: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE, person=b"remit-record")
+    h.update(identity.encode())
+    h.update(b"\x00")
+    h.update(body)
+    return h.digest()
+
+
+def seal(body: bytes, identity: str) -> bytes:
+    """Frame `body` for storage; `identity` names the row it belongs to."""
+    return _MAGIC + _digest(identity, body) + body
+
+
+def unseal(blob: bytes, identity: str, **ids: Any) -> bytes:
+    """Check and strip the frame; `ids` name the record in the error."""
+    blob = bytes(blob)
+    if len(blob) < _HEADER or blob[:3] != _MAGIC[:3]:
+        raise CorruptRecord("stored record has no Remit frame", **ids)
+    if blob[3] != RECORD_FORMAT:
+        raise VersionMismatch(
+            f"stored record has format {blob[3]}, this Remit reads {RECORD_FORMAT}", **ids
+        )
+    body = blob[_HEADER:]
+    if blob[len(_MAGIC) : _HEADER] != _digest(identity, body):
+        raise CorruptRecord("stored record failed its checksum", **ids)
+    return body
+
+
+_TAG = "$remit"
+
+
+def _encode(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return {_TAG: "float", "v": repr(value)}
+        return value
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and _TAG not in value:
+            return {k: _encode(v) for k, v in value.items()}
+        return {_TAG: "dict", "v": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {_TAG: "tuple", "v": [_encode(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        items = sorted((_encode(v) for v in value), key=lambda e: json.dumps(e, sort_keys=True))
+        return {_TAG: type(value).__name__, "v": items}
+    if isinstance(value, dt.datetime):
+        return {_TAG: "datetime", "v": value.isoformat()}
+    if isinstance(value, dt.date):
+        return {_TAG: "date", "v": value.isoformat()}
+    if isinstance(value, dt.time):
+        return {_TAG: "time", "v": value.isoformat()}
+    if isinstance(value, dt.timedelta):
+        return {_TAG: "timedelta", "v": [value.days, value.seconds, value.microseconds]}
+    if isinstance(value, UUID):
+        return {_TAG: "uuid", "v": str(value)}
+    if isinstance(value, Decimal):
+        return {_TAG: "decimal", "v": str(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {_TAG: "bytes", "v": base64.b64encode(bytes(value)).decode()}
+    raise TypeError(
+        f"Remit cannot store a value of type {type(value).__module__}.{type(value).__qualname__}; "
+        "convert it to plain data (dict, list, str, int, float, bool, None, datetime, UUID, "
+        "Decimal, bytes, tuple, set) or declare a state schema that dumps it"
+    )
+
+
+def _decode_tagged(tag: str, v: Any) -> Any:
+    if tag == "dict":
+        return {_freeze(_decode(k)): _decode(x) for k, x in v}
+    if tag == "tuple":
+        return tuple(_decode(x) for x in v)
+    if tag == "set":
+        return {_freeze(_decode(x)) for x in v}
+    if tag == "frozenset":
+        return frozenset(_freeze(_decode(x)) for x in v)
+    if tag == "datetime":
+        return dt.datetime.fromisoformat(v)
+    if tag == "date":
+        return dt.date.fromisoformat(v)
+    if tag == "time":
+        return dt.time.fromisoformat(v)
+    if tag == "timedelta":
+        return dt.timedelta(days=v[0], seconds=v[1], microseconds=v[2])
+    if tag == "uuid":
+        return UUID(v)
+    if tag == "decimal":
+        return Decimal(v)
+    if tag == "bytes":
+        return base64.b64decode(v)
+    if tag == "float":
+        return float(v)
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        tag = value.get(_TAG)
+        if isinstance(tag, str) and len(value) == 2 and "v" in value:
+            return _decode_tagged(tag, value["v"])
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def dumps(value: Any) -> bytes:
+    """Encode plain data as tagged JSON bytes; `TypeError` names an unsupported type."""
+    return json.dumps(_encode(value), separators=(",", ":"), allow_nan=False).encode()
+
+
+def loads(data: bytes) -> Any:
+    """Decode bytes made by `dumps`. Raises `ValueError` on malformed input."""
+    return _decode(json.loads(data))

@@ -1,0 +1,425 @@
+"""`Remit`: the contract's policy driven over one store. What every shim calls.
+
+It seals and verifies every payload, plans commits and forks with
+`remit_core.policy`, takes leased claims with a heartbeat, and hits the
+failpoints. Payloads stay bytes here: shims own their framework's encoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from remit_core import codec, failpoints, policy
+from remit_core.errors import Fenced, ForkWithoutIntent, HeadMoved, UnknownRecord
+from remit_core.records import (
+    MAIN_BRANCH,
+    BlobRecord,
+    BranchRecord,
+    CheckpointRecord,
+    Claim,
+    FenceRef,
+    InterruptRecord,
+    WriteMode,
+    WriteRecord,
+)
+from remit_core.stores import Store, open_store
+
+DEFAULT_LEASE = 30.0
+
+
+def _ckpt_identity(ns: str, checkpoint_id: str) -> str:
+    return f"ckpt\x00{ns}\x00{checkpoint_id}"
+
+
+def _write_identity(ns: str, checkpoint_id: str, task_id: str, idx: int) -> str:
+    return f"write\x00{ns}\x00{checkpoint_id}\x00{task_id}\x00{idx}"
+
+
+class ClaimHandle:
+    """A held claim; renews its lease in the background until released.
+
+    `fence` is what writes under the claim present. If a renewal finds the
+    claim taken over, `lost` becomes true and later fenced writes fail.
+    """
+
+    def __init__(self, remit: Remit, claim: Claim, lease: float, heartbeat: bool) -> None:
+        self._remit = remit
+        self.claim = claim
+        self.lease = lease
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if heartbeat:
+            self._thread = threading.Thread(
+                target=self._beat, name=f"remit-lease-{claim.scope}", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def fence(self) -> FenceRef:
+        return FenceRef.of(self.claim)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.lease / 3):
+            try:
+                self.claim = self._remit.store.renew_claim(
+                    self.claim, now=self._remit.clock(), lease=self.lease
+                )
+            except Fenced:
+                self.lost = True
+                return
+            except Exception:  # a passing store error: try again next beat
+                continue
+
+    def release(self) -> None:
+        """Stop renewing and give the claim up (no-op if it was taken over)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if not self.lost:
+            self._remit.store.release_claim(self.claim)
+
+    def abandon(self) -> None:
+        """Stop renewing without releasing: the lease lapses as if the holder died."""
+        self._stop.set()
+
+    def __enter__(self) -> ClaimHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class Remit:
+    """The Resume Contract over one store.
+
+    `Remit("sqlite:///remit.db")` or `Remit(store)`. `lease` is the claim
+    lease in seconds; `clock` returns UTC epoch seconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        store: Store | str,
+        *,
+        lease: float = DEFAULT_LEASE,
+        clock: Callable[[], float] = time.time,
+        holder: str | None = None,
+    ) -> None:
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.lease = lease
+        self.clock = clock
+        self._holder = holder
+        self._holder_pid = -1
+        self._holder_auto = ""
+
+    @property
+    def holder(self) -> str:
+        """This process's resumer identity (fresh in a forked child)."""
+        if self._holder is not None:
+            return self._holder
+        if self._holder_pid != os.getpid():
+            self._holder_pid = os.getpid()
+            self._holder_auto = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        return self._holder_auto
+
+    # -- checkpoints -----------------------------------------------------------
+    def plan(
+        self, run_id: str, parent_id: str | None, *, ns: str = "", fork_token: str | None = None
+    ) -> policy.CommitPlan:
+        """Where a checkpoint with this parent would go (raises `ForkWithoutIntent`)."""
+        branches = self.store.list_branches(run_id, ns)
+        return policy.plan_commit(
+            run_id, ns, parent_id, branches, fork_token=fork_token, now=self.clock()
+        )
+
+    def commit(
+        self,
+        *,
+        run_id: str,
+        checkpoint_id: str,
+        parent_id: str | None,
+        state: bytes,
+        ns: str = "",
+        metadata: Mapping[str, Any] | None = None,
+        fork_token: str | None = None,
+        schema_version: int = 1,
+        workflow_version: str = "",
+        blobs: Mapping[str, bytes] | None = None,
+        writes: Sequence[WriteRecord] = (),
+        fence: FenceRef | None = None,
+        plan: policy.CommitPlan | None = None,
+    ) -> CheckpointRecord:
+        """Commit a checkpoint after `parent_id`: a compare-and-set of its branch head.
+
+        Raises `ForkWithoutIntent` if `parent_id` is not a head and no
+        `fork_token` is given, `HeadMoved` if another writer won the race,
+        `Fenced` if `fence` is stale. Nothing is written when it raises.
+        """
+        plan = plan or self.plan(run_id, parent_id, ns=ns, fork_token=fork_token)
+        if plan.fork is not None:
+            created = self.store.create_branch(plan.fork)
+            if created.head_id != parent_id:
+                raise HeadMoved(
+                    f"fork token {fork_token!r} already continued past {parent_id!r}",
+                    run_id=run_id,
+                    checkpoint_id=parent_id,
+                )
+            plan = dataclasses.replace(plan, branch=created.branch)
+        now = self.clock()
+        record = CheckpointRecord(
+            run_id=run_id,
+            checkpoint_id=checkpoint_id,
+            branch=plan.branch,
+            parent_id=parent_id,
+            state=codec.seal(state, _ckpt_identity(ns, checkpoint_id)),
+            ns=ns,
+            seq=plan.seq,
+            metadata=dict(metadata or {}),
+            schema_version=schema_version,
+            workflow_version=workflow_version,
+            created_at=now,
+        )
+        sealed_blobs = [
+            BlobRecord(run_id, k, codec.seal(v, f"blob\x00{ns}\x00{k}"), ns)
+            for k, v in (blobs or {}).items()
+        ]
+        failpoints.hit("checkpoint.before_commit")
+        self.store.commit_checkpoint(
+            record,
+            expected_head=plan.expected_head,
+            blobs=sealed_blobs,
+            writes=[self._seal_write(w) for w in writes],
+            fence=fence,
+        )
+        failpoints.hit("checkpoint.after_commit")
+        return dataclasses.replace(record, state=state)
+
+    def _open_ckpt(self, record: CheckpointRecord) -> CheckpointRecord:
+        body = codec.unseal(
+            record.state,
+            _ckpt_identity(record.ns, record.checkpoint_id),
+            run_id=record.run_id,
+            checkpoint_id=record.checkpoint_id,
+        )
+        return dataclasses.replace(record, state=body)
+
+    def checkpoint(self, run_id: str, checkpoint_id: str, *, ns: str = "") -> CheckpointRecord | None:
+        """One checkpoint, verified; None if absent. `CorruptRecord` if it fails to verify."""
+        record = self.store.get_checkpoint(run_id, ns, checkpoint_id)
+        return None if record is None else self._open_ckpt(record)
+
+    def branch(self, run_id: str, *, ns: str = "", branch: str = MAIN_BRANCH) -> BranchRecord | None:
+        return self.store.get_branch(run_id, ns, branch)
+
+    def branches(self, run_id: str, *, ns: str | None = None) -> list[BranchRecord]:
+        return self.store.list_branches(run_id, ns)
+
+    def head(
+        self, run_id: str, *, ns: str = "", branch: str = MAIN_BRANCH
+    ) -> CheckpointRecord | None:
+        """The head checkpoint of a branch, verified; None if the branch has none."""
+        b = self.store.get_branch(run_id, ns, branch)
+        if b is None or b.head_id is None:
+            return None
+        return self.checkpoint(run_id, b.head_id, ns=ns)
+
+    def fork_branch(self, run_id: str, fork_token: str, *, ns: str = "") -> BranchRecord | None:
+        """The branch a fork token made, if any."""
+        for b in self.store.list_branches(run_id, ns):
+            if b.fork_token == fork_token:
+                return b
+        return None
+
+    def history(
+        self,
+        run_id: str | None,
+        *,
+        ns: str | None = None,
+        before_id: str | None = None,
+        limit: int | None = None,
+        verify: bool = True,
+    ) -> list[CheckpointRecord]:
+        """Checkpoints newest first; each verified unless `verify` is false."""
+        records = self.store.list_checkpoints(run_id, ns, before_id=before_id, limit=limit)
+        return [self._open_ckpt(r) for r in records] if verify else records
+
+    def blobs(self, run_id: str, keys: Sequence[str], *, ns: str = "") -> dict[str, bytes]:
+        found = self.store.get_blobs(run_id, ns, keys)
+        return {
+            k: codec.unseal(v, f"blob\x00{ns}\x00{k}", run_id=run_id, blob=k)
+            for k, v in found.items()
+        }
+
+    # -- step writes ---------------------------------------------------------
+    def _seal_write(self, w: WriteRecord) -> WriteRecord:
+        identity = _write_identity(w.ns, w.checkpoint_id, w.task_id, w.idx)
+        return dataclasses.replace(w, value=codec.seal(w.value, identity))
+
+    def put_writes(
+        self, writes: Sequence[WriteRecord], *, mode: WriteMode = "first",
+        fence: FenceRef | None = None,
+    ) -> None:
+        """Store step writes atomically (see `Store.put_writes` for `mode`)."""
+        failpoints.hit("writes.before")
+        self.store.put_writes([self._seal_write(w) for w in writes], mode=mode, fence=fence)
+        failpoints.hit("writes.after")
+
+    def writes(
+        self, run_id: str, checkpoint_id: str, *, ns: str = "", after_idx: int | None = None
+    ) -> list[WriteRecord]:
+        out = []
+        for w in self.store.get_writes(run_id, ns, checkpoint_id, after_idx=after_idx):
+            identity = _write_identity(w.ns, w.checkpoint_id, w.task_id, w.idx)
+            body = codec.unseal(w.value, identity, run_id=run_id, checkpoint_id=checkpoint_id)
+            out.append(dataclasses.replace(w, value=body))
+        return out
+
+    # -- interrupts ----------------------------------------------------------
+    def open_interrupts(
+        self,
+        run_id: str,
+        interrupts: Mapping[str, bytes | None],
+        *,
+        branch: str = MAIN_BRANCH,
+        checkpoint_id: str | None = None,
+        fence: FenceRef | None = None,
+    ) -> None:
+        """Record pending interrupts (id -> prompt bytes); existing ones are left as they are."""
+        now = self.clock()
+        records = [
+            InterruptRecord(
+                run_id=run_id,
+                branch=branch,
+                interrupt_id=iid,
+                checkpoint_id=checkpoint_id,
+                prompt=None if p is None else codec.seal(p, f"prompt\x00{branch}\x00{iid}"),
+                created_at=now,
+            )
+            for iid, p in interrupts.items()
+        ]
+        self.store.open_interrupts(records, fence=fence)
+
+    def consume(
+        self,
+        run_id: str,
+        interrupt_id: str,
+        value: bytes,
+        *,
+        branch: str = MAIN_BRANCH,
+        fence: FenceRef | None = None,
+    ) -> InterruptRecord:
+        """Consume a pending interrupt with `value`, once across all resumers (P5).
+
+        Raises `ResumeConflict` if it was already consumed (nothing stored).
+        """
+        failpoints.hit("interrupt.before_consume")
+        record = self.store.consume_interrupt(
+            run_id,
+            branch,
+            interrupt_id,
+            codec.seal(value, f"value\x00{branch}\x00{interrupt_id}"),
+            consumer=self.holder,
+            now=self.clock(),
+            fence=fence,
+        )
+        failpoints.hit("interrupt.after_consume")
+        return self._open_interrupt(record)
+
+    def _open_interrupt(self, r: InterruptRecord) -> InterruptRecord:
+        ids = {"run_id": r.run_id, "interrupt_id": r.interrupt_id}
+        prompt = value = None
+        if r.prompt is not None:
+            prompt = codec.unseal(r.prompt, f"prompt\x00{r.branch}\x00{r.interrupt_id}", **ids)
+        if r.value is not None:
+            value = codec.unseal(r.value, f"value\x00{r.branch}\x00{r.interrupt_id}", **ids)
+        return dataclasses.replace(r, prompt=prompt, value=value)
+
+    def interrupt(
+        self, run_id: str, interrupt_id: str, *, branch: str = MAIN_BRANCH
+    ) -> InterruptRecord | None:
+        r = self.store.get_interrupt(run_id, branch, interrupt_id)
+        return None if r is None else self._open_interrupt(r)
+
+    def interrupts(self, run_id: str, *, branch: str | None = None) -> list[InterruptRecord]:
+        return [self._open_interrupt(r) for r in self.store.list_interrupts(run_id, branch)]
+
+    # -- claims ------------------------------------------------------------
+    def claim(
+        self,
+        run_id: str,
+        scope: str = MAIN_BRANCH,
+        *,
+        lease: float | None = None,
+        heartbeat: bool = True,
+    ) -> ClaimHandle:
+        """Take the exclusive, leased claim on a run's scope, or raise `ResumeConflict`."""
+        lease = self.lease if lease is None else lease
+        claim = self.store.acquire_claim(
+            run_id, scope, self.holder, now=self.clock(), lease=lease
+        )
+        failpoints.hit("claim.after_acquire")
+        return ClaimHandle(self, claim, lease, heartbeat)
+
+    # -- forks ---------------------------------------------------------------
+    def fork(
+        self, run_id: str, base_id: str, fork_token: str, *, ns: str = ""
+    ) -> BranchRecord:
+        """The one branch `fork_token` names, created from `base_id` if it is new (P3).
+
+        The same token from any process returns the same branch. A token
+        already used for another base is refused with `ForkWithoutIntent`.
+        """
+        if self.store.get_checkpoint(run_id, ns, base_id) is None:
+            raise UnknownRecord("fork base does not exist", run_id=run_id, checkpoint_id=base_id)
+        branch = BranchRecord(
+            run_id=run_id,
+            branch=policy.fork_branch_name(fork_token),
+            head_id=base_id,
+            ns=ns,
+            head_seq=0,
+            base_id=base_id,
+            fork_token=fork_token,
+            created_at=self.clock(),
+        )
+        created = self.store.create_branch(branch)
+        if created.base_id != base_id:
+            raise ForkWithoutIntent(
+                f"fork token {fork_token!r} was already used to fork from "
+                f"{created.base_id!r}; use a new token",
+                run_id=run_id,
+                checkpoint_id=base_id,
+            )
+        return created
+
+    # -- whole runs ----------------------------------------------------------
+    def delete_run(self, run_id: str) -> None:
+        self.store.delete_run(run_id)
+
+    def copy_run(self, source_run_id: str, target_run_id: str) -> None:
+        self.store.copy_run(source_run_id, target_run_id)
+
+    def prune(self, run_ids: Iterable[str], *, keep_last: int = 1) -> int:
+        """Delete old checkpoints, never a branch head, a fork base, or the newest
+        `keep_last` of any branch. Returns how many were deleted."""
+        deleted = 0
+        for run_id in run_ids:
+            records = self.store.list_checkpoints(run_id, None)
+            for ns in sorted({r.ns for r in records}):
+                in_ns = [r for r in records if r.ns == ns]
+                branches = self.store.list_branches(run_id, ns)
+                doomed = policy.prunable(in_ns, branches, keep_last=keep_last)
+                deleted += self.store.delete_checkpoints(run_id, ns, doomed)
+        return deleted

@@ -1,0 +1,338 @@
+"""The effect API (P2): intent before, outcome after, a deterministic key always.
+
+    @effect(reconcile=payments.lookup)        # or idempotent=True
+    def charge(amount, *, idempotency_key):   # the key is passed if asked for
+        return payments.charge(amount, key=idempotency_key)
+
+Inside a step that a shim runs under `step_scope(...)`, each call of `charge`
+is one ledger entry keyed by (step key, effect name, occurrence). A replayed
+step gets the recorded outcome back without applying again. The protocol is
+written once as a generator (`_protocol`) and driven by a blocking or an
+asyncio driver, so sync and async effects share one implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import inspect
+from collections.abc import Awaitable, Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from remit_core import codec, failpoints, policy
+from remit_core.errors import EffectInDoubt, RemitError
+from remit_core.records import EffectRecord, FenceRef
+
+if TYPE_CHECKING:
+    from remit_core.core import Remit
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _NotApplied:
+    def __repr__(self) -> str:
+        return "NOT_APPLIED"
+
+
+#: What a `reconcile` hook returns when the effect did not happen at its target.
+NOT_APPLIED: Any = _NotApplied()
+
+
+@dataclass
+class StepScope:
+    """The step an effect runs in: where its ledger entries go and under which fence."""
+
+    remit: Remit
+    run_id: str
+    step_key: str
+    fence: FenceRef | None = None
+    _occurrences: dict[str, int] = field(default_factory=dict)
+
+    def next_key(self, name: str) -> str:
+        n = self._occurrences.get(name, 0)
+        self._occurrences[name] = n + 1
+        return f"{self.step_key}/{name}#{n}"
+
+
+_scope: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar(
+    "remit_step_scope", default=None
+)
+_current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "remit_idempotency_key", default=None
+)
+
+
+@contextlib.contextmanager
+def step_scope(
+    remit: Remit, run_id: str, step_key: str, *, fence: FenceRef | None = None
+) -> Iterator[StepScope]:
+    """Run a step's body with effects recorded under `step_key` (deterministic per step)."""
+    scope = StepScope(remit, run_id, step_key, fence)
+    token = _scope.set(scope)
+    try:
+        yield scope
+    finally:
+        _scope.reset(token)
+
+
+def current_scope() -> StepScope | None:
+    return _scope.get()
+
+
+def current_idempotency_key() -> str | None:
+    """The idempotency key of the effect now being applied, if any."""
+    return _current_key.get()
+
+
+# -- the protocol, once ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Get:
+    pass
+
+
+@dataclass(frozen=True)
+class _Begin:
+    pass
+
+
+@dataclass(frozen=True)
+class _Finish:
+    outcome: Any
+
+
+@dataclass(frozen=True)
+class _Apply:
+    pass
+
+
+@dataclass(frozen=True)
+class _Reconcile:
+    pass
+
+
+_Op = _Get | _Begin | _Finish | _Apply | _Reconcile
+
+
+def _protocol(
+    run_id: str, effect_key: str, *, has_reconcile: bool, idempotent: bool
+) -> Generator[_Op, Any, Any]:
+    """Yields the operations an effect needs; the driver sends back their results."""
+    entry: EffectRecord | None = yield _Get()
+    for _ in range(2):
+        action = policy.effect_action(entry, has_reconcile=has_reconcile, idempotent=idempotent)
+        if action == "return_recorded":
+            return entry
+        if action == "apply":
+            failpoints.hit("effect.before_intent")
+            entry, created = yield _Begin()
+            if not created:
+                continue  # another resumer recorded intent first: decide again on its entry
+            failpoints.hit("effect.after_intent")
+            outcome = yield _Apply()
+            failpoints.hit("effect.after_apply")
+            return (yield _Finish(outcome))
+        if action == "reconcile":
+            outcome = yield _Reconcile()
+            if outcome is NOT_APPLIED:
+                outcome = yield _Apply()
+                failpoints.hit("effect.after_apply")
+            return (yield _Finish(outcome))
+        if action == "reapply":
+            outcome = yield _Apply()
+            failpoints.hit("effect.after_apply")
+            return (yield _Finish(outcome))
+        raise EffectInDoubt(
+            "effect may have been applied but its outcome was never recorded; give it "
+            "reconcile= (did key K happen?) or declare it idempotent=True",
+            run_id=run_id,
+            effect_key=effect_key,
+        )
+    raise AssertionError("unreachable: a recorded intent always decides")
+
+
+def _outcome_of(entry: EffectRecord, scope: StepScope) -> Any:
+    assert entry.outcome is not None
+    body = codec.unseal(
+        entry.outcome,
+        f"effect\x00{entry.effect_key}",
+        run_id=scope.run_id,
+        effect_key=entry.effect_key,
+    )
+    return codec.loads(body)
+
+
+def _sealed(outcome: Any, effect_key: str) -> bytes:
+    try:
+        body = codec.dumps(outcome)
+    except TypeError as exc:
+        raise RemitError(
+            f"effect {effect_key} returned a value Remit cannot record ({exc}); the effect "
+            "stays in doubt: return plain data",
+            effect_key=effect_key,
+        ) from exc
+    return codec.seal(body, f"effect\x00{effect_key}")
+
+
+class _Call:
+    """One effect invocation: its scope, key, and the store operations of the protocol."""
+
+    def __init__(self, scope: StepScope, effect_key: str) -> None:
+        self.scope = scope
+        self.key = effect_key
+        self.idem = policy.idempotency_key(scope.run_id, effect_key)
+
+    def store_op(self, op: _Op) -> Any:
+        s, store = self.scope, self.scope.remit.store
+        if isinstance(op, _Get):
+            return store.get_effect(s.run_id, self.key)
+        if isinstance(op, _Begin):
+            now = s.remit.clock()
+            return store.begin_effect(s.run_id, self.key, self.idem, now=now, fence=s.fence)
+        assert isinstance(op, _Finish)
+        now = s.remit.clock()
+        entry = store.finish_effect(
+            s.run_id, self.key, _sealed(op.outcome, self.key), now=now, fence=s.fence
+        )
+        failpoints.hit("effect.after_outcome")
+        return entry
+
+
+def _wants_key(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "idempotency_key" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
+
+
+def _scope_or_fail(name: str) -> StepScope:
+    scope = _scope.get()
+    if scope is None:
+        raise RemitError(
+            f"effect {name!r} was called outside a Remit step: run the workflow with a "
+            "Remit backend so the effect can be recorded"
+        )
+    return scope
+
+
+def run_effect(
+    name: str,
+    fn: Callable[[str], Any],
+    *,
+    key: str | None = None,
+    reconcile: Callable[[str], Any] | None = None,
+    idempotent: bool = False,
+) -> Any:
+    """Apply `fn(idempotency_key)` at most once per key across the life of the run."""
+    scope = _scope_or_fail(name)
+    call = _Call(scope, key if key is not None else scope.next_key(name))
+    gen = _protocol(scope.run_id, call.key, has_reconcile=reconcile is not None,
+                    idempotent=idempotent)
+    result: Any = None
+    try:
+        while True:
+            op = gen.send(result)
+            if isinstance(op, _Apply):
+                token = _current_key.set(call.idem)
+                try:
+                    result = fn(call.idem)
+                finally:
+                    _current_key.reset(token)
+            elif isinstance(op, _Reconcile):
+                assert reconcile is not None
+                result = reconcile(call.idem)
+            else:
+                result = call.store_op(op)
+    except StopIteration as stop:
+        return _outcome_of(stop.value, scope)
+
+
+async def arun_effect(
+    name: str,
+    fn: Callable[[str], Awaitable[Any]],
+    *,
+    key: str | None = None,
+    reconcile: Callable[[str], Any] | None = None,
+    idempotent: bool = False,
+) -> Any:
+    """`run_effect` for coroutines; store calls run off the event loop."""
+    scope = _scope_or_fail(name)
+    call = _Call(scope, key if key is not None else scope.next_key(name))
+    gen = _protocol(scope.run_id, call.key, has_reconcile=reconcile is not None,
+                    idempotent=idempotent)
+    result: Any = None
+    try:
+        while True:
+            op = gen.send(result)
+            if isinstance(op, _Apply):
+                token = _current_key.set(call.idem)
+                try:
+                    result = await fn(call.idem)
+                finally:
+                    _current_key.reset(token)
+            elif isinstance(op, _Reconcile):
+                assert reconcile is not None
+                result = reconcile(call.idem)
+                if inspect.isawaitable(result):
+                    result = await result
+            else:
+                result = await asyncio.to_thread(call.store_op, op)
+    except StopIteration as stop:
+        return _outcome_of(stop.value, scope)
+
+
+def effect(
+    fn: F | None = None,
+    *,
+    name: str | None = None,
+    key: Callable[..., str] | None = None,
+    reconcile: Callable[[str], Any] | None = None,
+    idempotent: bool = False,
+) -> Any:
+    """Declare a function an effect. Works on plain functions and coroutine functions.
+
+    `key(*args, **kwargs)` may give a user key instead of the occurrence key.
+    The function gets `idempotency_key=` if its signature accepts it.
+    """
+
+    def deco(f: F) -> F:
+        label = name or f.__qualname__
+        pass_key = _wants_key(f)
+
+        def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "name": label,
+                "key": key(*args, **kwargs) if key is not None else None,
+                "reconcile": reconcile,
+                "idempotent": idempotent,
+            }
+
+        if inspect.iscoroutinefunction(f):
+
+            @functools.wraps(f)
+            async def awrapper(*args: Any, **kwargs: Any) -> Any:
+                async def apply(idem: str) -> Any:
+                    return await f(*args, **({"idempotency_key": idem} if pass_key else {}),
+                                   **kwargs)
+
+                return await arun_effect(fn=apply, **bind(args, kwargs))
+
+            return cast(F, awrapper)
+
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            def apply(idem: str) -> Any:
+                return f(*args, **({"idempotency_key": idem} if pass_key else {}), **kwargs)
+
+            return run_effect(fn=apply, **bind(args, kwargs))
+
+        return cast(F, wrapper)
+
+    return deco(fn) if fn is not None else deco

@@ -1,0 +1,230 @@
+"""The contract's decisions, as plain functions over plain records (no I/O).
+
+Stores perform the atomic step a decision names; the model checker
+(`spec/`) explores exactly these functions. Every function here is total and
+deterministic: same records in, same decision out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from remit_core.errors import ForkWithoutIntent, HeadMoved, ResumeConflict, VersionMismatch
+from remit_core.records import (
+    MAIN_BRANCH,
+    BranchRecord,
+    CheckpointRecord,
+    Claim,
+    EffectRecord,
+    InterruptRecord,
+)
+
+# -- commits and forks (P1, P3) ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPlan:
+    """Where a new checkpoint goes: compare-and-set `branch` from `expected_head`.
+
+    `fork` is a branch to create (keyed by its token) before the commit.
+    """
+
+    branch: str
+    expected_head: str | None
+    seq: int
+    fork: BranchRecord | None = None
+
+
+def fork_branch_name(fork_token: str) -> str:
+    """The deterministic branch name a fork token yields, the same in every process."""
+    return "fork-" + hashlib.blake2b(fork_token.encode(), digest_size=8).hexdigest()
+
+
+def plan_commit(
+    run_id: str,
+    ns: str,
+    parent_id: str | None,
+    branches: Sequence[BranchRecord],
+    *,
+    fork_token: str | None,
+    now: float,
+) -> CommitPlan:
+    """Decide how a checkpoint whose parent is `parent_id` may be committed.
+
+    Continuing a branch head is a plain compare-and-set. Continuing anything
+    else is a fork: refused with `ForkWithoutIntent` unless a fork token is
+    given, in which case it goes to the one branch that token names.
+    """
+    by_token = {b.fork_token: b for b in branches if b.fork_token is not None}
+    if fork_token is not None and fork_token in by_token:
+        fork = by_token[fork_token]
+        if fork.head_id == parent_id:
+            return CommitPlan(fork.branch, parent_id, fork.head_seq + 1)
+        if fork.base_id == parent_id:
+            raise HeadMoved(
+                f"fork token {fork_token!r} already made branch {fork.branch!r}, now at "
+                f"{fork.head_id!r}; read that branch instead of forking again",
+                run_id=run_id,
+                checkpoint_id=parent_id,
+            )
+    if parent_id is None:
+        if not any(b.branch == MAIN_BRANCH for b in branches):
+            return CommitPlan(MAIN_BRANCH, None, 1)
+    else:
+        heads = [b for b in branches if b.head_id == parent_id and b.fork_token is None]
+        heads += [b for b in branches if b.head_id == parent_id and b.fork_token is not None]
+        if heads:
+            return CommitPlan(heads[0].branch, parent_id, heads[0].head_seq + 1)
+    if fork_token is None:
+        raise ForkWithoutIntent(
+            "continuing from a checkpoint that is not the head of its branch is a fork; "
+            "pass a fork token to create one named branch",
+            run_id=run_id,
+            checkpoint_id=parent_id,
+        )
+    branch = BranchRecord(
+        run_id=run_id,
+        branch=fork_branch_name(fork_token),
+        head_id=parent_id,
+        ns=ns,
+        head_seq=0,
+        base_id=parent_id,
+        fork_token=fork_token,
+        created_at=now,
+    )
+    return CommitPlan(branch.branch, parent_id, 1, fork=branch)
+
+
+def branch_of(checkpoint: CheckpointRecord, branches: Sequence[BranchRecord]) -> BranchRecord | None:
+    """The branch a checkpoint was committed on."""
+    for b in branches:
+        if b.branch == checkpoint.branch and b.ns == checkpoint.ns:
+            return b
+    return None
+
+
+def is_head(checkpoint_id: str, branches: Iterable[BranchRecord]) -> bool:
+    """Whether continuing from `checkpoint_id` needs no fork."""
+    return any(b.head_id == checkpoint_id for b in branches)
+
+
+# -- claims and consume-once (P5, L1, L2) ------------------------------------
+
+ClaimDecision = Literal["grant_new", "keep", "conflict"]
+
+
+def decide_claim(current: Claim | None, holder: str, now: float) -> ClaimDecision:
+    """Who may take the claim on a scope: the same rule every engine enforces atomically.
+
+    Free (never claimed, released, or lease expired): granted with the next
+    fence. Held by `holder` with a live lease: kept, same fence. Otherwise:
+    conflict.
+    """
+    if current is None or current.holder == "" or current.expires_at <= now:
+        return "grant_new"
+    if current.holder == holder:
+        return "keep"
+    return "conflict"
+
+
+def fence_is_current(current: Claim | None, fence: int) -> bool:
+    """A write under fence `fence` may commit only while no takeover happened."""
+    return current is not None and current.fence == fence
+
+
+def check_consumable(interrupt: InterruptRecord | None, run_id: str, interrupt_id: str) -> None:
+    """Raise unless `interrupt` is pending (a consumed one never takes a second value)."""
+    if interrupt is None:
+        from remit_core.errors import UnknownRecord
+
+        raise UnknownRecord("no such interrupt", run_id=run_id, interrupt_id=interrupt_id)
+    if interrupt.status != "pending":
+        raise ResumeConflict(
+            "interrupt was already consumed; the value was not stored",
+            run_id=run_id,
+            interrupt_id=interrupt_id,
+        )
+
+
+# -- the effect ledger (P2) --------------------------------------------------
+
+EffectAction = Literal["apply", "return_recorded", "reconcile", "reapply", "in_doubt"]
+
+
+def effect_action(
+    entry: EffectRecord | None, *, has_reconcile: bool, idempotent: bool
+) -> EffectAction:
+    """What replaying an effect means, given its ledger entry.
+
+    No entry: apply it (after recording intent). Done: return the recorded
+    outcome. Intent without outcome (in doubt): ask `reconcile` if there is
+    one, else re-apply with the same idempotency key if it was declared
+    idempotent, else refuse with `EffectInDoubt`. Never apply blindly twice.
+    """
+    if entry is None:
+        return "apply"
+    if entry.status == "done":
+        return "return_recorded"
+    if has_reconcile:
+        return "reconcile"
+    if idempotent:
+        return "reapply"
+    return "in_doubt"
+
+
+def idempotency_key(run_id: str, effect_key: str) -> str:
+    """The deterministic key handed to an effect: the same on every replay and takeover."""
+    h = hashlib.blake2b(digest_size=16, person=b"remit-effect")
+    h.update(run_id.encode())
+    h.update(b"\x00")
+    h.update(effect_key.encode())
+    return h.hexdigest()
+
+
+# -- versions (P4) -----------------------------------------------------------
+
+
+def check_workflow_version(
+    record: CheckpointRecord, accepted: Iterable[str] | None
+) -> None:
+    """Refuse a checkpoint written by a workflow version the reader does not accept."""
+    if accepted is None:
+        return
+    accepted = set(accepted)
+    if record.workflow_version not in accepted:
+        raise VersionMismatch(
+            f"checkpoint was written by workflow version {record.workflow_version!r}; this "
+            f"reader accepts {sorted(accepted)!r}",
+            run_id=record.run_id,
+            checkpoint_id=record.checkpoint_id,
+        )
+
+
+# -- retention ---------------------------------------------------------------
+
+
+def prunable(
+    checkpoints: Sequence[CheckpointRecord],
+    branches: Sequence[BranchRecord],
+    *,
+    keep_last: int = 1,
+) -> list[str]:
+    """Checkpoint ids that retention may delete: never a head, a fork base, or
+    one of the newest `keep_last` on any branch's line of ancestry."""
+    if keep_last < 1:
+        raise ValueError("keep_last must be at least 1: a branch head is never pruned")
+    by_id: Mapping[str, CheckpointRecord] = {c.checkpoint_id: c for c in checkpoints}
+    keep: set[str] = set()
+    for b in branches:
+        if b.base_id is not None:
+            keep.add(b.base_id)
+        cursor, n = b.head_id, 0
+        while cursor is not None and n < keep_last:
+            keep.add(cursor)
+            record = by_id.get(cursor)
+            cursor = record.parent_id if record is not None else None
+            n += 1
+    return [c.checkpoint_id for c in checkpoints if c.checkpoint_id not in keep]

@@ -1,0 +1,652 @@
+"""The primitives in SQL, shared by the SQLite and PostgreSQL engines.
+
+Statements are written once with `?` placeholders and portable SQL
+(`ON CONFLICT`, `RETURNING`); an engine supplies its transaction (SQLite:
+`BEGIN IMMEDIATE`; PostgreSQL: a pooled connection's transaction), its
+placeholder, and the row-lock suffix that keeps a fence check valid until
+commit (`FOR SHARE` on PostgreSQL, nothing under SQLite's database lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from remit_core import codec, failpoints
+from remit_core.errors import Fenced, HeadMoved, ResumeConflict, UnknownRecord, WriteConflict
+from remit_core.records import (
+    BlobRecord,
+    BranchRecord,
+    CheckpointRecord,
+    Claim,
+    EffectRecord,
+    FenceRef,
+    InterruptRecord,
+    WriteMode,
+    WriteRecord,
+)
+from remit_core.stores.base import Store
+
+#: Numbered migration steps; each is a list of statements, applied once, in order.
+MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE IF NOT EXISTS remit_checkpoints (
+            run_id TEXT NOT NULL, ns TEXT NOT NULL, checkpoint_id TEXT NOT NULL,
+            branch TEXT NOT NULL, parent_id TEXT, seq BIGINT NOT NULL,
+            state {blob} NOT NULL, metadata TEXT NOT NULL, schema_version INTEGER NOT NULL,
+            workflow_version TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (run_id, ns, checkpoint_id))""",
+        """CREATE TABLE IF NOT EXISTS remit_branches (
+            run_id TEXT NOT NULL, ns TEXT NOT NULL, branch TEXT NOT NULL, head_id TEXT,
+            head_seq BIGINT NOT NULL, base_id TEXT, fork_token TEXT,
+            created_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (run_id, ns, branch), UNIQUE (run_id, ns, fork_token))""",
+        """CREATE TABLE IF NOT EXISTS remit_blobs (
+            run_id TEXT NOT NULL, ns TEXT NOT NULL, key TEXT NOT NULL, value {blob} NOT NULL,
+            PRIMARY KEY (run_id, ns, key))""",
+        """CREATE TABLE IF NOT EXISTS remit_writes (
+            run_id TEXT NOT NULL, ns TEXT NOT NULL, checkpoint_id TEXT NOT NULL,
+            task_id TEXT NOT NULL, idx INTEGER NOT NULL, channel TEXT NOT NULL,
+            value {blob} NOT NULL, task_path TEXT NOT NULL,
+            PRIMARY KEY (run_id, ns, checkpoint_id, task_id, idx))""",
+        """CREATE TABLE IF NOT EXISTS remit_interrupts (
+            run_id TEXT NOT NULL, branch TEXT NOT NULL, interrupt_id TEXT NOT NULL,
+            checkpoint_id TEXT, status TEXT NOT NULL, prompt {blob}, value {blob},
+            consumed_by TEXT, created_at DOUBLE PRECISION NOT NULL,
+            consumed_at DOUBLE PRECISION, PRIMARY KEY (run_id, branch, interrupt_id))""",
+        """CREATE TABLE IF NOT EXISTS remit_claims (
+            run_id TEXT NOT NULL, scope TEXT NOT NULL, holder TEXT NOT NULL,
+            fence BIGINT NOT NULL, expires_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (run_id, scope))""",
+        """CREATE TABLE IF NOT EXISTS remit_effects (
+            run_id TEXT NOT NULL, effect_key TEXT NOT NULL, idempotency_key TEXT NOT NULL,
+            status TEXT NOT NULL, outcome {blob}, created_at DOUBLE PRECISION NOT NULL,
+            done_at DOUBLE PRECISION, PRIMARY KEY (run_id, effect_key))""",
+    ],
+}
+
+_CKPT_COLS = (
+    "run_id, checkpoint_id, branch, parent_id, state, ns, seq, metadata, "
+    "schema_version, workflow_version, created_at"
+)
+_BRANCH_COLS = "run_id, branch, head_id, ns, head_seq, base_id, fork_token, created_at"
+_INTR_COLS = (
+    "run_id, branch, interrupt_id, checkpoint_id, status, prompt, value, consumed_by, "
+    "created_at, consumed_at"
+)
+_EFFECT_COLS = "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at"
+_WRITE_COLS = "run_id, checkpoint_id, task_id, idx, channel, value, ns, task_path"
+_RUN_TABLES = (
+    "remit_checkpoints",
+    "remit_branches",
+    "remit_blobs",
+    "remit_writes",
+    "remit_interrupts",
+    "remit_claims",
+    "remit_effects",
+)
+
+
+class Cursor(Protocol):
+    rowcount: int
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Txn(Protocol):
+    def execute(self, sql: str, params: Sequence[Any] = ...) -> Cursor: ...
+
+
+def _ckpt(row: Sequence[Any]) -> CheckpointRecord:
+    return CheckpointRecord(
+        run_id=row[0],
+        checkpoint_id=row[1],
+        branch=row[2],
+        parent_id=row[3],
+        state=bytes(row[4]),
+        ns=row[5],
+        seq=int(row[6]),
+        metadata=codec.loads(row[7].encode()),
+        schema_version=int(row[8]),
+        workflow_version=row[9],
+        created_at=float(row[10]),
+    )
+
+
+def _branch(row: Sequence[Any]) -> BranchRecord:
+    return BranchRecord(
+        run_id=row[0],
+        branch=row[1],
+        head_id=row[2],
+        ns=row[3],
+        head_seq=int(row[4]),
+        base_id=row[5],
+        fork_token=row[6],
+        created_at=float(row[7]),
+    )
+
+
+def _interrupt(row: Sequence[Any]) -> InterruptRecord:
+    return InterruptRecord(
+        run_id=row[0],
+        branch=row[1],
+        interrupt_id=row[2],
+        checkpoint_id=row[3],
+        status=row[4],
+        prompt=None if row[5] is None else bytes(row[5]),
+        value=None if row[6] is None else bytes(row[6]),
+        consumed_by=row[7],
+        created_at=float(row[8]),
+        consumed_at=None if row[9] is None else float(row[9]),
+    )
+
+
+def _effect(row: Sequence[Any]) -> EffectRecord:
+    return EffectRecord(
+        run_id=row[0],
+        effect_key=row[1],
+        idempotency_key=row[2],
+        status=row[3],
+        outcome=None if row[4] is None else bytes(row[4]),
+        created_at=float(row[5]),
+        done_at=None if row[6] is None else float(row[6]),
+    )
+
+
+def _write(row: Sequence[Any]) -> WriteRecord:
+    return WriteRecord(
+        run_id=row[0],
+        checkpoint_id=row[1],
+        task_id=row[2],
+        idx=int(row[3]),
+        channel=row[4],
+        value=bytes(row[5]),
+        ns=row[6],
+        task_path=row[7],
+    )
+
+
+class SqlStore(Store):
+    """The primitives over a DB-API engine; subclasses provide `_txn` and `_read`."""
+
+    #: Appended to the fence-check SELECT so the claim row stays locked to commit.
+    _lock_suffix = ""
+    #: Column type for byte payloads.
+    _blob_type = "BLOB"
+
+    # -- engine hooks ------------------------------------------------------
+    def _txn(self) -> contextlib.AbstractContextManager[Txn]:
+        """A write transaction that commits on success and rolls back on error."""
+        raise NotImplementedError
+
+    def _read(self) -> contextlib.AbstractContextManager[Txn]:
+        """A read-only snapshot (may be the same as `_txn`)."""
+        return self._txn()
+
+    # -- lifecycle -----------------------------------------------------------
+    def _migrate(self, txn: Txn) -> None:
+        txn.execute(
+            "CREATE TABLE IF NOT EXISTS remit_migrations ("
+            "version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
+        )
+        done = {r[0] for r in txn.execute("SELECT version FROM remit_migrations").fetchall()}
+        for version in sorted(MIGRATIONS):
+            if version in done:
+                continue
+            for stmt in MIGRATIONS[version]:
+                txn.execute(stmt.format(blob=self._blob_type))
+            txn.execute(
+                "INSERT INTO remit_migrations (version, applied_at) VALUES (?, ?) "
+                "ON CONFLICT (version) DO NOTHING",
+                (version, _now()),
+            )
+
+    def applied_migrations(self) -> list[int]:
+        with self._read() as txn:
+            rows = txn.execute("SELECT version FROM remit_migrations ORDER BY version").fetchall()
+        return [int(r[0]) for r in rows]
+
+    # -- helpers -----------------------------------------------------------
+    def _check_fence(self, txn: Txn, fence: FenceRef | None) -> None:
+        if fence is None:
+            return
+        row = txn.execute(
+            "SELECT fence FROM remit_claims WHERE run_id = ? AND scope = ?" + self._lock_suffix,
+            (fence.run_id, fence.scope),
+        ).fetchone()
+        if row is None or int(row[0]) != fence.fence:
+            current = None if row is None else int(row[0])
+            raise Fenced(
+                f"write carries fence {fence.fence} but the claim's current fence is {current}",
+                run_id=fence.run_id,
+                scope=fence.scope,
+            )
+
+    def _upsert_writes(self, txn: Txn, writes: Sequence[WriteRecord], mode: WriteMode) -> None:
+        conflict = {
+            "first": "DO NOTHING",
+            "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
+            "task_path = excluded.task_path",
+            "expect_absent": "DO NOTHING",
+        }[mode]
+        for w in writes:
+            cur = txn.execute(
+                f"INSERT INTO remit_writes ({_WRITE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                f"ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) {conflict}",
+                (w.run_id, w.checkpoint_id, w.task_id, w.idx, w.channel, w.value, w.ns,
+                 w.task_path),
+            )
+            if mode == "expect_absent" and cur.rowcount == 0:
+                raise WriteConflict(
+                    f"write slot {w.task_id}#{w.idx} is already taken",
+                    run_id=w.run_id,
+                    checkpoint_id=w.checkpoint_id,
+                )
+
+    # -- checkpoints ---------------------------------------------------------
+    def commit_checkpoint(
+        self,
+        record: CheckpointRecord,
+        *,
+        expected_head: str | None,
+        blobs: Sequence[BlobRecord] = (),
+        writes: Sequence[WriteRecord] = (),
+        fence: FenceRef | None = None,
+    ) -> None:
+        r = record
+        with self._txn() as txn:
+            self._check_fence(txn, fence)
+            if expected_head is None:
+                cur = txn.execute(
+                    f"INSERT INTO remit_branches ({_BRANCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (run_id, ns, branch) DO UPDATE SET head_id = excluded.head_id, "
+                    "head_seq = excluded.head_seq WHERE remit_branches.head_id IS NULL",
+                    (r.run_id, r.branch, r.checkpoint_id, r.ns, r.seq, None, None, r.created_at),
+                )
+            else:
+                cur = txn.execute(
+                    "UPDATE remit_branches SET head_id = ?, head_seq = ? "
+                    "WHERE run_id = ? AND ns = ? AND branch = ? AND head_id = ?",
+                    (r.checkpoint_id, r.seq, r.run_id, r.ns, r.branch, expected_head),
+                )
+            if cur.rowcount != 1:
+                raise HeadMoved(
+                    f"branch {r.branch!r} no longer has head {expected_head!r}",
+                    run_id=r.run_id,
+                    checkpoint_id=r.checkpoint_id,
+                )
+            cur = txn.execute(
+                f"INSERT INTO remit_checkpoints ({_CKPT_COLS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (run_id, ns, checkpoint_id) DO NOTHING",
+                (r.run_id, r.checkpoint_id, r.branch, r.parent_id, r.state, r.ns, r.seq,
+                 codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version,
+                 r.created_at),
+            )
+            if cur.rowcount != 1:
+                raise HeadMoved(
+                    "a checkpoint with this id already exists",
+                    run_id=r.run_id,
+                    checkpoint_id=r.checkpoint_id,
+                )
+            for b in blobs:
+                txn.execute(
+                    "INSERT INTO remit_blobs (run_id, ns, key, value) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (run_id, ns, key) DO NOTHING",
+                    (b.run_id, b.ns, b.key, b.value),
+                )
+            self._upsert_writes(txn, writes, "overwrite")
+            failpoints.hit("checkpoint.in_commit")
+
+    def get_checkpoint(self, run_id: str, ns: str, checkpoint_id: str) -> CheckpointRecord | None:
+        with self._read() as txn:
+            row = txn.execute(
+                f"SELECT {_CKPT_COLS} FROM remit_checkpoints "
+                "WHERE run_id = ? AND ns = ? AND checkpoint_id = ?",
+                (run_id, ns, checkpoint_id),
+            ).fetchone()
+        return None if row is None else _ckpt(row)
+
+    def list_checkpoints(
+        self,
+        run_id: str | None,
+        ns: str | None = None,
+        *,
+        before_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[CheckpointRecord]:
+        where, params = [], []
+        for col, val in (("run_id", run_id), ("ns", ns)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                params.append(val)
+        if before_id is not None:
+            where.append("checkpoint_id < ?")
+            params.append(before_id)
+        sql = f"SELECT {_CKPT_COLS} FROM remit_checkpoints"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY checkpoint_id DESC"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self._read() as txn:
+            rows = txn.execute(sql, params).fetchall()
+        return [_ckpt(r) for r in rows]
+
+    def get_branch(self, run_id: str, ns: str, branch: str) -> BranchRecord | None:
+        with self._read() as txn:
+            row = txn.execute(
+                f"SELECT {_BRANCH_COLS} FROM remit_branches "
+                "WHERE run_id = ? AND ns = ? AND branch = ?",
+                (run_id, ns, branch),
+            ).fetchone()
+        return None if row is None else _branch(row)
+
+    def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:
+        sql = f"SELECT {_BRANCH_COLS} FROM remit_branches WHERE run_id = ?"
+        params: list[Any] = [run_id]
+        if ns is not None:
+            sql += " AND ns = ?"
+            params.append(ns)
+        with self._read() as txn:
+            rows = txn.execute(sql + " ORDER BY created_at, branch", params).fetchall()
+        return [_branch(r) for r in rows]
+
+    def create_branch(self, branch: BranchRecord) -> BranchRecord:
+        b = branch
+        with self._txn() as txn:
+            txn.execute(
+                f"INSERT INTO remit_branches ({_BRANCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT DO NOTHING",
+                (b.run_id, b.branch, b.head_id, b.ns, b.head_seq, b.base_id, b.fork_token,
+                 b.created_at),
+            )
+            failpoints.hit("fork.in_create")
+            row = txn.execute(
+                f"SELECT {_BRANCH_COLS} FROM remit_branches "
+                "WHERE run_id = ? AND ns = ? AND fork_token = ?",
+                (b.run_id, b.ns, b.fork_token),
+            ).fetchone()
+        if row is None:
+            raise HeadMoved(
+                f"branch name {b.branch!r} is taken by another fork token", run_id=b.run_id
+            )
+        return _branch(row)
+
+    def get_blobs(self, run_id: str, ns: str, keys: Sequence[str]) -> dict[str, bytes]:
+        if not keys:
+            return {}
+        marks = ", ".join("?" for _ in keys)
+        with self._read() as txn:
+            rows = txn.execute(
+                f"SELECT key, value FROM remit_blobs WHERE run_id = ? AND ns = ? "
+                f"AND key IN ({marks})",
+                (run_id, ns, *keys),
+            ).fetchall()
+        return {r[0]: bytes(r[1]) for r in rows}
+
+    # -- writes ------------------------------------------------------------
+    def put_writes(
+        self, writes: Sequence[WriteRecord], *, mode: WriteMode, fence: FenceRef | None = None
+    ) -> None:
+        with self._txn() as txn:
+            self._check_fence(txn, fence)
+            self._upsert_writes(txn, writes, mode)
+            failpoints.hit("writes.in_txn")
+
+    def get_writes(
+        self, run_id: str, ns: str, checkpoint_id: str, *, after_idx: int | None = None
+    ) -> list[WriteRecord]:
+        sql = (
+            f"SELECT {_WRITE_COLS} FROM remit_writes "
+            "WHERE run_id = ? AND ns = ? AND checkpoint_id = ?"
+        )
+        params: list[Any] = [run_id, ns, checkpoint_id]
+        if after_idx is not None:
+            sql += " AND idx > ?"
+            params.append(after_idx)
+        with self._read() as txn:
+            rows = txn.execute(sql + " ORDER BY task_id, idx", params).fetchall()
+        return [_write(r) for r in rows]
+
+    # -- interrupts ----------------------------------------------------------
+    def open_interrupts(
+        self, records: Sequence[InterruptRecord], *, fence: FenceRef | None = None
+    ) -> None:
+        with self._txn() as txn:
+            self._check_fence(txn, fence)
+            for i in records:
+                txn.execute(
+                    f"INSERT INTO remit_interrupts ({_INTR_COLS}) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (run_id, branch, interrupt_id) DO NOTHING",
+                    (i.run_id, i.branch, i.interrupt_id, i.checkpoint_id, "pending", i.prompt,
+                     None, None, i.created_at, None),
+                )
+
+    def consume_interrupt(
+        self,
+        run_id: str,
+        branch: str,
+        interrupt_id: str,
+        value: bytes,
+        *,
+        consumer: str,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> InterruptRecord:
+        with self._txn() as txn:
+            self._check_fence(txn, fence)
+            row = txn.execute(
+                "UPDATE remit_interrupts SET status = 'consumed', value = ?, consumed_by = ?, "
+                "consumed_at = ? WHERE run_id = ? AND branch = ? AND interrupt_id = ? "
+                f"AND status = 'pending' RETURNING {_INTR_COLS}",
+                (value, consumer, now, run_id, branch, interrupt_id),
+            ).fetchone()
+            if row is None:
+                exists = txn.execute(
+                    "SELECT status FROM remit_interrupts "
+                    "WHERE run_id = ? AND branch = ? AND interrupt_id = ?",
+                    (run_id, branch, interrupt_id),
+                ).fetchone()
+                if exists is None:
+                    raise UnknownRecord(
+                        "no such interrupt", run_id=run_id, interrupt_id=interrupt_id
+                    )
+                raise ResumeConflict(
+                    "interrupt was already consumed; the value was not stored",
+                    run_id=run_id,
+                    interrupt_id=interrupt_id,
+                )
+            failpoints.hit("interrupt.in_consume")
+        return _interrupt(row)
+
+    def get_interrupt(self, run_id: str, branch: str, interrupt_id: str) -> InterruptRecord | None:
+        with self._read() as txn:
+            row = txn.execute(
+                f"SELECT {_INTR_COLS} FROM remit_interrupts "
+                "WHERE run_id = ? AND branch = ? AND interrupt_id = ?",
+                (run_id, branch, interrupt_id),
+            ).fetchone()
+        return None if row is None else _interrupt(row)
+
+    def list_interrupts(self, run_id: str, branch: str | None = None) -> list[InterruptRecord]:
+        sql = f"SELECT {_INTR_COLS} FROM remit_interrupts WHERE run_id = ?"
+        params: list[Any] = [run_id]
+        if branch is not None:
+            sql += " AND branch = ?"
+            params.append(branch)
+        with self._read() as txn:
+            rows = txn.execute(sql + " ORDER BY created_at, interrupt_id", params).fetchall()
+        return [_interrupt(r) for r in rows]
+
+    # -- claims ------------------------------------------------------------
+    def acquire_claim(
+        self, run_id: str, scope: str, holder: str, *, now: float, lease: float
+    ) -> Claim:
+        with self._txn() as txn:
+            row = txn.execute(
+                "INSERT INTO remit_claims (run_id, scope, holder, fence, expires_at) "
+                "VALUES (?, ?, ?, 1, ?) ON CONFLICT (run_id, scope) DO UPDATE SET "
+                "fence = CASE WHEN remit_claims.holder = excluded.holder "
+                "AND remit_claims.expires_at > ? THEN remit_claims.fence "
+                "ELSE remit_claims.fence + 1 END, "
+                "holder = excluded.holder, expires_at = excluded.expires_at "
+                "WHERE remit_claims.holder = excluded.holder OR remit_claims.holder = '' "
+                "OR remit_claims.expires_at <= ? "
+                "RETURNING holder, fence, expires_at",
+                (run_id, scope, holder, now + lease, now, now),
+            ).fetchone()
+            failpoints.hit("claim.in_acquire")
+        if row is None:
+            raise ResumeConflict(
+                "another resumer holds this run; retry after its lease expires",
+                run_id=run_id,
+                scope=scope,
+            )
+        return Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
+
+    def renew_claim(self, claim: Claim, *, now: float, lease: float) -> Claim:
+        with self._txn() as txn:
+            row = txn.execute(
+                "UPDATE remit_claims SET expires_at = ? WHERE run_id = ? AND scope = ? "
+                "AND fence = ? AND holder = ? RETURNING expires_at",
+                (now + lease, claim.run_id, claim.scope, claim.fence, claim.holder),
+            ).fetchone()
+        if row is None:
+            raise Fenced(
+                "claim was taken over or released", run_id=claim.run_id, scope=claim.scope
+            )
+        return Claim(claim.run_id, claim.scope, claim.holder, claim.fence, float(row[0]))
+
+    def release_claim(self, claim: Claim) -> None:
+        with self._txn() as txn:
+            txn.execute(
+                "UPDATE remit_claims SET holder = '', expires_at = 0 "
+                "WHERE run_id = ? AND scope = ? AND fence = ? AND holder = ?",
+                (claim.run_id, claim.scope, claim.fence, claim.holder),
+            )
+
+    def get_claim(self, run_id: str, scope: str) -> Claim | None:
+        with self._read() as txn:
+            row = txn.execute(
+                "SELECT holder, fence, expires_at FROM remit_claims "
+                "WHERE run_id = ? AND scope = ?",
+                (run_id, scope),
+            ).fetchone()
+        return None if row is None else Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
+
+    # -- effects -----------------------------------------------------------
+    def begin_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        idempotency_key: str,
+        *,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> tuple[EffectRecord, bool]:
+        with self._txn() as txn:
+            self._check_fence(txn, fence)
+            cur = txn.execute(
+                f"INSERT INTO remit_effects ({_EFFECT_COLS}) VALUES (?, ?, ?, 'intent', ?, ?, ?) "
+                "ON CONFLICT (run_id, effect_key) DO NOTHING",
+                (run_id, effect_key, idempotency_key, None, now, None),
+            )
+            created = cur.rowcount == 1
+            row = txn.execute(
+                f"SELECT {_EFFECT_COLS} FROM remit_effects WHERE run_id = ? AND effect_key = ?",
+                (run_id, effect_key),
+            ).fetchone()
+        return _effect(row), created
+
+    def finish_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        outcome: bytes,
+        *,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> EffectRecord:
+        with self._txn() as txn:
+            self._check_fence(txn, fence)
+            txn.execute(
+                "UPDATE remit_effects SET status = 'done', outcome = ?, done_at = ? "
+                "WHERE run_id = ? AND effect_key = ? AND status = 'intent'",
+                (outcome, now, run_id, effect_key),
+            )
+            failpoints.hit("effect.in_outcome")
+            row = txn.execute(
+                f"SELECT {_EFFECT_COLS} FROM remit_effects WHERE run_id = ? AND effect_key = ?",
+                (run_id, effect_key),
+            ).fetchone()
+        if row is None:
+            raise UnknownRecord("no intent recorded for effect", run_id=run_id,
+                                effect_key=effect_key)
+        return _effect(row)
+
+    def get_effect(self, run_id: str, effect_key: str) -> EffectRecord | None:
+        with self._read() as txn:
+            row = txn.execute(
+                f"SELECT {_EFFECT_COLS} FROM remit_effects WHERE run_id = ? AND effect_key = ?",
+                (run_id, effect_key),
+            ).fetchone()
+        return None if row is None else _effect(row)
+
+    # -- whole runs ----------------------------------------------------------
+    def delete_run(self, run_id: str) -> None:
+        with self._txn() as txn:
+            for table in _RUN_TABLES:
+                txn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+
+    def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
+        deleted = 0
+        with self._txn() as txn:
+            pinned = {
+                v
+                for row in txn.execute(
+                    "SELECT head_id, base_id FROM remit_branches WHERE run_id = ? AND ns = ?",
+                    (run_id, ns),
+                ).fetchall()
+                for v in row
+                if v is not None
+            }
+            for cid in checkpoint_ids:
+                if cid in pinned:
+                    continue
+                cur = txn.execute(
+                    "DELETE FROM remit_checkpoints WHERE run_id = ? AND ns = ? "
+                    "AND checkpoint_id = ?",
+                    (run_id, ns, cid),
+                )
+                txn.execute(
+                    "DELETE FROM remit_writes WHERE run_id = ? AND ns = ? AND checkpoint_id = ?",
+                    (run_id, ns, cid),
+                )
+                deleted += max(cur.rowcount, 0)
+        return deleted
+
+    def copy_run(self, source_run_id: str, target_run_id: str) -> None:
+        copies = {
+            "remit_checkpoints": _CKPT_COLS,
+            "remit_branches": _BRANCH_COLS,
+            "remit_blobs": "run_id, ns, key, value",
+            "remit_writes": _WRITE_COLS,
+        }
+        with self._txn() as txn:
+            for table, cols in copies.items():
+                rest = cols.split(", ", 1)[1]
+                txn.execute(
+                    f"INSERT INTO {table} ({cols}) SELECT ?, {rest} FROM {table} "
+                    "WHERE run_id = ? ON CONFLICT DO NOTHING",
+                    (target_run_id, source_run_id),
+                )
+
+
+def _now() -> float:
+    return time.time()

@@ -1,0 +1,220 @@
+"""The narrow interface every engine implements: atomic primitives and reads.
+
+Each mutating method is one transaction on its engine (SQLite `BEGIN
+IMMEDIATE`, one PostgreSQL transaction, one Redis Lua script). Stores hold no
+policy: they do the compare-and-set, insert-if-absent and fence check that a
+method names, and raise the matching `RemitError` when it does not hold.
+Deciding *which* primitive to call lives in `remit_core.policy`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from remit_core.records import (
+    BlobRecord,
+    BranchRecord,
+    CheckpointRecord,
+    Claim,
+    EffectRecord,
+    FenceRef,
+    InterruptRecord,
+    WriteMode,
+    WriteRecord,
+)
+
+#: Migration steps are numbered from 1; a store records each applied number.
+SCHEMA_VERSION = 1
+
+
+class Store(ABC):
+    """Atomic primitives over one engine. Thread-safe; safe to share in a process."""
+
+    url: str
+
+    # -- lifecycle -----------------------------------------------------------
+    @abstractmethod
+    def setup(self) -> None:
+        """Create or migrate the schema; idempotent, safe from many processes at once."""
+
+    @abstractmethod
+    def applied_migrations(self) -> list[int]:
+        """Numbers of the migration steps recorded in the store, ascending."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections; the store may not be used afterwards."""
+
+    # -- checkpoints and branches -------------------------------------------
+    @abstractmethod
+    def commit_checkpoint(
+        self,
+        record: CheckpointRecord,
+        *,
+        expected_head: str | None,
+        blobs: Sequence[BlobRecord] = (),
+        writes: Sequence[WriteRecord] = (),
+        fence: FenceRef | None = None,
+    ) -> None:
+        """Append `record` and move its branch head to it, atomically.
+
+        Holds only if the branch head is `expected_head` (None: the branch does
+        not exist yet, and is created), and `fence` (if given) is the current
+        fence of its claim. `blobs` are inserted if absent and `writes` with
+        mode "overwrite", in the same transaction. Raises `HeadMoved`, `Fenced`.
+        """
+
+    @abstractmethod
+    def get_checkpoint(self, run_id: str, ns: str, checkpoint_id: str) -> CheckpointRecord | None:
+        """One checkpoint, or None."""
+
+    @abstractmethod
+    def list_checkpoints(
+        self,
+        run_id: str | None,
+        ns: str | None = None,
+        *,
+        before_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[CheckpointRecord]:
+        """Checkpoints newest first (by checkpoint id); `run_id`/`ns` None: all."""
+
+    @abstractmethod
+    def get_branch(self, run_id: str, ns: str, branch: str) -> BranchRecord | None:
+        """One branch, or None."""
+
+    @abstractmethod
+    def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:
+        """Every branch of a run (of one namespace, if given)."""
+
+    @abstractmethod
+    def create_branch(self, branch: BranchRecord) -> BranchRecord:
+        """Insert a fork branch keyed by its fork token, if absent.
+
+        Returns the branch now stored for `(run_id, ns, fork_token)`: the new
+        one, or the one an earlier call with the same token created (P3).
+        """
+
+    @abstractmethod
+    def get_blobs(self, run_id: str, ns: str, keys: Sequence[str]) -> dict[str, bytes]:
+        """The stored blobs among `keys`."""
+
+    # -- step writes ---------------------------------------------------------
+    @abstractmethod
+    def put_writes(
+        self, writes: Sequence[WriteRecord], *, mode: WriteMode, fence: FenceRef | None = None
+    ) -> None:
+        """Store step writes keyed by (run, ns, checkpoint, task, idx), atomically.
+
+        mode "first": a key already present keeps its value; "overwrite":
+        replace; "expect_absent": raise `WriteConflict` and write nothing if
+        any key is present (an expected-sequence append).
+        """
+
+    @abstractmethod
+    def get_writes(
+        self, run_id: str, ns: str, checkpoint_id: str, *, after_idx: int | None = None
+    ) -> list[WriteRecord]:
+        """Writes of one checkpoint, ordered by (task_id, idx)."""
+
+    # -- interrupts ----------------------------------------------------------
+    @abstractmethod
+    def open_interrupts(
+        self, records: Sequence[InterruptRecord], *, fence: FenceRef | None = None
+    ) -> None:
+        """Insert pending interrupts if absent (re-opening never resets a consumed one)."""
+
+    @abstractmethod
+    def consume_interrupt(
+        self,
+        run_id: str,
+        branch: str,
+        interrupt_id: str,
+        value: bytes,
+        *,
+        consumer: str,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> InterruptRecord:
+        """Move a pending interrupt to consumed with `value`, once.
+
+        Raises `ResumeConflict` if it is already consumed (the value is not
+        stored), `UnknownRecord` if it does not exist, `Fenced` on a stale fence.
+        """
+
+    @abstractmethod
+    def get_interrupt(self, run_id: str, branch: str, interrupt_id: str) -> InterruptRecord | None:
+        """One interrupt, or None."""
+
+    @abstractmethod
+    def list_interrupts(self, run_id: str, branch: str | None = None) -> list[InterruptRecord]:
+        """Interrupts of a run (of one branch, if given), oldest first."""
+
+    # -- claims --------------------------------------------------------------
+    @abstractmethod
+    def acquire_claim(
+        self, run_id: str, scope: str, holder: str, *, now: float, lease: float
+    ) -> Claim:
+        """Take the claim on (run, scope) if free, expired, or already `holder`'s.
+
+        A new holder gets a fence one above the last one ever issued for the
+        scope. Raises `ResumeConflict` while another holder's lease is live.
+        """
+
+    @abstractmethod
+    def renew_claim(self, claim: Claim, *, now: float, lease: float) -> Claim:
+        """Extend a claim's lease; `Fenced` if it was taken over or released."""
+
+    @abstractmethod
+    def release_claim(self, claim: Claim) -> None:
+        """Give a claim up (a no-op if it was already taken over); the fence is kept."""
+
+    @abstractmethod
+    def get_claim(self, run_id: str, scope: str) -> Claim | None:
+        """The claim row (holder "" when released), or None if never claimed."""
+
+    # -- effect ledger -------------------------------------------------------
+    @abstractmethod
+    def begin_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        idempotency_key: str,
+        *,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> tuple[EffectRecord, bool]:
+        """Record intent if the effect has no entry. Returns (entry, created)."""
+
+    @abstractmethod
+    def finish_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        outcome: bytes,
+        *,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> EffectRecord:
+        """Move intent to done with `outcome`; an entry already done is returned unchanged."""
+
+    @abstractmethod
+    def get_effect(self, run_id: str, effect_key: str) -> EffectRecord | None:
+        """One ledger entry, or None."""
+
+    # -- whole runs ----------------------------------------------------------
+    @abstractmethod
+    def delete_run(self, run_id: str) -> None:
+        """Delete every record of a run."""
+
+    @abstractmethod
+    def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
+        """Delete checkpoints and their writes; refuses (skips) any branch head or fork base.
+
+        Returns how many checkpoints were deleted.
+        """
+
+    @abstractmethod
+    def copy_run(self, source_run_id: str, target_run_id: str) -> None:
+        """Copy checkpoints, branches, blobs and writes of a run under a new id."""
