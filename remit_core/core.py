@@ -364,12 +364,17 @@ class Remit:
         *,
         lease: float | None = None,
         heartbeat: bool = True,
+        holder: str | None = None,
     ) -> ClaimHandle:
-        """Take the exclusive, leased claim on a run's scope, or raise `ResumeConflict`."""
+        """Take the exclusive, leased claim on a run's scope, or raise `ResumeConflict`.
+
+        Each call is its own holder (threads of one process exclude each other)
+        unless `holder` is given: a caller that presents the holder of a live
+        claim gets that claim back, same fence.
+        """
         lease = self.lease if lease is None else lease
-        claim = self.store.acquire_claim(
-            run_id, scope, self.holder, now=self.clock(), lease=lease
-        )
+        holder = holder or f"{self.holder}/{uuid.uuid4().hex[:8]}"
+        claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
         failpoints.hit("claim.after_acquire")
         return ClaimHandle(self, claim, lease, heartbeat)
 
