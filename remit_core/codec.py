@@ -42,7 +42,7 @@ def seal(body: bytes, identity: str) -> bytes:
     return _MAGIC + _digest(identity, body) + body
 
 
-def unseal(blob: bytes, identity: str, **ids: Any) -> bytes:
+def unseal(blob: bytes, identity: str, /, **ids: Any) -> bytes:
     """Check and strip the frame; `ids` name the record in the error."""
     blob = bytes(blob)
     if len(blob) < _HEADER or blob[:3] != _MAGIC[:3]:

@@ -216,12 +216,17 @@ class Remit:
         )
         return dataclasses.replace(record, state=body)
 
-    def checkpoint(self, run_id: str, checkpoint_id: str, *, ns: str = "") -> CheckpointRecord | None:
+    def checkpoint(
+        self, run_id: str, checkpoint_id: str, *, ns: str = ""
+    ) -> CheckpointRecord | None:
         """One checkpoint, verified; None if absent. `CorruptRecord` if it fails to verify."""
         record = self.store.get_checkpoint(run_id, ns, checkpoint_id)
         return None if record is None else self._open_ckpt(record)
 
-    def branch(self, run_id: str, *, ns: str = "", branch: str = MAIN_BRANCH) -> BranchRecord | None:
+    def branch(
+        self, run_id: str, *, ns: str = "", branch: str = MAIN_BRANCH
+    ) -> BranchRecord | None:
+        """One branch of a run, or None."""
         return self.store.get_branch(run_id, ns, branch)
 
     def branches(self, run_id: str, *, ns: str | None = None) -> list[BranchRecord]:

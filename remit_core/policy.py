@@ -98,7 +98,9 @@ def plan_commit(
     return CommitPlan(branch.branch, parent_id, 1, fork=branch)
 
 
-def branch_of(checkpoint: CheckpointRecord, branches: Sequence[BranchRecord]) -> BranchRecord | None:
+def branch_of(
+    checkpoint: CheckpointRecord, branches: Sequence[BranchRecord]
+) -> BranchRecord | None:
     """The branch a checkpoint was committed on."""
     for b in branches:
         if b.branch == checkpoint.branch and b.ns == checkpoint.ns:

@@ -90,7 +90,10 @@ _RUN_TABLES = (
 
 
 class Cursor(Protocol):
-    rowcount: int
+    """What `_sql` needs of an engine's cursor."""
+
+    @property
+    def rowcount(self) -> int: ...
 
     def fetchone(self) -> Any: ...
 
@@ -98,7 +101,9 @@ class Cursor(Protocol):
 
 
 class Txn(Protocol):
-    def execute(self, sql: str, params: Sequence[Any] = ...) -> Cursor: ...
+    """What `_sql` needs of an engine's transaction: `?`-placeholder statements."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Cursor: ...
 
 
 def _ckpt(row: Sequence[Any]) -> CheckpointRecord:
