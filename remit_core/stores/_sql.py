@@ -624,16 +624,19 @@ class SqlStore(Store):
             for cid in checkpoint_ids:
                 if cid in pinned:
                     continue
-                cur = txn.execute(
-                    "DELETE FROM remit_checkpoints WHERE run_id = ? AND ns = ? "
-                    "AND checkpoint_id = ?",
-                    (run_id, ns, cid),
+                # Read the count before the next statement: an engine may reuse its cursor.
+                deleted += max(
+                    txn.execute(
+                        "DELETE FROM remit_checkpoints WHERE run_id = ? AND ns = ? "
+                        "AND checkpoint_id = ?",
+                        (run_id, ns, cid),
+                    ).rowcount,
+                    0,
                 )
                 txn.execute(
                     "DELETE FROM remit_writes WHERE run_id = ? AND ns = ? AND checkpoint_id = ?",
                     (run_id, ns, cid),
                 )
-                deleted += max(cur.rowcount, 0)
         return deleted
 
     def copy_run(self, source_run_id: str, target_run_id: str) -> None:

@@ -1,0 +1,916 @@
+"""The store suite: every `Store` primitive and the `Remit` facade, on every engine.
+
+Each test runs against SQLite, PostgreSQL and Redis through the shared
+`store_url` fixture, with fresh run ids, and covers the refusals the contract
+names: CAS failure, a second resume value, stale fences, forks without a token,
+invalid writes, corrupt and unknown records.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from typing_extensions import TypedDict
+
+from remit_core import (
+    MAIN_BRANCH,
+    BranchRecord,
+    CheckpointInvalid,
+    CheckpointRecord,
+    CorruptRecord,
+    Fenced,
+    FenceRef,
+    ForkWithoutIntent,
+    HeadMoved,
+    InterruptRecord,
+    Migrations,
+    Remit,
+    ResumeConflict,
+    StateSchema,
+    Store,
+    UnknownRecord,
+    VersionMismatch,
+    WriteConflict,
+    WriteRecord,
+    codec,
+    open_store,
+    policy,
+)
+from remit_core.records import BlobRecord
+from remit_core.stores.base import SCHEMA_VERSION
+
+# -- helpers -----------------------------------------------------------------
+
+
+@pytest.fixture
+def store(store_url: str) -> Store:
+    return open_store(store_url)
+
+
+@pytest.fixture
+def remit(store: Store) -> Remit:
+    return Remit(store)
+
+
+def engine_of(store: Store) -> str:
+    return store.url.split(":", 1)[0]
+
+
+def ckpt(
+    run_id: str,
+    cid: str,
+    parent: str | None,
+    *,
+    seq: int = 1,
+    branch: str = MAIN_BRANCH,
+    ns: str = "",
+    state: bytes | None = None,
+) -> CheckpointRecord:
+    return CheckpointRecord(
+        run_id=run_id,
+        checkpoint_id=cid,
+        branch=branch,
+        parent_id=parent,
+        state=state if state is not None else f"state-{cid}".encode(),
+        ns=ns,
+        seq=seq,
+        metadata={"step": seq, "source": "loop"},
+        schema_version=3,
+        workflow_version="wf-1",
+        created_at=1000.0 + seq,
+    )
+
+
+def chain(store: Store, run_id: str, n: int, *, ns: str = "") -> list[str]:
+    """Commit c01..cNN on main; returns their ids."""
+    ids, parent = [], None
+    for i in range(1, n + 1):
+        cid = f"c{i:02d}"
+        store.commit_checkpoint(ckpt(run_id, cid, parent, seq=i, ns=ns), expected_head=parent)
+        ids.append(cid)
+        parent = cid
+    return ids
+
+
+def head_id(store: Store, run_id: str, branch: str = MAIN_BRANCH, ns: str = "") -> str | None:
+    b = store.get_branch(run_id, ns, branch)
+    return None if b is None else b.head_id
+
+
+def write(run_id: str, cid: str, task: str, idx: int, value: bytes, ns: str = "") -> WriteRecord:
+    return WriteRecord(run_id, cid, task, idx, f"chan-{idx}", value, ns, f"path/{task}")
+
+
+def pending(run_id: str, iid: str, branch: str = MAIN_BRANCH, prompt: bytes | None = None):
+    return InterruptRecord(run_id, branch, iid, "c01", prompt=prompt, created_at=time.time())
+
+
+def rewrite_state(
+    store: Store, run_id: str, checkpoint_id: str, change: Callable[[bytes], bytes], ns: str = ""
+) -> None:
+    """Alter a stored checkpoint's bytes through the engine's own connection."""
+    if engine_of(store) == "redis":
+        rewrite_state_redis(store, run_id, ns, checkpoint_id, change)
+        return
+    with store._txn() as txn:  # type: ignore[attr-defined]
+        row = txn.execute(
+            "SELECT state FROM remit_checkpoints WHERE run_id = ? AND ns = ? AND checkpoint_id = ?",
+            (run_id, ns, checkpoint_id),
+        ).fetchone()
+        txn.execute(
+            "UPDATE remit_checkpoints SET state = ? WHERE run_id = ? AND ns = ? "
+            "AND checkpoint_id = ?",
+            (change(bytes(row[0])), run_id, ns, checkpoint_id),
+        )
+
+
+def rewrite_state_redis(
+    store: Store, run_id: str, ns: str, checkpoint_id: str, change: Callable[[bytes], bytes]
+) -> None:
+    raise NotImplementedError("set when the Redis store lands")
+
+
+def flip_last_byte(b: bytes) -> bytes:
+    return b[:-1] + bytes([b[-1] ^ 0x01])
+
+
+# -- lifecycle -----------------------------------------------------------------
+
+
+def test_setup_is_idempotent_and_records_migrations(store: Store) -> None:
+    store.setup()
+    store.setup()
+    assert store.applied_migrations() == list(range(1, SCHEMA_VERSION + 1))
+
+
+def test_setup_from_many_fresh_instances_at_once(store: Store) -> None:
+    """Concurrent setup() calls (as from many processes starting together) all succeed."""
+    stores = [type(store)(store.url) for _ in range(4)]  # type: ignore[call-arg]
+    errors: list[BaseException] = []
+
+    def go(s: Store) -> None:
+        try:
+            s.setup()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for s in stores:
+        assert s.applied_migrations() == list(range(1, SCHEMA_VERSION + 1))
+        s.close()
+
+
+# -- checkpoints and branches ---------------------------------------------------
+
+
+def test_commit_appends_and_moves_head(store: Store, run_id: str) -> None:
+    store.commit_checkpoint(ckpt(run_id, "c01", None, seq=1), expected_head=None)
+    b = store.get_branch(run_id, "", MAIN_BRANCH)
+    assert b is not None and (b.head_id, b.head_seq, b.fork_token) == ("c01", 1, None)
+    store.commit_checkpoint(ckpt(run_id, "c02", "c01", seq=2), expected_head="c01")
+    assert head_id(store, run_id) == "c02"
+    got = store.get_checkpoint(run_id, "", "c02")
+    assert got == ckpt(run_id, "c02", "c01", seq=2)
+    assert store.get_checkpoint(run_id, "", "nope") is None
+    assert store.get_checkpoint(run_id, "other-ns", "c02") is None
+
+
+def test_list_checkpoints_newest_first_with_paging(store: Store, run_id: str) -> None:
+    ids = chain(store, run_id, 5)
+    chain(store, run_id, 2, ns="sub")
+    assert [c.checkpoint_id for c in store.list_checkpoints(run_id, "")] == ids[::-1]
+    assert len(store.list_checkpoints(run_id)) == 7
+    assert [c.checkpoint_id for c in store.list_checkpoints(run_id, "", limit=2)] == ids[:2:-1][:2]
+    page = store.list_checkpoints(run_id, "", before_id="c04", limit=2)
+    assert [c.checkpoint_id for c in page] == ["c03", "c02"]
+    assert [c.ns for c in store.list_checkpoints(run_id, "sub")] == ["sub", "sub"]
+
+
+def test_commit_cas_failure_writes_nothing(store: Store, run_id: str) -> None:
+    chain(store, run_id, 2)
+    record = ckpt(run_id, "c03", "c01", seq=2)
+    blob = BlobRecord(run_id, "k", b"v")
+    w = write(run_id, "c03", "t", 0, b"w")
+    with pytest.raises(HeadMoved) as err:
+        store.commit_checkpoint(record, expected_head="c01", blobs=[blob], writes=[w])
+    assert err.value.run_id == run_id
+    assert head_id(store, run_id) == "c02"
+    assert store.get_checkpoint(run_id, "", "c03") is None
+    assert store.get_blobs(run_id, "", ["k"]) == {}
+    assert store.get_writes(run_id, "", "c03") == []
+    # Creating a branch that exists is a CAS failure too.
+    with pytest.raises(HeadMoved):
+        store.commit_checkpoint(ckpt(run_id, "c09", None), expected_head=None)
+    assert head_id(store, run_id) == "c02"
+
+
+def test_commit_of_an_existing_checkpoint_id_is_refused_atomically(
+    store: Store, run_id: str
+) -> None:
+    chain(store, run_id, 2)
+    with pytest.raises(HeadMoved):
+        store.commit_checkpoint(ckpt(run_id, "c01", "c02", seq=3), expected_head="c02")
+    b = store.get_branch(run_id, "", MAIN_BRANCH)
+    assert b is not None and (b.head_id, b.head_seq) == ("c02", 2)
+    assert store.get_checkpoint(run_id, "", "c01") == ckpt(run_id, "c01", None, seq=1)
+
+
+def test_commit_stores_blobs_and_writes_in_the_same_transaction(store: Store, run_id: str) -> None:
+    store.commit_checkpoint(
+        ckpt(run_id, "c01", None),
+        expected_head=None,
+        blobs=[BlobRecord(run_id, "a", b"1"), BlobRecord(run_id, "b", b"2")],
+        writes=[write(run_id, "c01", "t", 0, b"w0")],
+    )
+    assert store.get_blobs(run_id, "", ["a", "b", "missing"]) == {"a": b"1", "b": b"2"}
+    assert store.get_blobs(run_id, "", []) == {}
+    assert [w.value for w in store.get_writes(run_id, "", "c01")] == [b"w0"]
+    # Blobs are insert-if-absent: a second commit does not replace a stored key.
+    store.commit_checkpoint(
+        ckpt(run_id, "c02", "c01", seq=2),
+        expected_head="c01",
+        blobs=[BlobRecord(run_id, "a", b"changed"), BlobRecord(run_id, "c", b"3")],
+    )
+    assert store.get_blobs(run_id, "", ["a", "c"]) == {"a": b"1", "c": b"3"}
+
+
+def test_list_branches_and_create_branch_by_token(store: Store, run_id: str) -> None:
+    chain(store, run_id, 3)
+    fork = BranchRecord(run_id, "fork-x", "c01", "", 0, "c01", "tok-x", 2000.0)
+    assert store.create_branch(fork) == fork
+    # The same token again, even with another base and name, yields the stored branch.
+    again = BranchRecord(run_id, "fork-y", "c02", "", 0, "c02", "tok-x", 3000.0)
+    assert store.create_branch(again) == fork
+    assert store.get_branch(run_id, "", "fork-y") is None
+    # A name taken by another token is refused.
+    with pytest.raises(HeadMoved):
+        store.create_branch(BranchRecord(run_id, "fork-x", "c02", "", 0, "c02", "tok-z", 1.0))
+    names = sorted(b.branch for b in store.list_branches(run_id))
+    assert names == ["fork-x", MAIN_BRANCH]
+    assert store.list_branches(run_id, "other") == []
+    # The fork branch continues by CAS from its base.
+    store.commit_checkpoint(ckpt(run_id, "f01", "c01", seq=1, branch="fork-x"), expected_head="c01")
+    assert head_id(store, run_id, "fork-x") == "f01"
+    assert head_id(store, run_id) == "c03"
+
+
+# -- fences ----------------------------------------------------------------------
+
+FENCED_PRIMITIVES = [
+    "commit_checkpoint",
+    "put_writes",
+    "open_interrupts",
+    "consume_interrupt",
+    "begin_effect",
+    "finish_effect",
+]
+
+
+def _fenced_call(store: Store, name: str, run_id: str, fence: FenceRef) -> None:
+    if name == "commit_checkpoint":
+        store.commit_checkpoint(ckpt(run_id, "c02", "c01", seq=2), expected_head="c01", fence=fence)
+    elif name == "put_writes":
+        store.put_writes([write(run_id, "c01", "t", 0, b"x")], mode="overwrite", fence=fence)
+    elif name == "open_interrupts":
+        store.open_interrupts([pending(run_id, "new")], fence=fence)
+    elif name == "consume_interrupt":
+        store.consume_interrupt(run_id, MAIN_BRANCH, "i1", b"v", consumer="z", now=1.0, fence=fence)
+    elif name == "begin_effect":
+        store.begin_effect(run_id, "e-new", "idem", now=1.0, fence=fence)
+    else:
+        store.finish_effect(run_id, "e1", b"out", now=1.0, fence=fence)
+
+
+def _observable(store: Store, run_id: str) -> tuple[Any, ...]:
+    e1 = store.get_effect(run_id, "e1")
+    return (
+        head_id(store, run_id),
+        [(w.task_id, w.idx, w.value) for w in store.get_writes(run_id, "", "c01")],
+        sorted((i.interrupt_id, i.status, i.value) for i in store.list_interrupts(run_id)),
+        store.get_effect(run_id, "e-new"),
+        None if e1 is None else (e1.status, e1.outcome),
+    )
+
+
+@pytest.mark.parametrize("primitive", FENCED_PRIMITIVES)
+def test_stale_fence_is_refused_and_writes_nothing(
+    store: Store, run_id: str, primitive: str
+) -> None:
+    store.commit_checkpoint(ckpt(run_id, "c01", None), expected_head=None)
+    store.open_interrupts([pending(run_id, "i1")])
+    store.begin_effect(run_id, "e1", "idem-1", now=1.0)
+    old = store.acquire_claim(run_id, "main", "A", now=0.0, lease=10.0)
+    new = store.acquire_claim(run_id, "main", "B", now=20.0, lease=10.0)
+    assert new.fence == old.fence + 1
+    before = _observable(store, run_id)
+    with pytest.raises(Fenced) as err:
+        _fenced_call(store, primitive, run_id, FenceRef.of(old))
+    assert err.value.run_id == run_id
+    assert _observable(store, run_id) == before
+    # A fence for a scope never claimed is stale too.
+    with pytest.raises(Fenced):
+        _fenced_call(store, primitive, run_id, FenceRef(run_id, "never", 1))
+    assert _observable(store, run_id) == before
+    # The current fence passes.
+    _fenced_call(store, primitive, run_id, FenceRef.of(new))
+    assert _observable(store, run_id) != before
+
+
+# -- step writes ---------------------------------------------------------------------
+
+
+def test_put_writes_modes(store: Store, run_id: str) -> None:
+    store.put_writes(
+        [
+            write(run_id, "c1", "tb", 1, b"b1"),
+            write(run_id, "c1", "ta", 0, b"a0"),
+            write(run_id, "c1", "tb", 0, b"b0"),
+        ],
+        mode="first",
+    )
+    got = store.get_writes(run_id, "", "c1")
+    assert [(w.task_id, w.idx, w.value) for w in got] == [
+        ("ta", 0, b"a0"),
+        ("tb", 0, b"b0"),
+        ("tb", 1, b"b1"),
+    ]
+    assert got[0] == write(run_id, "c1", "ta", 0, b"a0")
+    # "first": a present key keeps its value.
+    store.put_writes([write(run_id, "c1", "ta", 0, b"zz")], mode="first")
+    assert store.get_writes(run_id, "", "c1")[0].value == b"a0"
+    # "overwrite": replaced.
+    store.put_writes([write(run_id, "c1", "ta", 0, b"zz")], mode="overwrite")
+    assert store.get_writes(run_id, "", "c1")[0].value == b"zz"
+    # "expect_absent": a taken slot refuses the whole batch.
+    with pytest.raises(WriteConflict) as err:
+        store.put_writes(
+            [write(run_id, "c1", "tc", 0, b"c0"), write(run_id, "c1", "tb", 1, b"again")],
+            mode="expect_absent",
+        )
+    assert err.value.checkpoint_id == "c1"
+    got = store.get_writes(run_id, "", "c1")
+    assert [(w.task_id, w.idx, w.value) for w in got] == [
+        ("ta", 0, b"zz"),
+        ("tb", 0, b"b0"),
+        ("tb", 1, b"b1"),
+    ]
+    store.put_writes([write(run_id, "c1", "tc", 0, b"c0")], mode="expect_absent")
+    assert [(w.task_id, w.idx) for w in store.get_writes(run_id, "", "c1", after_idx=0)] == [
+        ("tb", 1)
+    ]
+    assert store.get_writes(run_id, "other", "c1") == []
+
+
+# -- interrupts -------------------------------------------------------------------------
+
+
+def test_interrupt_consumed_once_and_second_value_not_stored(store: Store, run_id: str) -> None:
+    store.open_interrupts([pending(run_id, "i1", prompt=b"ok?"), pending(run_id, "i2")])
+    store.open_interrupts([pending(run_id, "i1", branch="fork-a")])
+    i1 = store.get_interrupt(run_id, MAIN_BRANCH, "i1")
+    assert i1 is not None and (i1.status, i1.prompt, i1.value) == ("pending", b"ok?", None)
+    got = store.consume_interrupt(run_id, MAIN_BRANCH, "i1", b"first", consumer="A", now=5.0)
+    assert (got.status, got.value, got.consumed_by, got.consumed_at) == (
+        "consumed",
+        b"first",
+        "A",
+        5.0,
+    )
+    with pytest.raises(ResumeConflict) as err:
+        store.consume_interrupt(run_id, MAIN_BRANCH, "i1", b"second", consumer="B", now=6.0)
+    assert (err.value.run_id, err.value.interrupt_id) == (run_id, "i1")
+    stored = store.get_interrupt(run_id, MAIN_BRANCH, "i1")
+    assert stored is not None and (stored.value, stored.consumed_by) == (b"first", "A")
+    # Re-opening never resets a consumed interrupt.
+    store.open_interrupts([pending(run_id, "i1")])
+    stored = store.get_interrupt(run_id, MAIN_BRANCH, "i1")
+    assert stored is not None and (stored.status, stored.value) == ("consumed", b"first")
+    # Each branch has its own interrupts (L3).
+    other = store.get_interrupt(run_id, "fork-a", "i1")
+    assert other is not None and other.status == "pending"
+    with pytest.raises(UnknownRecord):
+        store.consume_interrupt(run_id, MAIN_BRANCH, "nope", b"v", consumer="A", now=1.0)
+    assert store.get_interrupt(run_id, MAIN_BRANCH, "nope") is None
+    assert [i.interrupt_id for i in store.list_interrupts(run_id, MAIN_BRANCH)] == ["i1", "i2"]
+    assert len(store.list_interrupts(run_id)) == 3
+
+
+# -- claims -------------------------------------------------------------------------------
+
+
+def test_claim_lease_takeover_renew_release(store: Store, run_id: str) -> None:
+    assert store.get_claim(run_id, "main") is None
+    a = store.acquire_claim(run_id, "main", "A", now=100.0, lease=10.0)
+    assert (a.holder, a.fence, a.expires_at) == ("A", 1, 110.0)
+    with pytest.raises(ResumeConflict):
+        store.acquire_claim(run_id, "main", "B", now=105.0, lease=10.0)
+    # Re-entrant: the live holder keeps its fence and extends its lease.
+    a2 = store.acquire_claim(run_id, "main", "A", now=106.0, lease=10.0)
+    assert (a2.fence, a2.expires_at) == (1, 116.0)
+    a3 = store.renew_claim(a2, now=108.0, lease=10.0)
+    assert (a3.fence, a3.expires_at) == (1, 118.0)
+    with pytest.raises(ResumeConflict):
+        store.acquire_claim(run_id, "main", "B", now=117.0, lease=10.0)
+    # Lease expiry: takeover with the next fence; the old holder is fenced off.
+    b = store.acquire_claim(run_id, "main", "B", now=118.0, lease=10.0)
+    assert (b.holder, b.fence) == ("B", 2)
+    with pytest.raises(Fenced):
+        store.renew_claim(a3, now=119.0, lease=10.0)
+    store.release_claim(a3)  # a no-op: A no longer holds it
+    assert store.get_claim(run_id, "main") == b
+    # Release keeps the fence, so the next holder still gets a larger one.
+    store.release_claim(b)
+    released = store.get_claim(run_id, "main")
+    assert released is not None and (released.holder, released.fence) == ("", 2)
+    with pytest.raises(Fenced):
+        store.renew_claim(b, now=120.0, lease=10.0)
+    c = store.acquire_claim(run_id, "main", "A", now=120.0, lease=10.0)
+    assert c.fence == 3
+    # Scopes are independent.
+    assert store.acquire_claim(run_id, "fork-1", "B", now=120.0, lease=10.0).fence == 1
+
+
+def test_claim_same_holder_after_expiry_gets_a_new_fence(store: Store, run_id: str) -> None:
+    a = store.acquire_claim(run_id, "main", "A", now=0.0, lease=1.0)
+    again = store.acquire_claim(run_id, "main", "A", now=5.0, lease=1.0)
+    assert again.fence == a.fence + 1
+
+
+# -- effects ---------------------------------------------------------------------------------
+
+
+def test_effect_ledger_intent_then_outcome_once(store: Store, run_id: str) -> None:
+    assert store.get_effect(run_id, "charge#0") is None
+    entry, created = store.begin_effect(run_id, "charge#0", "idem-1", now=10.0)
+    assert created and (entry.status, entry.idempotency_key, entry.outcome) == (
+        "intent",
+        "idem-1",
+        None,
+    )
+    again, created = store.begin_effect(run_id, "charge#0", "idem-other", now=11.0)
+    assert not created and again == entry
+    done = store.finish_effect(run_id, "charge#0", b"receipt-1", now=12.0)
+    assert (done.status, done.outcome, done.done_at) == ("done", b"receipt-1", 12.0)
+    # An entry already done is returned unchanged.
+    assert store.finish_effect(run_id, "charge#0", b"receipt-2", now=13.0) == done
+    assert store.get_effect(run_id, "charge#0") == done
+    with pytest.raises(UnknownRecord) as err:
+        store.finish_effect(run_id, "never-begun", b"x", now=1.0)
+    assert err.value.effect_key == "never-begun"
+    assert store.get_effect(run_id, "never-begun") is None
+
+
+# -- whole runs ---------------------------------------------------------------------------------
+
+
+def _populate(store: Store, run_id: str) -> None:
+    store.commit_checkpoint(
+        ckpt(run_id, "c01", None),
+        expected_head=None,
+        blobs=[BlobRecord(run_id, "k", b"v")],
+        writes=[write(run_id, "c01", "t", 0, b"w")],
+    )
+    store.commit_checkpoint(ckpt(run_id, "c02", "c01", seq=2), expected_head="c01")
+    store.create_branch(BranchRecord(run_id, "fork-a", "c01", "", 0, "c01", "tok", 1.0))
+    store.open_interrupts([pending(run_id, "i1")])
+    store.acquire_claim(run_id, "main", "A", now=0.0, lease=1.0)
+    store.begin_effect(run_id, "e1", "idem", now=1.0)
+
+
+def test_delete_run_removes_every_record_of_that_run_only(store: Store, run_id: str) -> None:
+    other = f"{run_id}-other"
+    _populate(store, run_id)
+    _populate(store, other)
+    store.delete_run(run_id)
+    assert store.list_checkpoints(run_id) == []
+    assert store.list_branches(run_id) == []
+    assert store.get_blobs(run_id, "", ["k"]) == {}
+    assert store.get_writes(run_id, "", "c01") == []
+    assert store.list_interrupts(run_id) == []
+    assert store.get_claim(run_id, "main") is None
+    assert store.get_effect(run_id, "e1") is None
+    assert len(store.list_checkpoints(other)) == 2
+    assert store.get_effect(other, "e1") is not None
+    # The run id is reusable from scratch.
+    store.commit_checkpoint(ckpt(run_id, "c01", None), expected_head=None)
+    assert head_id(store, run_id) == "c01"
+
+
+def test_delete_checkpoints_refuses_heads_and_fork_bases(store: Store, run_id: str) -> None:
+    ids = chain(store, run_id, 4)
+    store.put_writes([write(run_id, "c02", "t", 0, b"w")], mode="first")
+    store.create_branch(BranchRecord(run_id, "fork-a", "c01", "", 0, "c01", "tok", 1.0))
+    deleted = store.delete_checkpoints(run_id, "", [*ids, "absent"])
+    assert deleted == 2
+    assert sorted(c.checkpoint_id for c in store.list_checkpoints(run_id)) == ["c01", "c04"]
+    assert store.get_writes(run_id, "", "c02") == []
+    assert head_id(store, run_id) == "c04"
+
+
+def test_copy_run(store: Store, run_id: str) -> None:
+    target = f"{run_id}-copy"
+    _populate(store, run_id)
+    store.copy_run(run_id, target)
+    src = store.list_checkpoints(run_id)
+    dst = store.list_checkpoints(target)
+    assert [c.checkpoint_id for c in dst] == [c.checkpoint_id for c in src]
+    assert all(d.run_id == target for d in dst)
+    assert [(d.state, d.parent_id, d.metadata) for d in dst] == [
+        (s.state, s.parent_id, s.metadata) for s in src
+    ]
+    assert sorted(
+        (b.branch, b.head_id, b.base_id, b.fork_token) for b in store.list_branches(target)
+    ) == sorted((b.branch, b.head_id, b.base_id, b.fork_token) for b in store.list_branches(run_id))
+    assert store.get_blobs(target, "", ["k"]) == {"k": b"v"}
+    assert [w.value for w in store.get_writes(target, "", "c01")] == [b"w"]
+    # The copy continues independently of its source.
+    store.commit_checkpoint(ckpt(target, "c03", "c02", seq=3), expected_head="c02")
+    assert head_id(store, target) == "c03" and head_id(store, run_id) == "c02"
+
+
+# -- the facade: commits, forks, validity --------------------------------------------------
+
+
+def test_facade_commit_head_history_round_trip(remit: Remit, run_id: str) -> None:
+    c1 = remit.commit(
+        run_id=run_id,
+        checkpoint_id="c01",
+        parent_id=None,
+        state=b"one",
+        metadata={"step": 1},
+        workflow_version="wf-1",
+        schema_version=2,
+        blobs={"ch.v1": b"blob-1"},
+        writes=[write(run_id, "c01", "t", 0, b"w")],
+    )
+    assert (c1.state, c1.branch, c1.seq) == (b"one", MAIN_BRANCH, 1)
+    remit.commit(run_id=run_id, checkpoint_id="c02", parent_id="c01", state=b"two")
+    head = remit.head(run_id)
+    assert head is not None and (head.checkpoint_id, head.state, head.seq) == ("c02", b"two", 2)
+    got = remit.checkpoint(run_id, "c01")
+    assert got is not None
+    assert (got.state, got.metadata, got.workflow_version, got.schema_version) == (
+        b"one",
+        {"step": 1},
+        "wf-1",
+        2,
+    )
+    # Stored bytes are sealed; the facade hands back the caller's bytes.
+    raw = remit.store.get_checkpoint(run_id, "", "c01")
+    assert raw is not None and raw.state != b"one"
+    assert [c.state for c in remit.history(run_id)] == [b"two", b"one"]
+    assert remit.blobs(run_id, ["ch.v1", "absent"]) == {"ch.v1": b"blob-1"}
+    assert [w.value for w in remit.writes(run_id, "c01")] == [b"w"]
+    assert remit.head(run_id, branch="absent") is None
+    b = remit.branch(run_id)
+    assert b is not None and b.head_id == "c02"
+
+
+def test_facade_commit_lost_race_is_head_moved(remit: Remit, run_id: str) -> None:
+    remit.commit(run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"1")
+    stale = remit.plan(run_id, "c01")
+    remit.commit(run_id=run_id, checkpoint_id="c02", parent_id="c01", state=b"2")
+    with pytest.raises(HeadMoved):
+        remit.commit(run_id=run_id, checkpoint_id="c02b", parent_id="c01", state=b"x", plan=stale)
+    head = remit.head(run_id)
+    assert head is not None and head.checkpoint_id == "c02"
+    assert remit.checkpoint(run_id, "c02b") is None
+
+
+def test_fork_without_token_is_refused(remit: Remit, run_id: str) -> None:
+    for i, parent in enumerate([None, "c01", "c02"], start=1):
+        remit.commit(run_id=run_id, checkpoint_id=f"c{i:02d}", parent_id=parent, state=b"s")
+    with pytest.raises(ForkWithoutIntent) as err:
+        remit.commit(run_id=run_id, checkpoint_id="x", parent_id="c01", state=b"s")
+    assert (err.value.run_id, err.value.checkpoint_id) == (run_id, "c01")
+    # A second root without a token is a fork too.
+    with pytest.raises(ForkWithoutIntent):
+        remit.commit(run_id=run_id, checkpoint_id="y", parent_id=None, state=b"s")
+    assert [b.branch for b in remit.branches(run_id)] == [MAIN_BRANCH]
+    assert remit.checkpoint(run_id, "x") is None and remit.checkpoint(run_id, "y") is None
+    head = remit.head(run_id)
+    assert head is not None and head.checkpoint_id == "c03"
+
+
+def test_fork_with_token_makes_one_branch(remit: Remit, run_id: str) -> None:
+    for i, parent in enumerate([None, "c01", "c02"], start=1):
+        remit.commit(run_id=run_id, checkpoint_id=f"c{i:02d}", parent_id=parent, state=b"s")
+    f1 = remit.commit(
+        run_id=run_id, checkpoint_id="f01", parent_id="c01", state=b"f", fork_token="edit-1"
+    )
+    fork = remit.fork_branch(run_id, "edit-1")
+    assert fork is not None and f1.branch == fork.branch != MAIN_BRANCH
+    assert (fork.head_id, fork.base_id) == ("f01", "c01")
+    main = remit.head(run_id)
+    assert main is not None and main.checkpoint_id == "c03"
+    # The fork continues by plain CAS from its head; the same token keeps its branch.
+    f2 = remit.commit(run_id=run_id, checkpoint_id="f02", parent_id="f01", state=b"f")
+    assert f2.branch == fork.branch
+    f3 = remit.commit(
+        run_id=run_id, checkpoint_id="f03", parent_id="f02", state=b"f", fork_token="edit-1"
+    )
+    assert f3.branch == fork.branch
+    # Forking again from the same base with the same token is not a second branch.
+    with pytest.raises(HeadMoved):
+        remit.commit(
+            run_id=run_id, checkpoint_id="f01b", parent_id="c01", state=b"f", fork_token="edit-1"
+        )
+    assert len(remit.branches(run_id)) == 2
+    assert remit.fork(run_id, "c01", "edit-1") == remit.fork_branch(run_id, "edit-1")
+
+
+def test_fork_api_same_token_same_branch(remit: Remit, run_id: str) -> None:
+    for i, parent in enumerate([None, "c01", "c02"], start=1):
+        remit.commit(run_id=run_id, checkpoint_id=f"c{i:02d}", parent_id=parent, state=b"s")
+    first = remit.fork(run_id, "c02", "tok")
+    other_process = Remit(remit.store.url)
+    assert other_process.fork(run_id, "c02", "tok") == first
+    assert first.branch == policy.fork_branch_name("tok")
+    assert (first.head_id, first.base_id, first.fork_token) == ("c02", "c02", "tok")
+    with pytest.raises(ForkWithoutIntent):
+        remit.fork(run_id, "c01", "tok")
+    with pytest.raises(UnknownRecord):
+        remit.fork(run_id, "absent", "tok-2")
+    assert len(remit.branches(run_id)) == 2
+    # The fork branch's head is its base: committing after it stays on the fork.
+    after = remit.commit(
+        run_id=run_id, checkpoint_id="f01", parent_id="c02", state=b"f", fork_token="tok"
+    )
+    assert after.branch == first.branch
+    main = remit.head(run_id)
+    assert main is not None and main.checkpoint_id == "c03"
+
+
+def test_fork_race_from_threads_yields_one_branch(store_url: str, run_id: str) -> None:
+    remit = Remit(store_url)
+    remit.commit(run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"s")
+    remit.commit(run_id=run_id, checkpoint_id="c02", parent_id="c01", state=b"s")
+    barrier = threading.Barrier(6)
+    results: list[Any] = []
+
+    def go() -> None:
+        barrier.wait()
+        try:
+            results.append(remit.fork(run_id, "c01", "race"))
+        except Exception as exc:  # collected for the assertion below
+            results.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(r, BranchRecord) for r in results), results
+    assert len({(r.branch, r.base_id) for r in results}) == 1
+    assert len(remit.branches(run_id)) == 2
+
+
+class OrderState(TypedDict):
+    order_id: str
+    amount: int
+    log: list[str]
+
+
+def test_invalid_write_is_refused_before_commit(remit: Remit, run_id: str) -> None:
+    schema = StateSchema(OrderState)
+
+    def commit_state(cid: str, parent: str | None, state: Any) -> None:
+        valid = schema.validate(state, run_id=run_id, checkpoint_id=cid)
+        remit.commit(run_id=run_id, checkpoint_id=cid, parent_id=parent, state=codec.dumps(valid))
+
+    commit_state("c01", None, {"order_id": "o1", "amount": 5, "log": []})
+    with pytest.raises(CheckpointInvalid) as err:
+        commit_state("c02", "c01", {"order_id": "o1", "amount": "lots", "log": []})
+    assert err.value.field == "amount"
+    assert (err.value.run_id, err.value.checkpoint_id) == (run_id, "c02")
+    with pytest.raises(CheckpointInvalid) as err:
+        commit_state("c02", "c01", {"order_id": "o1", "amount": 1, "log": ["a", 3]})
+    assert err.value.field == "log[1]"
+    head = remit.head(run_id)
+    assert head is not None and head.checkpoint_id == "c01"
+    assert codec.loads(head.state)["amount"] == 5
+    assert remit.checkpoint(run_id, "c02") is None
+
+
+# -- records that cannot lie ---------------------------------------------------------------------
+
+
+def test_corrupt_checkpoint_bytes_name_run_and_checkpoint(remit: Remit, run_id: str) -> None:
+    remit.commit(run_id=run_id, checkpoint_id="c01", parent_id=None, state=b'{"a": 1}')
+    remit.commit(run_id=run_id, checkpoint_id="c02", parent_id="c01", state=b'{"a": 2}')
+    rewrite_state(remit.store, run_id, "c02", flip_last_byte)
+    for read in (
+        lambda: remit.head(run_id),
+        lambda: remit.checkpoint(run_id, "c02"),
+        lambda: remit.history(run_id),
+    ):
+        with pytest.raises(CorruptRecord) as err:
+            read()
+        assert (err.value.run_id, err.value.checkpoint_id) == (run_id, "c02")
+        assert "c02" in str(err.value) and run_id in str(err.value)
+    # Other checkpoints still read; unverified listing still lists.
+    c1 = remit.checkpoint(run_id, "c01")
+    assert c1 is not None and c1.state == b'{"a": 1}'
+    assert len(remit.history(run_id, verify=False)) == 2
+
+
+def test_payload_moved_to_another_checkpoint_is_corrupt(remit: Remit, run_id: str) -> None:
+    remit.commit(run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"one")
+    remit.commit(run_id=run_id, checkpoint_id="c02", parent_id="c01", state=b"two")
+    raw_c1 = remit.store.get_checkpoint(run_id, "", "c01")
+    assert raw_c1 is not None
+    rewrite_state(remit.store, run_id, "c02", lambda _: raw_c1.state)
+    with pytest.raises(CorruptRecord) as err:
+        remit.head(run_id)
+    assert err.value.checkpoint_id == "c02"
+    rewrite_state(remit.store, run_id, "c02", lambda _: b"not a frame")
+    with pytest.raises(CorruptRecord):
+        remit.head(run_id)
+
+
+def test_unknown_record_format_is_version_mismatch(remit: Remit, run_id: str) -> None:
+    remit.commit(run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"one")
+    rewrite_state(
+        remit.store, run_id, "c01", lambda b: b[:3] + bytes([codec.RECORD_FORMAT + 1]) + b[4:]
+    )
+    with pytest.raises(VersionMismatch) as err:
+        remit.head(run_id)
+    assert (err.value.run_id, err.value.checkpoint_id) == (run_id, "c01")
+
+
+def test_workflow_version_refusal(remit: Remit, run_id: str) -> None:
+    remit.commit(
+        run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"s", workflow_version="wf-1"
+    )
+    head = remit.head(run_id)
+    assert head is not None
+    policy.check_workflow_version(head, None)
+    policy.check_workflow_version(head, ["wf-1", "wf-2"])
+    with pytest.raises(VersionMismatch) as err:
+        policy.check_workflow_version(head, ["wf-2"])
+    assert (err.value.run_id, err.value.checkpoint_id) == (run_id, "c01")
+    assert "wf-1" in str(err.value)
+
+
+def test_schema_migration_on_read(remit: Remit, run_id: str) -> None:
+    remit.commit(
+        run_id=run_id,
+        checkpoint_id="c01",
+        parent_id=None,
+        state=codec.dumps({"order_id": "o1", "cents": 500}),
+        schema_version=1,
+    )
+    migrations = Migrations()
+
+    @migrations.register(1)
+    def cents_to_amount(old: dict[str, Any]) -> dict[str, Any]:
+        return {"order_id": old["order_id"], "amount": old["cents"] // 100, "log": []}
+
+    head = remit.head(run_id)
+    assert head is not None and head.schema_version == 1
+    reader = StateSchema(OrderState, version=2, migrations=migrations)
+    state = reader.validate(reader.upgrade(codec.loads(head.state), head.schema_version))
+    assert state == {"order_id": "o1", "amount": 5, "log": []}
+    # Without a registered migration, or from a newer writer: refused, naming the record.
+    for schema, version in (
+        (StateSchema(OrderState, version=3, migrations=migrations), 1),
+        (StateSchema(OrderState, version=1), 2),
+    ):
+        with pytest.raises(VersionMismatch) as err:
+            schema.upgrade(codec.loads(head.state), version, run_id=run_id, checkpoint_id="c01")
+        assert err.value.checkpoint_id == "c01"
+
+
+# -- the facade: interrupts, claims, retention ------------------------------------------------
+
+
+def test_facade_consume_once_with_sealed_values(remit: Remit, run_id: str) -> None:
+    remit.open_interrupts(
+        run_id, {"approve": b"approve order?", "other": None}, checkpoint_id="c01"
+    )
+    got = remit.consume(run_id, "approve", b"alice")
+    assert (got.status, got.value, got.prompt) == ("consumed", b"alice", b"approve order?")
+    assert got.consumed_by == remit.holder
+    with pytest.raises(ResumeConflict):
+        Remit(remit.store).consume(run_id, "approve", b"mallory")
+    stored = remit.interrupt(run_id, "approve")
+    assert stored is not None and stored.value == b"alice"
+    assert [(i.interrupt_id, i.status) for i in remit.interrupts(run_id)] == [
+        ("approve", "consumed"),
+        ("other", "pending"),
+    ]
+    raw = remit.store.get_interrupt(run_id, MAIN_BRANCH, "approve")
+    assert raw is not None and raw.value != b"alice"
+
+
+@dataclass
+class Clock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_facade_claim_takeover_fences_the_old_holder(store: Store, run_id: str) -> None:
+    clock = Clock()
+    a_side, b_side = Remit(store, clock=clock, lease=5.0), Remit(store, clock=clock, lease=5.0)
+    remit_a = a_side.claim(run_id, heartbeat=False)
+    with pytest.raises(ResumeConflict):
+        b_side.claim(run_id, heartbeat=False)
+    a_side.commit(
+        run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"a", fence=remit_a.fence
+    )
+    clock.now += 6.0
+    remit_b = b_side.claim(run_id, heartbeat=False)
+    assert remit_b.fence.fence == remit_a.fence.fence + 1
+    with pytest.raises(Fenced):
+        a_side.commit(
+            run_id=run_id,
+            checkpoint_id="c02",
+            parent_id="c01",
+            state=b"zombie",
+            fence=remit_a.fence,
+        )
+    with pytest.raises(Fenced):
+        a_side.consume(run_id, "i", b"v", fence=remit_a.fence)
+    b_side.commit(
+        run_id=run_id, checkpoint_id="c02", parent_id="c01", state=b"b", fence=remit_b.fence
+    )
+    head = a_side.head(run_id)
+    assert head is not None and head.state == b"b"
+    remit_a.release()  # the zombie's release leaves B's claim alone
+    current = store.get_claim(run_id, MAIN_BRANCH)
+    assert current is not None and current.fence == remit_b.fence.fence and current.holder
+    remit_b.release()
+    released = store.get_claim(run_id, MAIN_BRANCH)
+    assert released is not None and (released.holder, released.fence) == ("", 2)
+
+
+def test_facade_claim_heartbeat_keeps_the_lease(store: Store, run_id: str) -> None:
+    owner, rival = Remit(store, lease=0.6), Remit(store, lease=0.6)
+    with owner.claim(run_id) as handle:
+        first_expiry = handle.claim.expires_at
+        time.sleep(1.0)  # longer than the lease: only renewals keep it
+        with pytest.raises(ResumeConflict):
+            rival.claim(run_id, heartbeat=False)
+        assert handle.claim.expires_at > first_expiry and not handle.lost
+    rival.claim(run_id, heartbeat=False).release()
+
+
+def test_facade_heartbeat_notices_a_takeover(store: Store, run_id: str) -> None:
+    owner = Remit(store, lease=0.3)
+    handle = owner.claim(run_id)
+    # A rival whose clock is past the lease takes the run over.
+    rival = store.acquire_claim(run_id, MAIN_BRANCH, "rival", now=time.time() + 60, lease=600)
+    assert rival.fence == handle.fence.fence + 1
+    deadline = time.monotonic() + 5.0
+    while not handle.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert handle.lost
+    handle.release()  # leaves the rival's claim alone
+    assert store.get_claim(run_id, MAIN_BRANCH) == rival
+
+
+def test_prune_never_deletes_a_head_or_fork_base(remit: Remit, run_id: str) -> None:
+    parent = None
+    for i in range(1, 7):
+        remit.commit(run_id=run_id, checkpoint_id=f"c{i:02d}", parent_id=parent, state=b"s")
+        parent = f"c{i:02d}"
+    remit.commit(run_id=run_id, checkpoint_id="f01", parent_id="c02", state=b"f", fork_token="t")
+    remit.commit(run_id=run_id, checkpoint_id="f02", parent_id="f01", state=b"f")
+    remit.commit(run_id=run_id, checkpoint_id="s01", parent_id=None, state=b"s", ns="sub")
+    with pytest.raises(ValueError):
+        remit.prune([run_id], keep_last=0)
+    assert remit.prune([run_id], keep_last=2) == 3  # c01, c03, c04
+    left = {c.checkpoint_id for c in remit.history(run_id)}
+    assert left == {"c02", "c05", "c06", "f01", "f02", "s01"}
+    assert remit.prune([run_id]) == 2  # c05, f01
+    assert {c.checkpoint_id for c in remit.history(run_id)} == {"c02", "c06", "f02", "s01"}
+    assert remit.prune([run_id]) == 0
+    for branch, expected in ((MAIN_BRANCH, "c06"), (policy.fork_branch_name("t"), "f02")):
+        head = remit.head(run_id, branch=branch)
+        assert head is not None and head.checkpoint_id == expected
+
+
+def test_facade_delete_and_copy_run(remit: Remit, run_id: str) -> None:
+    target = f"{run_id}-copy"
+    remit.commit(
+        run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"one", blobs={"k": b"v"}
+    )
+    remit.copy_run(run_id, target)
+    copied = remit.head(target)
+    assert copied is not None and (copied.checkpoint_id, copied.state) == ("c01", b"one")
+    assert remit.blobs(target, ["k"]) == {"k": b"v"}
+    remit.delete_run(run_id)
+    assert remit.head(run_id) is None and remit.history(run_id) == []
+    assert remit.head(target) is not None
