@@ -1,0 +1,98 @@
+"""Consume-once under a real race (P5): 16 OS processes, one interrupt, 20 rounds.
+
+Workers are forked from the test process, open their own store connections,
+and meet at a barrier before every round so that they really race. The same
+harness run with a deliberately non-atomic claim (a read, then a write in a
+second transaction) must see several winners in some round: the test can fail.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from typing import Any
+
+from remit_core import MAIN_BRANCH, Remit, ResumeConflict, Store, codec, open_store
+
+WORKERS = 16
+ROUNDS = 20
+
+Claimer = Callable[[Remit, str, str, bytes], None]
+
+
+def atomic_claim(remit: Remit, run_id: str, interrupt_id: str, value: bytes) -> None:
+    """The real thing: one atomic consume in the store."""
+    remit.consume(run_id, interrupt_id, value)
+
+
+def naive_claim(remit: Remit, run_id: str, interrupt_id: str, value: bytes) -> None:
+    """Test-only and wrong on purpose: check, pause, then write in a second transaction."""
+    store = remit.store
+    current = store.get_interrupt(run_id, MAIN_BRANCH, interrupt_id)
+    if current is None or current.status != "pending":
+        raise ResumeConflict("already consumed", run_id=run_id, interrupt_id=interrupt_id)
+    time.sleep(0.002)
+    sealed = codec.seal(value, f"value\x00{MAIN_BRANCH}\x00{interrupt_id}")
+    if store.url.startswith("redis"):
+        naive_write_redis(store, run_id, interrupt_id, sealed)
+        return
+    with store._txn() as txn:  # type: ignore[attr-defined]
+        txn.execute(
+            "UPDATE remit_interrupts SET status = 'consumed', value = ?, consumed_by = ? "
+            "WHERE run_id = ? AND branch = ? AND interrupt_id = ?",
+            (sealed, remit.holder, run_id, MAIN_BRANCH, interrupt_id),
+        )
+
+
+def naive_write_redis(store: Store, run_id: str, interrupt_id: str, sealed: bytes) -> None:
+    raise NotImplementedError("set when the Redis store lands")
+
+
+def _worker(url: str, run_id: str, idx: int, barrier: Any, results: Any, claimer: Claimer) -> None:
+    remit = Remit(url)
+    for rnd in range(ROUNDS):
+        barrier.wait(timeout=60)
+        try:
+            claimer(remit, run_id, f"i{rnd:02d}", f"worker-{idx}".encode())
+            results.put((rnd, idx, True))
+        except ResumeConflict:
+            results.put((rnd, idx, False))
+
+
+def race(url: str, run_id: str, claimer: Claimer) -> dict[int, list[int]]:
+    """Run the rounds; return, per round, the workers that believed they won."""
+    remit = Remit(open_store(url))
+    remit.open_interrupts(run_id, {f"i{r:02d}": None for r in range(ROUNDS)})
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(WORKERS), ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(url, run_id, i, barrier, results, claimer))
+        for i in range(WORKERS)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in range(WORKERS * ROUNDS)]
+    for p in procs:
+        p.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0] * WORKERS
+    winners: dict[int, list[int]] = {r: [] for r in range(ROUNDS)}
+    for rnd, idx, won in outcomes:
+        if won:
+            winners[rnd].append(idx)
+    return winners
+
+
+def test_sixteen_processes_one_winner_every_round(store_url: str, run_id: str) -> None:
+    winners = race(store_url, run_id, atomic_claim)
+    assert {r: len(w) for r, w in winners.items()} == {r: 1 for r in range(ROUNDS)}
+    # The stored value is the one acknowledged to the single winner.
+    remit = Remit(store_url)
+    for rnd, (idx,) in winners.items():
+        stored = remit.interrupt(run_id, f"i{rnd:02d}")
+        assert stored is not None and stored.value == f"worker-{idx}".encode()
+
+
+def test_non_atomic_claim_is_caught(store_url: str, run_id: str) -> None:
+    winners = race(store_url, run_id, naive_claim)
+    assert max(len(w) for w in winners.values()) > 1
