@@ -1,0 +1,370 @@
+"""The Lua scripts of the Redis engine: one per primitive that reads then writes.
+
+Each script runs atomically on the server, so it is the engine's transaction.
+Scripts first check every condition, then write: a refused primitive writes
+nothing (Redis does not roll a script back). They answer a status first
+(`ok`, `fenced`, `head`, `dup`, `taken`, `unknown`, `conflict`) that
+`remit_core.stores.redis` turns into the matching `RemitError`.
+
+Conventions shared with the Python side:
+
+- Composite hash fields and sorted-set members join escaped ids with NUL;
+  a hash field of a record with columns ends in NUL and one column letter.
+- An optional argument is "" for NULL and "=" followed by the value otherwise.
+- The fence check takes the fence's claims hash as KEYS[1], its field as
+  ARGV[1] ("" when no fence is presented) and the fence number as ARGV[2].
+"""
+
+from __future__ import annotations
+
+_PRELUDE = r"""
+local NUL = "\0"
+
+-- The fence check of every fenced primitive: nil when it holds.
+local function fenced()
+  if ARGV[1] == "" then return nil end
+  local current = redis.call("HGET", KEYS[1], ARGV[1])
+  if current ~= ARGV[2] then return {"fenced", current} end
+  return nil
+end
+
+-- HSET field to an optional argument's value, if it is not NULL.
+local function hset_opt(key, field, arg)
+  if arg ~= "" then redis.call("HSET", key, field, string.sub(arg, 2)) end
+end
+
+-- HMGET in chunks: unpack() of a long list overflows the Lua stack.
+local function hmget(key, fields)
+  local out = {}
+  for i = 1, #fields, 1000 do
+    local part = redis.call("HMGET", key, unpack(fields, i, math.min(i + 999, #fields)))
+    for _, v in ipairs(part) do out[#out + 1] = v end
+  end
+  return out
+end
+
+-- "a\0b" -> "b\0a": a checkpoint's hash field from its per-namespace index member.
+local function swap(s)
+  local p = string.find(s, NUL, 1, true)
+  return string.sub(s, p + 1) .. NUL .. string.sub(s, 1, p - 1)
+end
+
+-- Step writes from ARGV[i]: a count, then (writes-key index, index-key index,
+-- field, value) per write. mode "expect_absent" answers the 0-based position of
+-- the first write whose slot is taken (by the store or an earlier write of the
+-- batch) and writes nothing; "first" keeps present values; "overwrite" replaces.
+local function put_writes(i, mode)
+  local n = tonumber(ARGV[i])
+  if mode == "expect_absent" then
+    local seen = {}
+    for j = 0, n - 1 do
+      local b = i + 1 + 4 * j
+      local key, field = KEYS[tonumber(ARGV[b])], ARGV[b + 2]
+      seen[key] = seen[key] or {}
+      if seen[key][field] or redis.call("HEXISTS", key, field) == 1 then return j end
+      seen[key][field] = true
+    end
+  end
+  for j = 0, n - 1 do
+    local b = i + 1 + 4 * j
+    local key, index, field = KEYS[tonumber(ARGV[b])], KEYS[tonumber(ARGV[b + 1])], ARGV[b + 2]
+    if mode == "first" then
+      redis.call("HSETNX", key, field, ARGV[b + 3])
+    else
+      redis.call("HSET", key, field, ARGV[b + 3])
+    end
+    redis.call("ZADD", index, 0, field)
+  end
+  return nil
+end
+"""
+
+#: KEYS: fence claims, checkpoints, index by id, index by ns, branches, run index,
+#: then blob/write keys. ARGV: fence (1-2), expected head (opt), branch member,
+#: new head id, head seq, created_at, checkpoint field, record, ns-index member,
+#: run id, blob count, (key index, field, value) per blob, then the writes.
+COMMIT = (
+    _PRELUDE
+    + r"""
+local err = fenced()
+if err then return err end
+local member = ARGV[4]
+local head = redis.call("HGET", KEYS[5], member .. NUL .. "h")
+if ARGV[3] == "" then
+  if head then return {"head"} end
+elseif head ~= string.sub(ARGV[3], 2) then
+  return {"head"}
+end
+if redis.call("HEXISTS", KEYS[2], ARGV[8]) == 1 then return {"dup"} end
+if redis.call("HEXISTS", KEYS[5], member .. NUL .. "c") == 0 then
+  redis.call("HSET", KEYS[5], member .. NUL .. "c", ARGV[7])
+end
+redis.call("HSET", KEYS[5], member .. NUL .. "h", ARGV[5], member .. NUL .. "q", ARGV[6])
+redis.call("HSET", KEYS[2], ARGV[8], ARGV[9])
+redis.call("ZADD", KEYS[3], 0, ARGV[8])
+redis.call("ZADD", KEYS[4], 0, ARGV[10])
+redis.call("SADD", KEYS[6], ARGV[11])
+local nblobs = tonumber(ARGV[12])
+for j = 0, nblobs - 1 do
+  local b = 13 + 3 * j
+  redis.call("HSETNX", KEYS[tonumber(ARGV[b])], ARGV[b + 1], ARGV[b + 2])
+end
+put_writes(13 + 3 * nblobs, "overwrite")
+return {"ok"}
+"""
+)
+
+#: KEYS: fence claims, then write keys. ARGV: fence (1-2), mode, the writes.
+PUT_WRITES = (
+    _PRELUDE
+    + r"""
+local err = fenced()
+if err then return err end
+local taken = put_writes(4, ARGV[3])
+if taken then return {"taken", taken} end
+return {"ok"}
+"""
+)
+
+#: KEYS: checkpoints, an index. ARGV: "x" (index by id) or "n" (by ns), max, min,
+#: limit, escaped ns. Answers the packed records, newest id first.
+LIST_CHECKPOINTS = (
+    _PRELUDE
+    + r"""
+local members = redis.call("ZREVRANGEBYLEX", KEYS[2], ARGV[2], ARGV[3], "LIMIT", 0, ARGV[4])
+if ARGV[1] == "n" then
+  for i, m in ipairs(members) do members[i] = swap(m) end
+end
+return hmget(KEYS[1], members)
+"""
+)
+
+#: KEYS: writes, write index. ARGV: min, max of one checkpoint's members.
+GET_WRITES = (
+    _PRELUDE
+    + r"""
+return hmget(KEYS[1], redis.call("ZRANGEBYLEX", KEYS[2], ARGV[1], ARGV[2]))
+"""
+)
+
+#: KEYS: branches, fork tokens. ARGV: branch member, token field ("" for none),
+#: head id (opt), head seq, base id (opt), fork token (opt), created_at.
+#: Answers the member and columns (h, q, b, t, c) of the token's branch, or nil.
+CREATE_BRANCH = (
+    _PRELUDE
+    + r"""
+local m, tf = ARGV[1], ARGV[2]
+if redis.call("HEXISTS", KEYS[1], m .. NUL .. "c") == 0
+    and (tf == "" or redis.call("HEXISTS", KEYS[2], tf) == 0) then
+  hset_opt(KEYS[1], m .. NUL .. "h", ARGV[3])
+  hset_opt(KEYS[1], m .. NUL .. "b", ARGV[5])
+  hset_opt(KEYS[1], m .. NUL .. "t", ARGV[6])
+  redis.call("HSET", KEYS[1], m .. NUL .. "q", ARGV[4], m .. NUL .. "c", ARGV[7])
+  if tf ~= "" then redis.call("HSET", KEYS[2], tf, m) end
+end
+if tf == "" then return nil end
+local owner = redis.call("HGET", KEYS[2], tf)
+if not owner then return nil end
+local cols = {"h", "q", "b", "t", "c"}
+local out = {owner}
+for i, c in ipairs(cols) do out[i + 1] = redis.call("HGET", KEYS[1], owner .. NUL .. c) end
+return out
+"""
+)
+
+#: KEYS: fence claims, then interrupt keys. ARGV: fence (1-2), then per record:
+#: key index, member, checkpoint id (opt), prompt (opt), created_at.
+OPEN_INTERRUPTS = (
+    _PRELUDE
+    + r"""
+local err = fenced()
+if err then return err end
+for b = 3, #ARGV, 5 do
+  local key, m = KEYS[tonumber(ARGV[b])], ARGV[b + 1]
+  if redis.call("HSETNX", key, m .. NUL .. "s", "pending") == 1 then
+    hset_opt(key, m .. NUL .. "k", ARGV[b + 2])
+    hset_opt(key, m .. NUL .. "p", ARGV[b + 3])
+    redis.call("HSET", key, m .. NUL .. "c", ARGV[b + 4])
+  end
+end
+return {"ok"}
+"""
+)
+
+#: KEYS: fence claims, interrupts. ARGV: fence (1-2), member, value, consumer, now.
+#: Answers checkpoint id, prompt and created_at of the consumed interrupt.
+CONSUME_INTERRUPT = (
+    _PRELUDE
+    + r"""
+local err = fenced()
+if err then return err end
+local m = ARGV[3]
+local status = redis.call("HGET", KEYS[2], m .. NUL .. "s")
+if not status then return {"unknown"} end
+if status ~= "pending" then return {"conflict"} end
+redis.call("HSET", KEYS[2], m .. NUL .. "s", "consumed", m .. NUL .. "v", ARGV[4],
+           m .. NUL .. "u", ARGV[5], m .. NUL .. "t", ARGV[6])
+return {"ok", redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "p", m .. NUL .. "c")}
+"""
+)
+
+#: KEYS: claims. ARGV: scope member, holder, now, expires_at. Answers the fence.
+ACQUIRE_CLAIM = r"""
+local m, holder, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local fh, ff, fe = m .. "\0h", m .. "\0f", m .. "\0e"
+local current = redis.call("HGET", KEYS[1], fh)
+if not current then
+  redis.call("HSET", KEYS[1], fh, holder, ff, 1, fe, ARGV[4])
+  return {"ok", "1"}
+end
+local live = tonumber(redis.call("HGET", KEYS[1], fe)) > now
+if current ~= holder and current ~= "" and live then return {"conflict"} end
+local fence
+if current == holder and live then
+  fence = redis.call("HGET", KEYS[1], ff)
+else
+  fence = tostring(redis.call("HINCRBY", KEYS[1], ff, 1))
+end
+redis.call("HSET", KEYS[1], fh, holder, fe, ARGV[4])
+return {"ok", fence}
+"""
+
+#: KEYS: claims. ARGV: scope member, holder, fence, new expires_at ("" to release).
+#: Answers 1 if the claim was still this holder's at this fence, else 0.
+UPDATE_CLAIM = r"""
+local m = ARGV[1]
+local fh, ff, fe = m .. "\0h", m .. "\0f", m .. "\0e"
+if redis.call("HGET", KEYS[1], ff) ~= ARGV[3] or redis.call("HGET", KEYS[1], fh) ~= ARGV[2] then
+  return 0
+end
+if ARGV[4] == "" then
+  redis.call("HSET", KEYS[1], fh, "", fe, "0")
+else
+  redis.call("HSET", KEYS[1], fe, ARGV[4])
+end
+return 1
+"""
+
+#: KEYS: fence claims, effects. ARGV: fence (1-2), member, idempotency key, now.
+#: Answers created (0/1) and the entry's columns (k, s, o, c, d).
+BEGIN_EFFECT = (
+    _PRELUDE
+    + r"""
+local err = fenced()
+if err then return err end
+local m = ARGV[3]
+local created = 0
+if redis.call("HSETNX", KEYS[2], m .. NUL .. "s", "intent") == 1 then
+  redis.call("HSET", KEYS[2], m .. NUL .. "k", ARGV[4], m .. NUL .. "c", ARGV[5])
+  created = 1
+end
+return {"ok", created, redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "s",
+        m .. NUL .. "o", m .. NUL .. "c", m .. NUL .. "d")}
+"""
+)
+
+#: KEYS: fence claims, effects. ARGV: fence (1-2), member, outcome, now.
+#: Answers the entry's columns (k, s, o, c, d) after the move.
+FINISH_EFFECT = (
+    _PRELUDE
+    + r"""
+local err = fenced()
+if err then return err end
+local m = ARGV[3]
+if redis.call("HGET", KEYS[2], m .. NUL .. "s") == "intent" then
+  redis.call("HSET", KEYS[2], m .. NUL .. "s", "done", m .. NUL .. "o", ARGV[4],
+             m .. NUL .. "d", ARGV[5])
+end
+return {"ok", redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "s",
+        m .. NUL .. "o", m .. NUL .. "c", m .. NUL .. "d")}
+"""
+)
+
+#: KEYS: branches, checkpoints, index by id, index by ns, writes, write index.
+#: ARGV: escaped ns, then (raw id, escaped id) per checkpoint. Answers the count.
+DELETE_CHECKPOINTS = r"""
+local NUL = "\0"
+local ns = ARGV[1]
+local prefix = ns .. NUL
+local pinned = {}
+local branches = redis.call("HGETALL", KEYS[1])
+for i = 1, #branches, 2 do
+  local f = branches[i]
+  local col = string.sub(f, -2)
+  if string.sub(f, 1, #prefix) == prefix and (col == NUL .. "h" or col == NUL .. "b") then
+    pinned[branches[i + 1]] = true
+  end
+end
+local deleted = 0
+for b = 2, #ARGV, 2 do
+  if not pinned[ARGV[b]] then
+    local cid = ARGV[b + 1]
+    local field = cid .. NUL .. ns
+    deleted = deleted + redis.call("HDEL", KEYS[2], field)
+    redis.call("ZREM", KEYS[3], field)
+    redis.call("ZREM", KEYS[4], ns .. NUL .. cid)
+    local lo, hi = "[" .. ns .. NUL .. cid .. NUL, "(" .. ns .. NUL .. cid .. "\1"
+    local writes = redis.call("ZRANGEBYLEX", KEYS[6], lo, hi)
+    for i = 1, #writes, 1000 do
+      redis.call("HDEL", KEYS[5], unpack(writes, i, math.min(i + 999, #writes)))
+    end
+    redis.call("ZREMRANGEBYLEX", KEYS[6], lo, hi)
+  end
+end
+return deleted
+"""
+
+#: KEYS: the source run's keys, the target run's keys (both in `RUN_KEYS` order),
+#: the run index. ARGV: target run id. Insert-if-absent, like the SQL copy.
+COPY_RUN = (
+    _PRELUDE
+    + r"""
+local n = (#KEYS - 1) / 2
+local function src(i) return KEYS[i] end
+local function dst(i) return KEYS[n + i] end
+-- 1 ck, 2 cx, 3 cn, 4 br, 5 bt, 6 bl, 7 wr, 8 wx (see RUN_KEYS)
+local rows = redis.call("HGETALL", src(1))
+for i = 1, #rows, 2 do
+  if redis.call("HSETNX", dst(1), rows[i], rows[i + 1]) == 1 then
+    redis.call("ZADD", dst(2), 0, rows[i])
+    redis.call("ZADD", dst(3), 0, swap(rows[i]))
+  end
+end
+local token_of = {}
+rows = redis.call("HGETALL", src(5))
+for i = 1, #rows, 2 do token_of[rows[i + 1]] = rows[i] end
+rows = redis.call("HGETALL", src(4))
+local columns = {}
+local order = {}
+for i = 1, #rows, 2 do
+  local m = string.sub(rows[i], 1, -3)
+  if not columns[m] then columns[m] = {}; order[#order + 1] = m end
+  columns[m][string.sub(rows[i], -1)] = rows[i + 1]
+end
+for _, m in ipairs(order) do
+  local tf = token_of[m]
+  if redis.call("HEXISTS", dst(4), m .. NUL .. "c") == 0
+      and (not tf or redis.call("HEXISTS", dst(5), tf) == 0) then
+    for c, v in pairs(columns[m]) do redis.call("HSET", dst(4), m .. NUL .. c, v) end
+    if tf then redis.call("HSET", dst(5), tf, m) end
+  end
+end
+rows = redis.call("HGETALL", src(6))
+for i = 1, #rows, 2 do redis.call("HSETNX", dst(6), rows[i], rows[i + 1]) end
+rows = redis.call("HGETALL", src(7))
+for i = 1, #rows, 2 do
+  if redis.call("HSETNX", dst(7), rows[i], rows[i + 1]) == 1 then
+    redis.call("ZADD", dst(8), 0, rows[i])
+  end
+end
+if redis.call("EXISTS", dst(1)) == 1 then redis.call("SADD", KEYS[#KEYS], ARGV[1]) end
+return {"ok"}
+"""
+)
+
+#: KEYS: every key of the run, then the run index. ARGV: run id.
+DELETE_RUN = r"""
+redis.call("DEL", unpack(KEYS, 1, #KEYS - 1))
+redis.call("SREM", KEYS[#KEYS], ARGV[1])
+return 1
+"""

@@ -1,0 +1,708 @@
+"""Redis engine (redis-py, one Lua script per read-then-write primitive).
+
+`redis://[user:password@]host:port/db` or `rediss://...`; query options go to
+redis-py's connection pool (`socket_timeout`, `max_connections`, ...). No
+command is retried by the client: a script whose answer was lost may have run,
+so the caller sees `StoreUnavailable` and decides (the core's primitives are
+safe to re-ask: a repeated commit answers `HeadMoved`, a claim by the same
+holder returns its claim).
+
+Key layout. Every key of a run carries the run as a hash tag,
+`remit:{<run>}:<kind>`, so one run lives in one cluster slot; `{`, `}`, `%`
+in a run id are percent-escaped (an empty run id is `%`). The kinds are fixed
+(`RUN_KEYS`); ids inside a run are hash fields and sorted-set members, joined
+by NUL (a NUL or \\x01 inside an id is escaped so that byte order is kept):
+
+    ck  hash   cid NUL ns -> checkpoint (JSON header, newline, state bytes)
+    cx  zset   cid NUL ns, score 0: checkpoints by id over all namespaces
+    cn  zset   ns NUL cid, score 0: checkpoints by id within a namespace
+    br  hash   ns NUL branch NUL col -> h head_id, q head_seq, b base_id,
+               t fork_token, c created_at (a NULL column has no field)
+    bt  hash   ns NUL fork_token -> ns NUL branch
+    bl  hash   ns NUL key -> blob bytes
+    wr  hash   ns NUL cid NUL task NUL idx -> step write (JSON header, newline, value)
+    wx  zset   the same members, score 0: one checkpoint's writes by range
+    in  hash   branch NUL interrupt NUL col -> s status, k checkpoint_id, p prompt,
+               v value, u consumed_by, c created_at, t consumed_at
+    cl  hash   scope NUL col -> h holder, f fence, e expires_at
+    ef  hash   effect NUL col -> k idempotency_key, s status, o outcome,
+               c created_at, d done_at
+
+Two keys are global: `remit:runs` (the runs that have checkpoints, for
+listings over every run) and `remit:migrations` (applied layout versions).
+The scripts that add or remove a run (commit, copy_run, delete_run) touch
+`remit:runs` too, and copy_run spans two runs: those three are atomic on one
+Redis server, not across cluster slots.
+
+Failpoints: a script is the atomic step, so the `*.in_*` points of the SQL
+engines (hit inside the transaction, before it commits) are hit just before
+the script is sent: a crash there leaves nothing written, as in SQL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis import Redis
+from redis.connection import ConnectionPool
+from redis.exceptions import RedisError
+
+from remit_core import codec, failpoints
+from remit_core.errors import (
+    CorruptRecord,
+    Fenced,
+    HeadMoved,
+    ResumeConflict,
+    StoreUnavailable,
+    UnknownRecord,
+    WriteConflict,
+)
+from remit_core.records import (
+    BlobRecord,
+    BranchRecord,
+    CheckpointRecord,
+    Claim,
+    EffectRecord,
+    FenceRef,
+    InterruptRecord,
+    WriteMode,
+    WriteRecord,
+)
+from remit_core.stores import _redis_lua as lua
+from remit_core.stores.base import Store
+
+#: Numbered layout versions recorded by `setup()`. Keys are created on first
+#: write, so version 1 creates nothing; a later version would convert keys here.
+MIGRATIONS: dict[int, str] = {1: "per-run keys remit:{run}:<kind>, see the module docstring"}
+
+#: Every per-run key kind, in the order the copy and delete scripts expect.
+RUN_KEYS = ("ck", "cx", "cn", "br", "bt", "bl", "wr", "wx", "in", "cl", "ef")
+RUNS_KEY = "remit:runs"
+MIGRATIONS_KEY = "remit:migrations"
+
+_SEP = "\x00"
+_TAG_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
+_UNESCAPE = re.compile(b"\x01([\x01\x02])")
+
+
+def run_prefix(run_id: str) -> str:
+    """`remit:{<run>}:`, the start of every key of a run (one hash tag, one slot)."""
+    return "remit:{" + (run_id.translate(_TAG_ESCAPES) or "%") + "}:"
+
+
+def run_keys(run_id: str) -> list[str]:
+    """Every key a run may own, in `RUN_KEYS` order."""
+    prefix = run_prefix(run_id)
+    return [prefix + kind for kind in RUN_KEYS]
+
+
+def _esc(s: str) -> str:
+    """An id made safe to join with NUL, keeping byte order (NUL -> 01 01, 01 -> 01 02)."""
+    if "\x00" in s or "\x01" in s:
+        return s.replace("\x01", "\x01\x02").replace("\x00", "\x01\x01")
+    return s
+
+
+def _unesc(b: bytes) -> str:
+    return _UNESCAPE.sub(lambda m: b"\x00" if m.group(1) == b"\x01" else b"\x01", b).decode()
+
+
+def _join(*parts: str) -> str:
+    return _SEP.join(_esc(p) for p in parts)
+
+
+def _split(member: bytes) -> list[str]:
+    return [_unesc(p) for p in member.split(b"\x00")]
+
+
+def _opt(value: str | bytes | None) -> str | bytes:
+    """An optional script argument: "" for NULL, "=" + value otherwise."""
+    if value is None:
+        return ""
+    return b"=" + value if isinstance(value, bytes) else "=" + value
+
+
+def _pack(header: list[Any], payload: bytes) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode() + b"\n" + payload
+
+
+def _unpack(raw: bytes, **ids: Any) -> tuple[list[Any], bytes]:
+    head, newline, payload = raw.partition(b"\n")
+    try:
+        header = json.loads(head)
+    except ValueError:
+        header = None
+    if not newline or not isinstance(header, list):
+        raise CorruptRecord("stored Redis record has a malformed header", **ids)
+    return header, payload
+
+
+def _columns(rows: dict[bytes, bytes]) -> dict[bytes, dict[str, bytes]]:
+    """Group a hash of `member NUL col` fields by member."""
+    grouped: dict[bytes, dict[str, bytes]] = {}
+    for field, value in rows.items():
+        grouped.setdefault(field[:-2], {})[chr(field[-1])] = value
+    return grouped
+
+
+def _str(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()
+
+
+def _float(value: bytes | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _fence_args(fence: FenceRef | None, run_id: str) -> tuple[str, list[str]]:
+    """KEYS[1] and ARGV[1:2] of a fenced script."""
+    if fence is None:
+        return run_prefix(run_id) + "cl", ["", ""]
+    return run_prefix(fence.run_id) + "cl", [_join(fence.scope) + "\x00f", str(fence.fence)]
+
+
+def _raise_fenced(fence: FenceRef | None, current: bytes | None) -> None:
+    assert fence is not None
+    raise Fenced(
+        f"write carries fence {fence.fence} but the claim's current fence is "
+        f"{None if current is None else int(current)}",
+        run_id=fence.run_id,
+        scope=fence.scope,
+    )
+
+
+_SCRIPTS = (
+    "COMMIT",
+    "PUT_WRITES",
+    "LIST_CHECKPOINTS",
+    "GET_WRITES",
+    "CREATE_BRANCH",
+    "OPEN_INTERRUPTS",
+    "CONSUME_INTERRUPT",
+    "ACQUIRE_CLAIM",
+    "UPDATE_CLAIM",
+    "BEGIN_EFFECT",
+    "FINISH_EFFECT",
+    "DELETE_CHECKPOINTS",
+    "COPY_RUN",
+    "DELETE_RUN",
+)
+
+
+class _Keys:
+    """KEYS of one script call: fixed keys first, more added on demand by 1-based index."""
+
+    def __init__(self, *fixed: str) -> None:
+        self.keys = list(fixed)
+        self._index = {k: i + 1 for i, k in enumerate(fixed)}
+
+    def index(self, key: str) -> int:
+        i = self._index.get(key)
+        if i is None:
+            self.keys.append(key)
+            i = self._index[key] = len(self.keys)
+        return i
+
+
+def _write_args(keys: _Keys, writes: Sequence[WriteRecord]) -> list[Any]:
+    args: list[Any] = [len(writes)]
+    for w in writes:
+        prefix = run_prefix(w.run_id)
+        header = [w.ns, w.checkpoint_id, w.task_id, w.idx, w.channel, w.task_path]
+        args += [
+            keys.index(prefix + "wr"),
+            keys.index(prefix + "wx"),
+            _join(w.ns, w.checkpoint_id, w.task_id, str(w.idx)),
+            _pack(header, w.value),
+        ]
+    return args
+
+
+class RedisStore(Store):
+    """A pooled Redis store; the pool is re-created in a forked child."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._lock = threading.Lock()
+        self._pool, self._redis, self._pid = self._connect()
+        # Registered once; each call passes the client of its process.
+        self._scripts = {name: self._redis.register_script(getattr(lua, name)) for name in _SCRIPTS}
+
+    # -- connection ----------------------------------------------------------
+    def _connect(self) -> tuple[ConnectionPool, Redis, int]:
+        """A pool and client for this process; nothing is sent until the first command."""
+        try:
+            pool = ConnectionPool.from_url(self.url, decode_responses=False)
+        except ValueError as exc:
+            raise StoreUnavailable(f"bad Redis URL {self.url!r}: {exc}") from exc
+        return pool, Redis(connection_pool=pool), os.getpid()
+
+    def _client(self) -> Redis:
+        """This process's client; a forked child builds its own pool on first use."""
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._pool, self._redis, self._pid = self._connect()
+        return self._redis
+
+    def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """EVALSHA one script (loaded again by redis-py if the server lost it)."""
+        try:
+            return self._scripts[name](keys, args, client=self._client())
+        except RedisError as exc:
+            raise StoreUnavailable(f"Redis store failed in {name.lower()}: {exc}") from exc
+
+    def _cmd(self, *args: Any) -> Any:
+        """One plain command."""
+        try:
+            return self._client().execute_command(*args)  # type: ignore[no-untyped-call]
+        except RedisError as exc:
+            raise StoreUnavailable(f"Redis store failed in {args[0]}: {exc}") from exc
+
+    def _fenced_run(
+        self, name: str, fence: FenceRef | None, run_id: str, keys: _Keys, args: list[Any]
+    ) -> list[Any]:
+        """Run a fenced script (KEYS[1], ARGV[1:2] are its fence) and raise `Fenced`."""
+        fence_key, fence_argv = _fence_args(fence, run_id)
+        keys.keys[0] = fence_key
+        reply: list[Any] = self._run(name, keys.keys, fence_argv + args)
+        if reply[0] == b"fenced":
+            _raise_fenced(fence, reply[1])
+        return reply
+
+    # -- lifecycle -----------------------------------------------------------
+    def setup(self) -> None:
+        now = repr(time.time())
+        try:
+            pipe = self._client().pipeline(transaction=True)
+            for version in sorted(MIGRATIONS):
+                pipe.hsetnx(MIGRATIONS_KEY, str(version), now)
+            pipe.execute()
+        except RedisError as exc:
+            raise StoreUnavailable(f"cannot set up Redis store: {exc}") from exc
+
+    def applied_migrations(self) -> list[int]:
+        return sorted(int(v) for v in self._cmd("HKEYS", MIGRATIONS_KEY))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._pool.disconnect()
+
+    # -- checkpoints and branches -------------------------------------------
+    def commit_checkpoint(
+        self,
+        record: CheckpointRecord,
+        *,
+        expected_head: str | None,
+        blobs: Sequence[BlobRecord] = (),
+        writes: Sequence[WriteRecord] = (),
+        fence: FenceRef | None = None,
+    ) -> None:
+        r = record
+        prefix = run_prefix(r.run_id)
+        keys = _Keys("", prefix + "ck", prefix + "cx", prefix + "cn", prefix + "br", RUNS_KEY)
+        field = _join(r.checkpoint_id, r.ns)
+        header = [
+            r.checkpoint_id, r.branch, r.parent_id, r.ns, r.seq,
+            codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version,
+            r.created_at,
+        ]  # fmt: skip
+        args: list[Any] = [
+            _opt(expected_head),
+            _join(r.ns, r.branch),
+            r.checkpoint_id,
+            r.seq,
+            repr(r.created_at),
+            field,
+            _pack(header, r.state),
+            _join(r.ns, r.checkpoint_id),
+            r.run_id,
+            len(blobs),
+        ]
+        for b in blobs:
+            args += [keys.index(run_prefix(b.run_id) + "bl"), _join(b.ns, b.key), b.value]
+        args += _write_args(keys, writes)
+        failpoints.hit("checkpoint.in_commit")
+        reply = self._fenced_run("COMMIT", fence, r.run_id, keys, args)
+        if reply[0] == b"head":
+            raise HeadMoved(
+                f"branch {r.branch!r} no longer has head {expected_head!r}",
+                run_id=r.run_id,
+                checkpoint_id=r.checkpoint_id,
+            )
+        if reply[0] == b"dup":
+            raise HeadMoved(
+                "a checkpoint with this id already exists",
+                run_id=r.run_id,
+                checkpoint_id=r.checkpoint_id,
+            )
+
+    def _checkpoint(self, run_id: str, raw: bytes) -> CheckpointRecord:
+        header, state = _unpack(raw, run_id=run_id)
+        try:
+            cid, branch, parent, ns, seq, meta, schema_version, wf_version, created = header
+            return CheckpointRecord(
+                run_id=run_id,
+                checkpoint_id=cid,
+                branch=branch,
+                parent_id=parent,
+                state=state,
+                ns=ns,
+                seq=int(seq),
+                metadata=codec.loads(meta.encode()),
+                schema_version=int(schema_version),
+                workflow_version=wf_version,
+                created_at=float(created),
+            )
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CorruptRecord(
+                f"stored Redis checkpoint does not decode: {exc}",
+                run_id=run_id,
+                checkpoint_id=header[0] if header else None,
+            ) from exc
+
+    def get_checkpoint(self, run_id: str, ns: str, checkpoint_id: str) -> CheckpointRecord | None:
+        raw = self._cmd("HGET", run_prefix(run_id) + "ck", _join(checkpoint_id, ns))
+        return None if raw is None else self._checkpoint(run_id, raw)
+
+    def list_checkpoints(
+        self,
+        run_id: str | None,
+        ns: str | None = None,
+        *,
+        before_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[CheckpointRecord]:
+        count = -1 if limit is None or limit < 0 else int(limit)
+        if ns is None:
+            index, hi, lo = "cx", "+" if before_id is None else "(" + _join(before_id), "-"
+        else:
+            index, lo = "cn", "[" + _join(ns) + _SEP
+            hi = "(" + _join(ns) + "\x01" if before_id is None else "(" + _join(ns, before_id)
+        args = ["x" if ns is None else "n", hi, lo, count, _join(ns or "")]
+
+        def keys(run: str) -> list[str]:
+            prefix = run_prefix(run)
+            return [prefix + "ck", prefix + index]
+
+        if run_id is not None:
+            raws = self._run("LIST_CHECKPOINTS", keys(run_id), args)
+            return [self._checkpoint(run_id, raw) for raw in raws if raw is not None]
+        runs = [r.decode() for r in self._cmd("SMEMBERS", RUNS_KEY)]
+        try:
+            pipe = self._client().pipeline(transaction=False)
+            for run in runs:
+                self._scripts["LIST_CHECKPOINTS"](keys(run), args, client=pipe)
+            replies = pipe.execute()
+        except RedisError as exc:
+            raise StoreUnavailable(f"Redis store failed listing checkpoints: {exc}") from exc
+        records = [
+            self._checkpoint(run, raw)
+            for run, raws in zip(runs, replies, strict=True)
+            for raw in raws
+            if raw is not None
+        ]
+        records.sort(key=lambda c: c.checkpoint_id, reverse=True)
+        return records if count < 0 else records[:count]
+
+    @staticmethod
+    def _branch(run_id: str, member: bytes, cols: dict[str, bytes]) -> BranchRecord:
+        ns, branch = _split(member)
+        return BranchRecord(
+            run_id=run_id,
+            branch=branch,
+            head_id=_str(cols.get("h")),
+            ns=ns,
+            head_seq=int(cols["q"]),
+            base_id=_str(cols.get("b")),
+            fork_token=_str(cols.get("t")),
+            created_at=float(cols["c"]),
+        )
+
+    def get_branch(self, run_id: str, ns: str, branch: str) -> BranchRecord | None:
+        member = _join(ns, branch)
+        fields = [member + "\x00" + c for c in "hqbtc"]
+        values = self._cmd("HMGET", run_prefix(run_id) + "br", *fields)
+        if values[4] is None:
+            return None
+        cols = {c: v for c, v in zip("hqbtc", values, strict=True) if v is not None}
+        return self._branch(run_id, member.encode(), cols)
+
+    def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:
+        rows = self._cmd("HGETALL", run_prefix(run_id) + "br")
+        branches = [self._branch(run_id, m, cols) for m, cols in _columns(rows).items()]
+        if ns is not None:
+            branches = [b for b in branches if b.ns == ns]
+        return sorted(branches, key=lambda b: (b.created_at, b.branch))
+
+    def create_branch(self, branch: BranchRecord) -> BranchRecord:
+        b = branch
+        prefix = run_prefix(b.run_id)
+        args = [
+            _join(b.ns, b.branch),
+            "" if b.fork_token is None else _join(b.ns, b.fork_token),
+            _opt(b.head_id),
+            b.head_seq,
+            _opt(b.base_id),
+            _opt(b.fork_token),
+            repr(b.created_at),
+        ]
+        failpoints.hit("fork.in_create")
+        reply = self._run("CREATE_BRANCH", [prefix + "br", prefix + "bt"], args)
+        if reply is None:
+            raise HeadMoved(
+                f"branch name {b.branch!r} is taken by another fork token", run_id=b.run_id
+            )
+        cols = {c: v for c, v in zip("hqbtc", reply[1:], strict=True) if v is not None}
+        return self._branch(b.run_id, reply[0], cols)
+
+    def get_blobs(self, run_id: str, ns: str, keys: Sequence[str]) -> dict[str, bytes]:
+        if not keys:
+            return {}
+        values = self._cmd("HMGET", run_prefix(run_id) + "bl", *(_join(ns, k) for k in keys))
+        return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
+
+    # -- step writes ---------------------------------------------------------
+    def put_writes(
+        self, writes: Sequence[WriteRecord], *, mode: WriteMode, fence: FenceRef | None = None
+    ) -> None:
+        keys = _Keys("")
+        args: list[Any] = [mode, *_write_args(keys, writes)]
+        failpoints.hit("writes.in_txn")
+        run_id = writes[0].run_id if writes else ""
+        reply = self._fenced_run("PUT_WRITES", fence, run_id, keys, args)
+        if reply[0] == b"taken":
+            w = writes[int(reply[1])]
+            raise WriteConflict(
+                f"write slot {w.task_id}#{w.idx} is already taken",
+                run_id=w.run_id,
+                checkpoint_id=w.checkpoint_id,
+            )
+
+    def get_writes(
+        self, run_id: str, ns: str, checkpoint_id: str, *, after_idx: int | None = None
+    ) -> list[WriteRecord]:
+        prefix = run_prefix(run_id)
+        base = _join(ns, checkpoint_id)
+        raws = self._run(
+            "GET_WRITES", [prefix + "wr", prefix + "wx"], ["[" + base + _SEP, "(" + base + "\x01"]
+        )
+        writes = []
+        for raw in raws:
+            if raw is None:
+                continue
+            header, value = _unpack(raw, run_id=run_id, checkpoint_id=checkpoint_id)
+            w_ns, cid, task_id, idx, channel, task_path = header
+            if after_idx is None or idx > after_idx:
+                writes.append(
+                    WriteRecord(run_id, cid, task_id, idx, channel, value, w_ns, task_path)
+                )
+        return sorted(writes, key=lambda w: (w.task_id, w.idx))
+
+    # -- interrupts ----------------------------------------------------------
+    def open_interrupts(
+        self, records: Sequence[InterruptRecord], *, fence: FenceRef | None = None
+    ) -> None:
+        keys = _Keys("")
+        args: list[Any] = []
+        for i in records:
+            args += [
+                keys.index(run_prefix(i.run_id) + "in"),
+                _join(i.branch, i.interrupt_id),
+                _opt(i.checkpoint_id),
+                _opt(i.prompt),
+                repr(i.created_at),
+            ]
+        run_id = records[0].run_id if records else ""
+        self._fenced_run("OPEN_INTERRUPTS", fence, run_id, keys, args)
+
+    def consume_interrupt(
+        self,
+        run_id: str,
+        branch: str,
+        interrupt_id: str,
+        value: bytes,
+        *,
+        consumer: str,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> InterruptRecord:
+        keys = _Keys("", run_prefix(run_id) + "in")
+        args = [_join(branch, interrupt_id), value, consumer, repr(now)]
+        failpoints.hit("interrupt.in_consume")
+        reply = self._fenced_run("CONSUME_INTERRUPT", fence, run_id, keys, args)
+        if reply[0] == b"unknown":
+            raise UnknownRecord("no such interrupt", run_id=run_id, interrupt_id=interrupt_id)
+        if reply[0] == b"conflict":
+            raise ResumeConflict(
+                "interrupt was already consumed; the value was not stored",
+                run_id=run_id,
+                interrupt_id=interrupt_id,
+            )
+        checkpoint_id, prompt, created_at = reply[1]
+        return InterruptRecord(
+            run_id=run_id,
+            branch=branch,
+            interrupt_id=interrupt_id,
+            checkpoint_id=_str(checkpoint_id),
+            status="consumed",
+            prompt=prompt,
+            value=value,
+            consumed_by=consumer,
+            created_at=float(created_at),
+            consumed_at=float(now),
+        )
+
+    @staticmethod
+    def _interrupt(run_id: str, member: bytes, cols: dict[str, bytes]) -> InterruptRecord:
+        branch, interrupt_id = _split(member)
+        return InterruptRecord(
+            run_id=run_id,
+            branch=branch,
+            interrupt_id=interrupt_id,
+            checkpoint_id=_str(cols.get("k")),
+            status="consumed" if cols["s"] == b"consumed" else "pending",
+            prompt=cols.get("p"),
+            value=cols.get("v"),
+            consumed_by=_str(cols.get("u")),
+            created_at=float(cols["c"]),
+            consumed_at=_float(cols.get("t")),
+        )
+
+    def get_interrupt(self, run_id: str, branch: str, interrupt_id: str) -> InterruptRecord | None:
+        member = _join(branch, interrupt_id)
+        values = self._cmd(
+            "HMGET", run_prefix(run_id) + "in", *(member + "\x00" + c for c in "skpvuct")
+        )
+        if values[0] is None:
+            return None
+        cols = {c: v for c, v in zip("skpvuct", values, strict=True) if v is not None}
+        return self._interrupt(run_id, member.encode(), cols)
+
+    def list_interrupts(self, run_id: str, branch: str | None = None) -> list[InterruptRecord]:
+        rows = self._cmd("HGETALL", run_prefix(run_id) + "in")
+        found = [self._interrupt(run_id, m, cols) for m, cols in _columns(rows).items()]
+        if branch is not None:
+            found = [i for i in found if i.branch == branch]
+        return sorted(found, key=lambda i: (i.created_at, i.interrupt_id))
+
+    # -- claims --------------------------------------------------------------
+    def acquire_claim(
+        self, run_id: str, scope: str, holder: str, *, now: float, lease: float
+    ) -> Claim:
+        expires = float(now + lease)
+        failpoints.hit("claim.in_acquire")
+        args = [_join(scope), holder, repr(now), repr(expires)]
+        reply = self._run("ACQUIRE_CLAIM", [run_prefix(run_id) + "cl"], args)
+        if reply[0] == b"conflict":
+            raise ResumeConflict(
+                "another resumer holds this run; retry after its lease expires",
+                run_id=run_id,
+                scope=scope,
+            )
+        return Claim(run_id, scope, holder, int(reply[1]), expires)
+
+    def _update_claim(self, claim: Claim, expires: str) -> bool:
+        args = [_join(claim.scope), claim.holder, str(claim.fence), expires]
+        return bool(self._run("UPDATE_CLAIM", [run_prefix(claim.run_id) + "cl"], args))
+
+    def renew_claim(self, claim: Claim, *, now: float, lease: float) -> Claim:
+        expires = float(now + lease)
+        if not self._update_claim(claim, repr(expires)):
+            raise Fenced("claim was taken over or released", run_id=claim.run_id, scope=claim.scope)
+        return Claim(claim.run_id, claim.scope, claim.holder, claim.fence, expires)
+
+    def release_claim(self, claim: Claim) -> None:
+        self._update_claim(claim, "")
+
+    def get_claim(self, run_id: str, scope: str) -> Claim | None:
+        member = _join(scope)
+        holder, fence, expires = self._cmd(
+            "HMGET", run_prefix(run_id) + "cl", *(member + "\x00" + c for c in "hfe")
+        )
+        if fence is None:
+            return None
+        return Claim(run_id, scope, holder.decode(), int(fence), float(expires))
+
+    # -- effect ledger -------------------------------------------------------
+    @staticmethod
+    def _effect(run_id: str, effect_key: str, values: list[bytes | None]) -> EffectRecord:
+        idem, status, outcome, created_at, done_at = values
+        assert idem is not None and created_at is not None
+        return EffectRecord(
+            run_id=run_id,
+            effect_key=effect_key,
+            idempotency_key=idem.decode(),
+            status="done" if status == b"done" else "intent",
+            outcome=outcome,
+            created_at=float(created_at),
+            done_at=_float(done_at),
+        )
+
+    def begin_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        idempotency_key: str,
+        *,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> tuple[EffectRecord, bool]:
+        keys = _Keys("", run_prefix(run_id) + "ef")
+        args = [_join(effect_key), idempotency_key, repr(now)]
+        reply = self._fenced_run("BEGIN_EFFECT", fence, run_id, keys, args)
+        return self._effect(run_id, effect_key, reply[2]), reply[1] == 1
+
+    def finish_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        outcome: bytes,
+        *,
+        now: float,
+        fence: FenceRef | None = None,
+    ) -> EffectRecord:
+        keys = _Keys("", run_prefix(run_id) + "ef")
+        failpoints.hit("effect.in_outcome")
+        reply = self._fenced_run(
+            "FINISH_EFFECT", fence, run_id, keys, [_join(effect_key), outcome, repr(now)]
+        )
+        if reply[1][1] is None:
+            raise UnknownRecord(
+                "no intent recorded for effect", run_id=run_id, effect_key=effect_key
+            )
+        return self._effect(run_id, effect_key, reply[1])
+
+    def get_effect(self, run_id: str, effect_key: str) -> EffectRecord | None:
+        member = _join(effect_key)
+        values = self._cmd(
+            "HMGET", run_prefix(run_id) + "ef", *(member + "\x00" + c for c in "ksocd")
+        )
+        return None if values[1] is None else self._effect(run_id, effect_key, values)
+
+    # -- whole runs ----------------------------------------------------------
+    def delete_run(self, run_id: str) -> None:
+        self._run("DELETE_RUN", [*run_keys(run_id), RUNS_KEY], [run_id])
+
+    def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
+        prefix = run_prefix(run_id)
+        args: list[str] = [_esc(ns)]
+        for cid in checkpoint_ids:
+            args += [cid, _esc(cid)]
+        return int(
+            self._run(
+                "DELETE_CHECKPOINTS",
+                [prefix + k for k in ("br", "ck", "cx", "cn", "wr", "wx")],
+                args,
+            )
+        )
+
+    def copy_run(self, source_run_id: str, target_run_id: str) -> None:
+        keys = [*run_keys(source_run_id), *run_keys(target_run_id), RUNS_KEY]
+        self._run("COPY_RUN", keys, [target_run_id])
