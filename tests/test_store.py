@@ -132,7 +132,14 @@ def rewrite_state(
 def rewrite_state_redis(
     store: Store, run_id: str, ns: str, checkpoint_id: str, change: Callable[[bytes], bytes]
 ) -> None:
-    raise NotImplementedError("set when the Redis store lands")
+    # Layout (see remit_core.stores.redis): hash remit:{run}:ck, field "cid NUL ns",
+    # value "JSON header, newline, state bytes".
+    from remit_core.stores.redis import run_prefix
+
+    client = store._client()  # type: ignore[attr-defined]
+    key, field = run_prefix(run_id) + "ck", f"{checkpoint_id}\x00{ns}"
+    header, _, state = client.hget(key, field).partition(b"\n")
+    client.hset(key, field, header + b"\n" + change(state))
 
 
 def flip_last_byte(b: bytes) -> bytes:
