@@ -46,7 +46,14 @@ def naive_claim(remit: Remit, run_id: str, interrupt_id: str, value: bytes) -> N
 
 
 def naive_write_redis(store: Store, run_id: str, interrupt_id: str, sealed: bytes) -> None:
-    raise NotImplementedError("set when the Redis store lands")
+    # Layout (see remit_core.stores.redis): hash remit:{run}:in, fields
+    # "branch NUL interrupt NUL column"; a plain HSET, no script, no check.
+    from remit_core.stores.redis import run_prefix
+
+    member = f"{MAIN_BRANCH}\x00{interrupt_id}\x00"
+    store._client().hset(  # type: ignore[attr-defined]
+        run_prefix(run_id) + "in", mapping={member + "s": "consumed", member + "v": sealed}
+    )
 
 
 def _worker(url: str, run_id: str, idx: int, barrier: Any, results: Any, claimer: Claimer) -> None:
