@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from remit_core.errors import CheckpointInvalid, VersionMismatch
 
@@ -88,25 +89,35 @@ class StateSchema:
     def validate(self, value: Any, **ids: Any) -> Any:
         """Return the validated value, or raise `CheckpointInvalid` naming the field.
 
-        A Pydantic model instance is re-validated from its fields, so a value
-        that slipped past the model (assignment without `validate_assignment`,
-        `model_construct`) is caught here.
+        Pydantic accepts model and dataclass instances as they are, nested ones
+        included, so a value built with `model_construct` or changed by an
+        assignment without `validate_assignment` would pass unchecked. The
+        value's plain form (what a checkpoint stores) is therefore validated
+        too; that second pass is lax, since strict mode wants instances.
         """
         if self._json_schema is not None:
             _validate_json_schema(self._json_schema, value, ids)
             return value
         assert self._adapter is not None
-        if isinstance(value, BaseModel):
+        if (
+            isinstance(value, BaseModel)
+            and isinstance(self.type_, type)
+            and not isinstance(value, self.type_)
+        ):
+            # Another model class with the same fields: validate its field values.
             value = {k: getattr(value, k) for k in type(value).model_fields if hasattr(value, k)}
-            target = self.type_ if isinstance(self.type_, type) else type(value)
-            try:
-                return TypeAdapter(target).validate_python(value, strict=self.strict)
-            except ValidationError as exc:
-                raise _invalid(exc, ids) from exc
         try:
-            return self._adapter.validate_python(value, strict=self.strict)
+            validated = self._adapter.validate_python(value, strict=self.strict)
+            try:
+                plain = self._adapter.dump_python(
+                    validated, round_trip=True, by_alias=True, warnings=False
+                )
+            except PydanticSerializationError:
+                return validated  # no plain form: the instance check above is all there is
+            self._adapter.validate_python(plain)
         except ValidationError as exc:
             raise _invalid(exc, ids) from exc
+        return validated
 
     def upgrade(self, value: Any, written_version: int, **ids: Any) -> Any:
         """Migrate a state read at `written_version` to this schema's version."""
