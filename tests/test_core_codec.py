@@ -1,0 +1,163 @@
+"""Records that cannot lie: the sealed frame and the tagged JSON codec."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remit_core import CorruptRecord, VersionMismatch, codec
+
+# -- tagged JSON ----------------------------------------------------------------------
+
+SAMPLES: list[Any] = [
+    None,
+    True,
+    0,
+    -(2**70),
+    1.5,
+    "text ✓",
+    [1, "a", None],
+    {"a": {"b": [1, 2]}},
+    (1, (2, "x")),
+    {1, 2, 3},
+    frozenset({"a", (1, 2)}),
+    {(1, 2): "tuple key", 3: "int key", None: "none key"},
+    dt.datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=dt.timezone.utc),
+    dt.datetime(2026, 1, 2, 3, 4, 5),
+    dt.date(2026, 1, 2),
+    dt.time(3, 4, 5, 6),
+    dt.timedelta(days=-1, seconds=5, microseconds=7),
+    UUID("12345678-1234-5678-1234-567812345678"),
+    Decimal("1234.5678900"),
+    b"\x00\xffbytes",
+    float("inf"),
+    float("-inf"),
+    {"$remit": "tuple", "v": [1, 2]},  # user data shaped like a tag stays data
+    {"$remit": "x"},
+    [{"$remit": "bytes", "v": "AAAA", "extra": 1}],
+]
+
+
+@pytest.mark.parametrize("value", SAMPLES, ids=lambda v: type(v).__name__)
+def test_round_trip(value: Any) -> None:
+    encoded = codec.dumps(value)
+    json.loads(encoded)  # always valid JSON
+    back = codec.loads(encoded)
+    assert back == value and type(back) is type(value)
+
+
+def test_nan_round_trips() -> None:
+    assert math.isnan(codec.loads(codec.dumps(float("nan"))))
+
+
+def test_bytearray_reads_back_as_bytes() -> None:
+    assert codec.loads(codec.dumps(bytearray(b"ab"))) == b"ab"
+
+
+def test_set_encoding_is_deterministic() -> None:
+    assert codec.dumps({3, 1, 2}) == codec.dumps({2, 3, 1})
+
+
+plain = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text()
+    | st.binary()
+    | st.datetimes(timezones=st.none() | st.just(dt.timezone.utc))
+    | st.uuids()
+    | st.decimals(allow_nan=False, allow_infinity=False),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text(max_size=5), children, max_size=4)
+        | st.dictionaries(st.integers(), children, max_size=3)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(plain)
+def test_round_trip_property(value: Any) -> None:
+    assert codec.loads(codec.dumps(value)) == value
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize("value", [Opaque(), {"k": Opaque()}, [lambda: 1], object])
+def test_unsupported_types_are_refused_by_name(value: Any) -> None:
+    with pytest.raises(TypeError, match="cannot store a value of type"):
+        codec.dumps(value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"{not json", b'{"$remit": "pickle", "v": "gASV"}', b'{"$remit": "os.system", "v": "ls"}'],
+)
+def test_loads_refuses_malformed_and_unknown_tags(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        codec.loads(data)
+
+
+# -- the sealed frame ---------------------------------------------------------------------
+
+
+def test_seal_round_trip_and_identity_binding() -> None:
+    body = codec.dumps({"amount": 5})
+    sealed = codec.seal(body, "ckpt\x00\x00c1")
+    assert sealed != body and sealed.endswith(body)
+    assert codec.unseal(sealed, "ckpt\x00\x00c1") == body
+    assert codec.unseal(bytearray(sealed), "ckpt\x00\x00c1") == body
+    with pytest.raises(CorruptRecord) as err:
+        codec.unseal(sealed, "ckpt\x00\x00c2", run_id="r1", checkpoint_id="c2")
+    assert (err.value.run_id, err.value.checkpoint_id) == ("r1", "c2")
+    assert "r1" in str(err.value) and "c2" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda b: b[:-1] + bytes([b[-1] ^ 1]),  # body bit
+        lambda b: b[:10] + bytes([b[10] ^ 0x80]) + b[11:],  # checksum bit
+        lambda b: b[:-1],  # truncated body
+        lambda b: b + b"x",  # appended byte
+        lambda b: b[:12],  # shorter than a frame
+        lambda b: b"",
+        lambda b: b"XMT" + b[3:],  # not a Remit frame
+    ],
+)
+def test_tampering_is_corrupt_record(tamper: Any) -> None:
+    sealed = codec.seal(b"payload", "id")
+    with pytest.raises(CorruptRecord):
+        codec.unseal(tamper(sealed), "id", run_id="r", checkpoint_id="c")
+
+
+def test_unknown_record_format_is_version_mismatch() -> None:
+    sealed = codec.seal(b"payload", "id")
+    future = sealed[:3] + bytes([codec.RECORD_FORMAT + 1]) + sealed[4:]
+    with pytest.raises(VersionMismatch) as err:
+        codec.unseal(future, "id", run_id="r", checkpoint_id="c")
+    assert err.value.checkpoint_id == "c"
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.binary(max_size=64), data=st.data())
+def test_any_single_bit_flip_is_detected(body: bytes, data: st.DataObject) -> None:
+    sealed = codec.seal(body, f"id-{len(body)}")
+    bit = data.draw(st.integers(0, len(sealed) * 8 - 1))
+    flipped = bytearray(sealed)
+    flipped[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises((CorruptRecord, VersionMismatch)):
+        codec.unseal(bytes(flipped), f"id-{len(body)}")
