@@ -1,0 +1,186 @@
+"""What one Remit checkpoint of a LlamaIndex run holds, and what it says about the run.
+
+A checkpoint body is the run's `SerializedContext` (broker state plus the
+state store's in-memory payload), encoded with Remit's plain-data codec.
+Everything here is pure: no store, no event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from workflows.context.context_types import SerializedContext
+from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
+from workflows.errors import WorkflowCancelledByUser
+from workflows.events import Event
+from workflows.runtime.types.commands import CommandCompleteRun, CommandFailWorkflow, CommandHalt
+from workflows.runtime.types.internal_state import BrokerState
+from workflows.workflow import Workflow
+
+from remit_core import codec
+from remit_core.errors import RemitError
+
+#: Store-type tag of the state payload a Remit-backed context serializes to.
+HANDLE_TYPE = "remit"
+
+RUNNING = "running"
+WAITING = "waiting"
+COMPLETED = "completed"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
+
+
+def require_json(serializer: BaseSerializer, run_id: str | None = None) -> JsonSerializer:
+    """Remit stores plain JSON only: a serializer that could unpickle on read is refused."""
+    if isinstance(serializer, PickleSerializer) or not isinstance(serializer, JsonSerializer):
+        raise RemitError(
+            f"Remit persists workflow state as JSON and never unpickles; "
+            f"{type(serializer).__name__} is not supported: use JsonSerializer",
+            run_id=run_id,
+        )
+    return serializer
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One `ctx.wait_for_event` waiter of a run, under its Remit interrupt id."""
+
+    interrupt_id: str
+    step: str
+    waiter_id: str
+    event_type: str
+    resolved_event: Event | None
+    timed_out: bool
+
+    @property
+    def pending(self) -> bool:
+        return self.resolved_event is None and not self.timed_out
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def walk_brokers(
+    state: BrokerState, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], BrokerState]]:
+    yield path, state
+    for key, child in sorted(state.children.items()):
+        yield from walk_brokers(child, (*path, key))
+
+
+def waiters(state: BrokerState) -> list[Waiter]:
+    """Every waiter of the run; the interrupt id names step, waiter and work item."""
+    found = []
+    for path, broker in walk_brokers(state):
+        for step_id, worker in sorted(broker.workers.items(), key=lambda kv: str(kv[0])):
+            step = "/".join((*path, str(step_id)))
+            for w in worker.collected_waiters:
+                found.append(
+                    Waiter(
+                        interrupt_id=f"{step}:{w.waiter_id}@{w.work_item_id or ''}",
+                        step=step,
+                        waiter_id=w.waiter_id,
+                        event_type=_qualname(w.waiting_for_event),
+                        resolved_event=w.resolved_event,
+                        timed_out=w.timed_out,
+                    )
+                )
+    return found
+
+
+def event_types(event: Event) -> set[str]:
+    """Qualified names of an event's class and its bases (what a waiter may wait for)."""
+    return {_qualname(c) for c in type(event).__mro__}
+
+
+def busy_steps(state: BrokerState) -> list[str]:
+    """Steps with queued or in-flight work: the steps a resume would run next."""
+    steps = set()
+    for path, broker in walk_brokers(state):
+        for step_id, worker in broker.workers.items():
+            if worker.queue or worker.in_progress:
+                steps.add("/".join((*path, str(step_id))))
+    return sorted(steps)
+
+
+def is_idle(state: BrokerState) -> bool:
+    """Running with nothing left to do: the run waits for an event from outside."""
+    if not state.is_running:
+        return False
+    return not any(broker.deliveries for _, broker in walk_brokers(state)) and not busy_steps(state)
+
+
+def status_of(state: BrokerState, exit_command: object | None) -> str:
+    """The run's status after a tick, from the reducer's exit command if it ended."""
+    if isinstance(exit_command, CommandCompleteRun):
+        return COMPLETED
+    if isinstance(exit_command, CommandFailWorkflow):
+        return FAILED
+    if isinstance(exit_command, CommandHalt):
+        cancelled = isinstance(exit_command.exception, WorkflowCancelledByUser)
+        return CANCELLED if cancelled else FAILED
+    return WAITING if is_idle(state) else RUNNING
+
+
+def encode(state: BrokerState, state_payload: dict[str, Any], serializer: BaseSerializer) -> bytes:
+    """The checkpoint body: the serialized context with the state store's payload."""
+    ctx = state.to_serialized(serializer)
+    ctx.state = state_payload
+    return codec.dumps({"ctx": ctx.model_dump(mode="json")})
+
+
+def decode(body: bytes, **ids: Any) -> dict[str, Any]:
+    """The serialized context a checkpoint body holds (a plain dict)."""
+    from remit_core.errors import CorruptRecord
+
+    try:
+        data = codec.loads(body)
+        ctx = data["ctx"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptRecord(f"checkpoint body is not a LlamaIndex context ({exc})", **ids) from exc
+    if not isinstance(ctx, dict):
+        raise CorruptRecord("checkpoint body is not a LlamaIndex context", **ids)
+    return ctx
+
+
+def broker_state(
+    ctx: dict[str, Any], workflow: Workflow, serializer: BaseSerializer
+) -> BrokerState:
+    """The broker state a serialized context describes."""
+    parsed = SerializedContext.from_dict_auto(ctx, serializer)
+    return BrokerState.from_serialized(parsed, workflow, serializer)
+
+
+def is_handle(payload: dict[str, Any] | None) -> bool:
+    return bool(payload) and payload.get("store_type") == HANDLE_TYPE  # type: ignore[union-attr]
+
+
+def state_fields(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """The plain field values of a typed-state payload, or None for `DictState` payloads."""
+    data = payload.get("state_data")
+    if isinstance(data, str):
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            return None
+        if isinstance(parsed, dict) and parsed.get("__is_pydantic") and "value" in parsed:
+            value = parsed["value"]
+            return value if isinstance(value, dict) else None
+    return None
+
+
+def with_state_fields(payload: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """A typed-state payload whose model fields are replaced by `fields`."""
+    parsed = json.loads(payload["state_data"])
+    parsed["value"] = fields
+    return {**payload, "state_data": json.dumps(parsed)}
+
+
+def model_fields(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

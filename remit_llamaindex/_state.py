@@ -1,0 +1,63 @@
+"""The state store of a Remit-backed run: validated on every write (P4).
+
+It keeps the live state in memory like the framework's own store, so a
+step's writes become durable together with the step's completion (the next
+committed checkpoint), never half-way through the step. Every writer
+(`set`, `set_state`, `edit_state`, `clear`) goes through `_write_state`,
+where the state is re-validated against the run's declared model, so a value
+that slipped past the model (`validate_assignment` off, `model_construct`)
+is refused with `CheckpointInvalid` and the stored state stays as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel
+from workflows.context.serializers import BaseSerializer
+from workflows.context.state_store import InMemoryStateStore, MODEL_T, StateRecord
+
+from remit_core.schema import StateSchema
+
+
+class RemitStateStore(InMemoryStateStore[MODEL_T]):
+    """A run's state: in memory, validated on write, serialized to a Remit handle.
+
+    `to_dict` returns the handle (run, branch, checkpoint) rather than the
+    values, so a context snapshot restored later continues the same Remit
+    run instead of starting an untracked copy of it.
+    """
+
+    def __init__(
+        self,
+        initial_state: MODEL_T,
+        *,
+        schema: StateSchema | None,
+        ids: Callable[[], dict[str, Any]],
+        handle: Callable[[], dict[str, Any]],
+        after_write: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(initial_state)
+        self._schema = schema
+        self._ids = ids
+        self._handle = handle
+        self._after_write = after_write
+
+    async def _write_state(self, state: BaseModel, storage: Any = None) -> None:
+        if self._schema is not None:
+            state = self._schema.validate(state, **self._ids())
+        await super()._write_state(state, storage)
+        if self._after_write is not None:
+            await self._after_write()
+
+    def payload(self, serializer: BaseSerializer) -> dict[str, Any]:
+        """The in-memory payload of the current state (what a checkpoint stores)."""
+        return super().to_dict(serializer)
+
+    def current(self) -> BaseModel:
+        record: StateRecord | None = self._memory_storage.load_sync()
+        return record.data if record is not None else self.state_type()
+
+    def to_dict(self, serializer: BaseSerializer) -> dict[str, Any]:
+        return self._handle()

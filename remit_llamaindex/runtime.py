@@ -1,0 +1,588 @@
+"""`RemitRuntime`: LlamaIndex Workflows runs that keep the Resume Contract.
+
+Plugged where the framework takes a runtime, so workflow code is unchanged:
+
+    rt = RemitRuntime("postgresql://...")
+    wf = OrderFlow(runtime=rt)
+    handler = wf.run(run_id="order-1", order_id="o-1")     # every tick committed
+    ...                                                    # later, any process:
+    handler = await rt.respond(wf, "order-1", HumanResponseEvent(response="ok"))
+
+It decorates the framework's asyncio runtime: steps run as usual, while each
+reduced tick becomes a Remit checkpoint under the run's leased, fenced claim
+(`remit_llamaindex._run`). A context snapshot (`ctx.to_dict()`) of a Remit run
+carries a handle to its checkpoint instead of the state values, so restoring
+it continues the same run; restoring a checkpoint that is no longer the head
+is a fork and needs a fork token (`context(..., fork_token=...)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from workflows.context.context import Context
+from workflows.context.serializers import BaseSerializer, JsonSerializer
+from workflows.context.state_store_integration import decode_seed_state
+from workflows.context.state_store import (
+    DictState,
+    StateStore,
+    create_in_memory_payload,
+    infer_state_type,
+    set_by_path_copy,
+)
+from workflows.events import Event, StartEvent
+from workflows.handler import WorkflowHandler
+from workflows.plugins.basic import BasicRuntime, get_current_run_id
+from workflows.runtime.runtime_decorators import (
+    BaseExternalRunAdapterDecorator,
+    BaseInternalRunAdapterDecorator,
+    BaseRuntimeDecorator,
+)
+from workflows.runtime.types.internal_state import BrokerState
+from workflows.runtime.types.plugin import (
+    ExternalRunAdapter,
+    InternalRunAdapter,
+    RegisteredWorkflow,
+    Runtime,
+    SnapshottableAdapter,
+    V2RuntimeCompatibilityShim,
+    WaitResult,
+    WaitResultTick,
+    as_v2_runtime_compatibility_shim,
+)
+from workflows.runtime.types.results import RetryAttempt, StepWorkerOutput, StepWorkerState
+from workflows.runtime.types.step_function import StepWorkerFunction
+from workflows.runtime.types.step_id import StepId
+from workflows.runtime.types.ticks import TickAddEvent, WorkflowTick
+from workflows.workflow import Workflow
+
+from remit_core import codec, connect, failpoints, policy
+from remit_core.core import DEFAULT_LEASE, Remit
+from remit_core.effects import step_scope
+from remit_core.errors import CorruptRecord, ForkWithoutIntent, RemitError, UnknownRecord
+from remit_core.records import MAIN_BRANCH, CheckpointRecord
+from remit_core.schema import StateSchema
+from remit_llamaindex import _snapshot as snap
+from remit_llamaindex._run import Session, new_checkpoint_id, public_run_id, split_run_id
+
+logger = logging.getLogger("remit_llamaindex")
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """One committed checkpoint of a run, as `RemitRuntime.checkpoints` lists it."""
+
+    checkpoint_id: str
+    parent_id: str | None
+    branch: str
+    status: str
+    step: str | None
+    next_steps: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
+class RemitRuntime(BaseRuntimeDecorator):
+    """A LlamaIndex runtime whose runs persist in Remit and resume under the contract.
+
+    `url`: a Remit store (sqlite:///file.db, postgresql://..., redis://...).
+    `lease`: seconds a driving process holds a run without renewing.
+    `workflow_version`: written on every checkpoint; a checkpoint written by
+    any other version (not in `accept_versions`) is refused with `VersionMismatch`.
+    `schema`: the state schema; by default the workflow's `Context[State]` model.
+    """
+
+    def __init__(
+        self,
+        url: str = "sqlite:///remit.db",
+        *,
+        lease: float = DEFAULT_LEASE,
+        workflow_version: str = "",
+        accept_versions: Iterable[str] = (),
+        schema: StateSchema | None = None,
+        decorated: Runtime | None = None,
+    ) -> None:
+        super().__init__(decorated if decorated is not None else BasicRuntime())
+        self.url = url
+        self.lease = lease
+        self.workflow_version = workflow_version
+        self.accepted_versions = frozenset({workflow_version, *accept_versions})
+        self.schema = schema
+        self._remit: Remit | None = None
+        self._remit_pid = -1
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+
+    @property
+    def remit(self) -> Remit:
+        """The `Remit` facade of this process (a forked child opens its own connections)."""
+        if self._remit is None or self._remit_pid != os.getpid():
+            self._remit = connect(self.url, lease=self.lease)
+            self._remit_pid = os.getpid()
+        return self._remit
+
+    # -- the framework's runtime interface -------------------------------------------
+    def register(self, workflow: Workflow) -> RegisteredWorkflow:
+        registered = self._decorated.register(workflow)
+        return RegisteredWorkflow(
+            workflow=registered.workflow,
+            workflow_run_fn=registered.workflow_run_fn,
+            steps={name: self._scoped(fn) for name, fn in registered.steps.items()},
+        )
+
+    def _scoped(self, fn: StepWorkerFunction) -> StepWorkerFunction:
+        """Run a step under `step_scope`, so its `@effect` calls get deterministic keys."""
+
+        async def step(
+            state: StepWorkerState,
+            step_name: str,
+            event: Event,
+            workflow: Workflow,
+            bound_events: dict[str, Event] | None = None,
+            retry: RetryAttempt = RetryAttempt(),
+        ) -> list[StepWorkerOutput]:
+            session = self._sessions.get(get_current_run_id() or "")
+            if session is None:
+                return await fn(state, step_name, event, workflow, bound_events, retry)
+            key = session.step_key(step_name, state.work_item_id)
+            with step_scope(session.remit, session.run_id, key, fence=session.fence):
+                failpoints.hit("step.before")
+                return await fn(state, step_name, event, workflow, bound_events, retry)
+
+        return step
+
+    def get_serializer(self, workflow: Workflow) -> BaseSerializer:
+        return snap.require_json(self._decorated.get_serializer(workflow))
+
+    def run_workflow(
+        self,
+        run_id: str,
+        workflow: Workflow,
+        init_state: BrokerState,
+        start_event: StartEvent | None = None,
+        serialized_state: dict[str, Any] | None = None,
+        serializer: BaseSerializer | None = None,
+    ) -> ExternalRunAdapter:
+        json_ser = snap.require_json(serializer or self.get_serializer(workflow))
+        if serialized_state is not None and snap.is_handle(serialized_state):
+            session = self._restored(workflow, serialized_state, json_ser)
+        else:
+            session = self._fresh(workflow, run_id, init_state, serialized_state, json_ser)
+        stored = session.head_id is not None
+        parked = stored and (snap.is_idle(session.init_state) or not session.init_state.is_running)
+        if start_event is not None or session.injections or not parked:
+            session.take_claim()
+        try:
+            with self._lock:
+                self._sessions[session.inner_id] = session
+            inner = self._decorated.run_workflow(
+                session.inner_id,
+                workflow,
+                session.init_state,
+                start_event=start_event,
+                serializer=json_ser,
+            )
+        except BaseException:
+            self._forget(session)
+            raise
+        session.inner = inner
+        asyncio.get_running_loop().create_task(self._watch(session))
+        return _External(inner, session)
+
+    def _fresh(
+        self,
+        workflow: Workflow,
+        run_id: str,
+        init_state: BrokerState,
+        serialized_state: dict[str, Any] | None,
+        serializer: JsonSerializer,
+    ) -> Session:
+        """A new Remit run (a vanilla snapshot's state is imported, lineage unknown)."""
+        run_id, _ = split_run_id(run_id)
+        if self.remit.branch(run_id) is not None:
+            raise ForkWithoutIntent(
+                f"run {run_id!r} already exists; continue it from RemitRuntime.context(...) "
+                "or start a run with a new id",
+                run_id=run_id,
+            )
+        if serialized_state:
+            state = decode_seed_state(serialized_state, serializer)
+        else:
+            state = infer_state_type(workflow)()
+        return self._session(
+            workflow, serializer, run_id, MAIN_BRANCH, None, None, init_state, state
+        )
+
+    def _restored(
+        self, workflow: Workflow, handle: dict[str, Any], serializer: JsonSerializer
+    ) -> Session:
+        """Continue the run a handle names; a non-head checkpoint needs its fork token (P3)."""
+        run_id, base_id = handle["run_id"], handle["checkpoint_id"]
+        token = handle.get("fork_token")
+        remit = self.remit
+        if token is not None:
+            branch = remit.fork(run_id, base_id, token)
+        else:
+            branch = remit.branch(run_id, branch=handle.get("branch", MAIN_BRANCH))
+            if branch is None or branch.head_id != base_id:
+                raise ForkWithoutIntent(
+                    f"checkpoint {base_id!r} is not the head of run {run_id!r}; restoring it "
+                    "again is a fork: pass a fork token to RemitRuntime.context(...)",
+                    run_id=run_id,
+                    checkpoint_id=base_id,
+                )
+        assert branch.head_id is not None
+        record = self._checkpoint(run_id, branch.head_id)
+        ctx = snap.decode(record.state, run_id=run_id, checkpoint_id=record.checkpoint_id)
+        init = snap.broker_state(ctx, workflow, serializer)
+        state = self._state(workflow, record, ctx, serializer)
+        session = self._session(
+            workflow,
+            serializer,
+            run_id,
+            branch.branch,
+            branch.fork_token,
+            record.checkpoint_id,
+            init,
+            state,
+        )
+        pending = {w.interrupt_id for w in snap.waiters(init) if w.pending}
+        for interrupt in remit.interrupts(run_id, branch=branch.branch):
+            if interrupt.status == "consumed" and interrupt.interrupt_id in pending:
+                assert interrupt.value is not None
+                event = serializer.deserialize(interrupt.value.decode())
+                session.injections.append(TickAddEvent(event=event))
+        return session
+
+    def _session(
+        self,
+        workflow: Workflow,
+        serializer: JsonSerializer,
+        run_id: str,
+        branch: str,
+        fork_token: str | None,
+        head_id: str | None,
+        init_state: BrokerState,
+        state: BaseModel,
+    ) -> Session:
+        schema = self._schema(workflow)
+        return Session(
+            remit=self.remit,
+            workflow=workflow,
+            serializer=serializer,
+            run_id=run_id,
+            branch=branch,
+            fork_token=fork_token,
+            head_id=head_id,
+            init_state=init_state,
+            state=state,
+            schema=schema,
+            schema_version=schema.version if schema is not None else 1,
+            workflow_version=self.workflow_version,
+        )
+
+    async def _watch(self, session: Session) -> None:
+        assert session.inner is not None
+        try:
+            await session.inner.get_result()
+        except BaseException:  # the run's own handler reports its outcome
+            pass
+        finally:
+            self._forget(session)
+
+    def _forget(self, session: Session) -> None:
+        with self._lock:
+            self._sessions.pop(session.inner_id, None)
+        session.close()
+
+    def get_internal_adapter(self, workflow: Workflow) -> InternalRunAdapter:
+        inner = self._decorated.get_internal_adapter(workflow)
+        session = self._sessions.get(get_current_run_id() or "")
+        if session is None:
+            raise RemitError(f"no Remit run is active as {get_current_run_id()!r}")
+        return _Internal(inner, session)
+
+    def get_external_adapter(self, run_id: str) -> ExternalRunAdapter:
+        session = self._live(run_id)
+        return _External(self._decorated.get_external_adapter(session.inner_id), session)
+
+    def _live(self, run_id: str) -> Session:
+        """The newest live session of `run_id` in this process and event loop."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            found = [
+                s
+                for s in self._sessions.values()
+                if (s.key == run_id or s.inner_id == run_id) and not s.done and s.loop is loop
+            ]
+        if not found:
+            raise UnknownRecord(
+                "no live run with this id in this process; restore it with "
+                "RemitRuntime.context(...) or RemitRuntime.respond(...)",
+                run_id=run_id,
+            )
+        return found[-1]
+
+    # -- reading runs -------------------------------------------------------------------
+    def _schema(self, workflow: Workflow) -> StateSchema | None:
+        if self.schema is not None:
+            return self.schema
+        state_type = infer_state_type(workflow)
+        return None if state_type is DictState else StateSchema(state_type)
+
+    def _checkpoint(self, run_id: str, checkpoint_id: str) -> CheckpointRecord:
+        record = self.remit.checkpoint(run_id, checkpoint_id)
+        if record is None:
+            raise UnknownRecord("no such checkpoint", run_id=run_id, checkpoint_id=checkpoint_id)
+        policy.check_workflow_version(record, self.accepted_versions)
+        return record
+
+    def _head(self, run_id: str) -> CheckpointRecord:
+        run_id, branch_name = split_run_id(run_id)
+        branch = self.remit.branch(run_id, branch=branch_name)
+        if branch is None or branch.head_id is None:
+            raise UnknownRecord("no such run", run_id=run_id, branch=branch_name)
+        return self._checkpoint(run_id, branch.head_id)
+
+    def _state(
+        self,
+        workflow: Workflow,
+        record: CheckpointRecord,
+        ctx: dict[str, Any],
+        serializer: JsonSerializer,
+    ) -> BaseModel:
+        """The state model a checkpoint holds, migrated to the reader's schema version."""
+        ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+        payload = ctx.get("state") or {}
+        schema = self._schema(workflow)
+        if schema is not None and record.schema_version != schema.version:
+            fields = snap.state_fields(payload)
+            if fields is None:
+                raise CorruptRecord("checkpoint state has no typed fields to migrate", **ids)
+            migrated = schema.upgrade(fields, record.schema_version, **ids)
+            return schema.validate(migrated, **ids)
+        if not payload:
+            return infer_state_type(workflow)()
+        try:
+            state = decode_seed_state(payload, serializer)
+        except (ValueError, TypeError) as exc:
+            raise CorruptRecord(f"checkpoint state does not decode ({exc})", **ids) from exc
+        return schema.validate(state, **ids) if schema is not None else state
+
+    def context(
+        self,
+        workflow: Workflow,
+        run_id: str,
+        *,
+        checkpoint_id: str | None = None,
+        fork_token: str | None = None,
+    ) -> Context[Any]:
+        """A context at a run's head (or at `checkpoint_id`), ready for `workflow.run(ctx=...)`.
+
+        Running it continues the run. A checkpoint that is not its branch's head
+        is continued only with `fork_token` (one token, one branch, from any
+        process); without one the run refuses with `ForkWithoutIntent`.
+        """
+        key_run, _ = split_run_id(run_id)
+        record = (
+            self._head(run_id)
+            if checkpoint_id is None
+            else self._checkpoint(key_run, checkpoint_id)
+        )
+        ctx = snap.decode(record.state, run_id=record.run_id, checkpoint_id=record.checkpoint_id)
+        handle = {
+            "store_type": snap.HANDLE_TYPE,
+            "run_id": record.run_id,
+            "branch": record.branch,
+            "checkpoint_id": record.checkpoint_id,
+            "fork_token": fork_token,
+        }
+        return Context.from_dict(
+            workflow, {**ctx, "state": handle}, serializer=self.get_serializer(workflow)
+        )
+
+    def checkpoints(self, run_id: str) -> list[RunCheckpoint]:
+        """Every checkpoint of a run on every branch, newest first."""
+        key_run, _ = split_run_id(run_id)
+        return [
+            RunCheckpoint(
+                checkpoint_id=r.checkpoint_id,
+                parent_id=r.parent_id,
+                branch=r.branch,
+                status=r.metadata.get("status", ""),
+                step=r.metadata.get("step"),
+                next_steps=tuple(r.metadata.get("next", ())),
+                waiting=tuple(r.metadata.get("waiting", ())),
+            )
+            for r in self.remit.history(key_run, ns="", verify=False)
+        ]
+
+    def get_state(self, workflow: Workflow, run_id: str) -> BaseModel:
+        """The state at a run's head (`run_id` may name a fork: "<run>@<branch>")."""
+        record = self._head(run_id)
+        ctx = snap.decode(record.state, run_id=record.run_id, checkpoint_id=record.checkpoint_id)
+        return self._state(workflow, record, ctx, self.get_serializer(workflow))
+
+    def result(self, run_id: str) -> Any:
+        """The result of a completed run (what awaiting its handler returned)."""
+        record = self._head(run_id)
+        if record.metadata.get("status") != snap.COMPLETED:
+            raise UnknownRecord(
+                f"run has not completed (status {record.metadata.get('status')!r})",
+                run_id=record.run_id,
+                checkpoint_id=record.checkpoint_id,
+            )
+        stop = JsonSerializer().deserialize(record.metadata["result"])
+        return getattr(stop, "result", stop)
+
+    # -- acting on runs -------------------------------------------------------------------
+    async def send_event(
+        self, handler: WorkflowHandler, event: Event, step: str | None = None
+    ) -> None:
+        """Deliver `event` to a live run, raising what the gate refuses.
+
+        `handler.ctx.send_event` is fire-and-forget: a refused event is logged
+        and not delivered. This method raises the refusal instead:
+        `ResumeConflict` when the waiter it answers was already resolved or
+        another resumer holds the run, `CheckpointInvalid` for an event that
+        fails its own model.
+        """
+        session = self._live(handler.run_id)
+        await session.deliver(
+            TickAddEvent(event=event, step_id=StepId.root(step) if step else None)
+        )
+
+    async def respond(self, workflow: Workflow, run_id: str, event: Event) -> WorkflowHandler:
+        """Resume a stored run with `event` (e.g. a `HumanResponseEvent`), in any process.
+
+        The event's interrupt is claimed and consumed before any step runs;
+        of k concurrent resumers one proceeds and the others get `ResumeConflict`.
+        """
+        ctx = self.context(workflow, run_id)
+        handler = workflow.run(ctx=ctx)
+        try:
+            await self.send_event(handler, event)
+        except BaseException:
+            session = self._live(handler.run_id)
+            session.abort()
+            session.close()
+            raise
+        return handler
+
+    async def update_state(self, workflow: Workflow, run_id: str, values: Mapping[str, Any]) -> str:
+        """Edit a stored run's state (validated; `CheckpointInvalid` commits nothing).
+
+        Commits a new head with the same frontier and the edited state, under
+        the run's claim. Returns the new checkpoint id.
+        """
+        return await asyncio.to_thread(self._update_state, workflow, run_id, dict(values))
+
+    def _update_state(self, workflow: Workflow, run_id: str, values: dict[str, Any]) -> str:
+        key_run, branch_name = split_run_id(run_id)
+        remit = self.remit
+        serializer = self.get_serializer(workflow)
+        with remit.claim(key_run, branch_name) as claim:
+            record = self._head(run_id)
+            ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+            ctx = snap.decode(record.state, **ids)
+            state = self._state(workflow, record, ctx, serializer)
+            for path, value in values.items():
+                state = set_by_path_copy(state, path, value)
+            schema = self._schema(workflow)
+            if schema is not None:
+                state = schema.validate(state, **ids)
+            body = codec.dumps(
+                {"ctx": {**ctx, "state": create_in_memory_payload(state, serializer).model_dump()}}
+            )
+            branch = remit.branch(key_run, branch=branch_name)
+            checkpoint_id = new_checkpoint_id()
+            remit.commit(
+                run_id=key_run,
+                checkpoint_id=checkpoint_id,
+                parent_id=record.checkpoint_id,
+                state=body,
+                metadata={**record.metadata, "tick": "update_state"},
+                fork_token=None if branch is None else branch.fork_token,
+                schema_version=schema.version if schema is not None else 1,
+                workflow_version=self.workflow_version,
+                fence=claim.fence,
+            )
+        return checkpoint_id
+
+
+class _Internal(BaseInternalRunAdapterDecorator):
+    """The control loop's side: every reduced tick goes to the session."""
+
+    def __init__(self, decorated: InternalRunAdapter, session: Session) -> None:
+        super().__init__(decorated)
+        self._session = session
+
+    @property
+    def run_id(self) -> str:
+        return self._session.key
+
+    async def on_tick(self, tick: WorkflowTick) -> None:
+        await super().on_tick(tick)
+        await self._session.on_tick(tick)
+
+    async def wait_receive(self, timeout_seconds: float | None = None) -> WaitResult:
+        if self._session.injections:
+            return WaitResultTick(tick=self._session.injections.popleft())
+        return await super().wait_receive(timeout_seconds)
+
+    def get_state_store(self, namespace: tuple[str, ...] = ()) -> StateStore[Any] | None:
+        return None if namespace else self._session.store
+
+
+class _External(BaseExternalRunAdapterDecorator, SnapshottableAdapter, V2RuntimeCompatibilityShim):
+    """The handler's side: events from outside pass the session's gate."""
+
+    def __init__(self, decorated: ExternalRunAdapter, session: Session) -> None:
+        super().__init__(decorated)
+        self._session = session
+        session.loop = asyncio.get_running_loop()
+
+    @property
+    def run_id(self) -> str:
+        return self._session.key
+
+    async def send_event(self, tick: WorkflowTick) -> None:
+        try:
+            await self._session.deliver(tick)
+        except RemitError:
+            logger.error("event refused for run %s", self._session.key, exc_info=True)
+            raise
+
+    def get_state_store(self, namespace: tuple[str, ...] = ()) -> StateStore[Any] | None:
+        return None if namespace else self._session.store
+
+    @property
+    def init_state(self) -> BrokerState:
+        return self._session.init_state
+
+    def replay(self) -> list[WorkflowTick]:
+        return list(self._session.ticks)
+
+    def _shim(self) -> V2RuntimeCompatibilityShim:
+        shim = as_v2_runtime_compatibility_shim(self._decorated)
+        assert shim is not None, "the decorated runtime must be the framework's asyncio runtime"
+        return shim
+
+    def get_result_or_none(self) -> Any:
+        return self._shim().get_result_or_none()
+
+    @property
+    def is_running(self) -> bool:
+        return self._shim().is_running
+
+    def abort(self) -> None:
+        self._shim().abort()
+
+
+__all__ = ["RemitRuntime", "RunCheckpoint", "public_run_id"]
