@@ -61,11 +61,12 @@ VARIABLES pc, fence, lpos, lval, seen,
 vars == <<pc, fence, lpos, lval, seen, hpos, hval, base, intr, cHolder, cFence, cLapsed,
           ledger, applied, doubt, faults, stale, stray>>
 
-Exists(b)  == b = Main \/ base[b] >= 0
+Exists(b)  == base[b] >= 0          \* main has base 0
 Settled(b) == hpos[b] = Final \/ doubt[b]
 \* policy.decide_claim: never claimed, released or lapsed -> grant_new; a
 \* shim's claim() always presents a fresh holder, so "keep" never applies.
-Free(b)    == cHolder[b] = 0 \/ cLapsed[b]
+\* (Written with IF: TLC would branch on a disjunction in an action.)
+Free(b)    == IF cHolder[b] = 0 THEN TRUE ELSE cLapsed[b]
 \* The fence check every fenced primitive makes (SqlStore._check_fence).
 CanWrite(r) == BugNoFencing \/ fence[r] = cFence[Drive[r]]
 StaleNow(r) == fence[r] /= cFence[Drive[r]]

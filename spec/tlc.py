@@ -137,8 +137,20 @@ def run(cfg: Config, *, workers: int = 2, heap: str | None = None) -> TlcResult:
         cmd = [java, "-XX:+UseParallelGC"]
         if heap:
             cmd.append(f"-Xmx{heap}")
-        cmd += ["-cp", str(tla2tools()), "tlc2.TLC", "-workers", str(workers), "-deadlock",
-                "-cleanup", "-metadir", str(work / "states"), "-config", "MC.cfg", "MC.tla"]
+        cmd += [
+            "-cp",
+            str(tla2tools()),
+            "tlc2.TLC",
+            "-workers",
+            str(workers),
+            "-deadlock",
+            "-cleanup",
+            "-metadir",
+            str(work / "states"),
+            "-config",
+            "MC.cfg",
+            "MC.tla",
+        ]
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, check=False)
         seconds = time.monotonic() - t0
@@ -169,10 +181,18 @@ def parse_output(out: str, seconds: float) -> TlcResult:
             violation = "Termination" if m.group(1) == "violated" else m.group(1)
             break
     if violation is None and "Model checking completed. No error has been found." not in out:
-        raise RuntimeError("TLC reported an error that is not a property violation:\n"
-                           + out[-4000:])
-    return TlcResult(generated, distinct, int(depth.group(1)) if depth else 0, seconds,
-                     violation, parse_trace(out) if violation else [], out)
+        raise RuntimeError(
+            "TLC reported an error that is not a property violation:\n" + out[-4000:]
+        )
+    return TlcResult(
+        generated,
+        distinct,
+        int(depth.group(1)) if depth else 0,
+        seconds,
+        violation,
+        parse_trace(out) if violation else [],
+        out,
+    )
 
 
 # -- counterexamples -----------------------------------------------------------
@@ -186,7 +206,7 @@ def _tokens(text: str) -> list[str]:
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None:
-            raise ValueError(f"cannot read TLC value at {text[pos:pos + 30]!r}")
+            raise ValueError(f"cannot read TLC value at {text[pos : pos + 30]!r}")
         out.append(m.group(1))
         pos = m.end()
     return out
@@ -295,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = CONFIGS[a.config]
     print(f"{a.config}: {cfg.describe()}", flush=True)
     res = run(cfg, workers=a.workers, heap=a.heap)
-    print(f"{res.distinct:,} distinct states, {res.generated:,} generated, depth {res.depth}, "
-          f"{res.seconds:.1f} s")
+    print(
+        f"{res.distinct:,} distinct states, {res.generated:,} generated, depth {res.depth}, "
+        f"{res.seconds:.1f} s"
+    )
     if res.violation:
         print(f"violated: {res.violation} (counterexample of {len(res.trace)} states)")
         if a.trace:
