@@ -12,6 +12,7 @@ from remit_core.effects import (
     current_idempotency_key,
     current_scope,
     effect,
+    register_scope_resolver,
     run_effect,
     step_scope,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "effect",
     "loads",
     "open_store",
+    "register_scope_resolver",
     "run_effect",
     "step_scope",
 ]

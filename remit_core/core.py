@@ -137,12 +137,19 @@ class Remit:
 
     # -- checkpoints -----------------------------------------------------------
     def plan(
-        self, run_id: str, parent_id: str | None, *, ns: str = "", fork_token: str | None = None
+        self,
+        run_id: str,
+        parent_id: str | None,
+        *,
+        ns: str = "",
+        fork_token: str | None = None,
+        allow_new_root: bool = False,
     ) -> policy.CommitPlan:
         """Where a checkpoint with this parent would go (raises `ForkWithoutIntent`)."""
         branches = self.store.list_branches(run_id, ns)
         return policy.plan_commit(
-            run_id, ns, parent_id, branches, fork_token=fork_token, now=self.clock()
+            run_id, ns, parent_id, branches, fork_token=fork_token, now=self.clock(),
+            allow_new_root=allow_new_root,
         )
 
     def commit(
@@ -161,14 +168,18 @@ class Remit:
         writes: Sequence[WriteRecord] = (),
         fence: FenceRef | None = None,
         plan: policy.CommitPlan | None = None,
+        allow_new_root: bool = False,
     ) -> CheckpointRecord:
         """Commit a checkpoint after `parent_id`: a compare-and-set of its branch head.
 
         Raises `ForkWithoutIntent` if `parent_id` is not a head and no
         `fork_token` is given, `HeadMoved` if another writer won the race,
         `Fenced` if `fence` is stale. Nothing is written when it raises.
+        `allow_new_root`: see `policy.plan_commit`.
         """
-        plan = plan or self.plan(run_id, parent_id, ns=ns, fork_token=fork_token)
+        plan = plan or self.plan(
+            run_id, parent_id, ns=ns, fork_token=fork_token, allow_new_root=allow_new_root
+        )
         if plan.fork is not None:
             created = self.store.create_branch(plan.fork)
             if created.head_id != parent_id:
@@ -417,6 +428,24 @@ class Remit:
     # -- whole runs ----------------------------------------------------------
     def delete_run(self, run_id: str) -> None:
         self.store.delete_run(run_id)
+
+    def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
+        """Delete checkpoints (and their writes), heads included: a deleted head first
+        moves back to `policy.head_after_delete`. Fork bases are kept. Returns the count."""
+        doomed = set(checkpoint_ids)
+        records = self.store.list_checkpoints(run_id, ns)
+        for b in self.store.list_branches(run_id, ns):
+            if b.head_id in doomed:
+                new_head = policy.head_after_delete(b, records, doomed)
+                self.store.move_head(
+                    run_id,
+                    ns,
+                    b.branch,
+                    expected_head=b.head_id,
+                    new_head=None if new_head is None else new_head.checkpoint_id,
+                    new_seq=0 if new_head is None else new_head.seq,
+                )
+        return self.store.delete_checkpoints(run_id, ns, sorted(doomed))
 
     def copy_run(self, source_run_id: str, target_run_id: str) -> None:
         self.store.copy_run(source_run_id, target_run_id)

@@ -78,8 +78,32 @@ def step_scope(
         _scope.reset(token)
 
 
+_resolvers: list[Callable[[], StepScope | None]] = []
+
+
+def register_scope_resolver(resolver: Callable[[], StepScope | None]) -> None:
+    """Let a shim name the step an effect runs in when no `step_scope` is open.
+
+    A framework that runs step bodies itself (so the shim cannot wrap them)
+    registers a resolver that reads the framework's own task context and
+    returns the step's scope, or None when the call is not inside one of its
+    steps. The scope found is kept for the rest of the current context, so
+    effect occurrences within one step execution are numbered in order.
+    """
+    if resolver not in _resolvers:
+        _resolvers.append(resolver)
+
+
 def current_scope() -> StepScope | None:
-    return _scope.get()
+    """The open step scope, else the one a registered resolver finds (then kept)."""
+    scope = _scope.get()
+    if scope is None:
+        for resolver in _resolvers:
+            scope = resolver()
+            if scope is not None:
+                _scope.set(scope)
+                break
+    return scope
 
 
 def current_idempotency_key() -> str | None:
@@ -213,7 +237,7 @@ def _wants_key(fn: Callable[..., Any]) -> bool:
 
 
 def _scope_or_fail(name: str) -> StepScope:
-    scope = _scope.get()
+    scope = current_scope()
     if scope is None:
         raise RemitError(
             f"effect {name!r} was called outside a Remit step: run the workflow with a "

@@ -51,12 +51,16 @@ def plan_commit(
     *,
     fork_token: str | None,
     now: float,
+    allow_new_root: bool = False,
 ) -> CommitPlan:
     """Decide how a checkpoint whose parent is `parent_id` may be committed.
 
     Continuing a branch head is a plain compare-and-set. Continuing anything
     else is a fork: refused with `ForkWithoutIntent` unless a fork token is
     given, in which case it goes to the one branch that token names.
+    With `allow_new_root`, a checkpoint without a parent on a run that already
+    has a main line becomes that line's new head (compare-and-set of the
+    current head): it continues from no checkpoint, so it is not a fork.
     """
     by_token = {b.fork_token: b for b in branches if b.fork_token is not None}
     if fork_token is not None and fork_token in by_token:
@@ -71,8 +75,11 @@ def plan_commit(
                 checkpoint_id=parent_id,
             )
     if parent_id is None:
-        if not any(b.branch == MAIN_BRANCH for b in branches):
+        main = next((b for b in branches if b.branch == MAIN_BRANCH), None)
+        if main is None:
             return CommitPlan(MAIN_BRANCH, None, 1)
+        if allow_new_root:
+            return CommitPlan(MAIN_BRANCH, main.head_id, main.head_seq + 1)
     else:
         heads = [b for b in branches if b.head_id == parent_id and b.fork_token is None]
         heads += [b for b in branches if b.head_id == parent_id and b.fork_token is not None]
@@ -206,6 +213,29 @@ def check_workflow_version(
 
 
 # -- retention ---------------------------------------------------------------
+
+
+def head_after_delete(
+    branch: BranchRecord, checkpoints: Sequence[CheckpointRecord], doomed: Iterable[str]
+) -> CheckpointRecord | None:
+    """Where a branch's head goes when checkpoints `doomed` (its head among them) are deleted.
+
+    The head's nearest surviving ancestor, else the branch's newest surviving
+    checkpoint, else None (the branch has nothing left).
+    """
+    gone = set(doomed)
+    by_id = {c.checkpoint_id: c for c in checkpoints}
+    cursor = by_id.get(branch.head_id) if branch.head_id is not None else None
+    while cursor is not None:
+        if cursor.checkpoint_id not in gone:
+            return cursor
+        cursor = by_id.get(cursor.parent_id) if cursor.parent_id is not None else None
+    survivors = [
+        c for c in checkpoints
+        if c.branch == branch.branch and c.ns == branch.ns and c.checkpoint_id not in gone
+    ]
+    return max(survivors, key=lambda c: c.checkpoint_id, default=None)
+
 
 
 def prunable(

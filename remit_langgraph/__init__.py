@@ -1,1 +1,58 @@
-"""Placeholder until its issue lands."""
+"""Remit for LangGraph: `RemitSaver`, a drop-in checkpointer that keeps the Resume Contract.
+
+    from remit_langgraph import RemitSaver
+    with RemitSaver.from_conn_string("sqlite:///remit.db") as saver:  # or postgresql://, redis://
+        graph = builder.compile(checkpointer=saver)                  # graph code unchanged
+
+`RemitSaver(store, *, state_schema=None, allowlist=(), lease=None,
+workflow_version="", accept_versions=None, serde=None)` is a
+`BaseCheckpointSaver` with every sync method and its async twin (`ainvoke`,
+`astream` work on the same object); `from_conn_string(url, **options)` is a
+context manager for `with` and `async with`.
+
+- `store`: a Remit store URL or a `remit_core.Remit`.
+- `state_schema`: the state type to validate every write against (P4). By
+  default the schema of the graph that runs is used (`StateGraph(State)`); pass
+  one (a type or a `remit_core.StateSchema` with a version and migrations) to
+  override it or for graphs without one.
+- `allowlist`: extra types ((module, name) or classes) the serializer may store.
+  Pickle is never used; types of the graph's state schema are allowed
+  automatically; any other type is refused at write time (`CheckpointInvalid`).
+- `lease`: seconds a run's claim lives without a heartbeat (L1); default the
+  core's `DEFAULT_LEASE`.
+- `workflow_version` / `accept_versions`: the version label recorded on every
+  checkpoint and the labels a reader accepts (`VersionMismatch` otherwise).
+
+Config keys (`config["configurable"]`):
+
+- `thread_id`: the Remit run id.
+- `checkpoint_id`: continue from this checkpoint. If it is not the head of its
+  branch, the run is a fork and needs `fork_token` (else `ForkWithoutIntent`
+  before any node runs). Applies to time travel and to `update_state`.
+- `fork_token`: the fork-intent token (P3). The first use forks one named
+  branch; the same token again, from any process, returns that branch (its
+  head) instead of growing another. Without `checkpoint_id`, a token selects
+  its branch's head for reads and runs.
+
+A run (`invoke`/`stream`, sync or async) takes the thread's claim before any
+node runs, holds it with a heartbeat and releases it when the run returns;
+a concurrent run gets `ResumeConflict` (P5, L1). Every write carries the
+claim's fence, so a paused holder whose lease was taken over gets `Fenced`
+(L2). `Command(resume=v)` consumes the pending interrupt atomically, and a
+value for an interrupt already consumed is refused with `ResumeConflict` and
+not stored; `Command(resume={interrupt_id: v, ...})` consumes each named
+interrupt. A value is checked against the interrupt's `response_schema`
+(`interrupt(prompt, response_schema=T)`) before it is consumed
+(`CheckpointInvalid`, interrupt still pending). After a crash,
+`invoke(None, config)` continues after the head and re-delivers an accepted
+resume value.
+
+Effects (P2): decorate the function that touches the outside world with
+`remit_core.effect(reconcile=...)` (or `idempotent=True`) and call it from a
+node; no other change. Its ledger key is the node's task identity (branch,
+namespace, step, task path), so a re-run node gets the recorded outcome.
+"""
+
+from remit_langgraph.saver import RemitSaver
+
+__all__ = ["RemitSaver"]

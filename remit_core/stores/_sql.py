@@ -382,6 +382,35 @@ class SqlStore(Store):
             )
         return _branch(row)
 
+    def move_head(
+        self,
+        run_id: str,
+        ns: str,
+        branch: str,
+        *,
+        expected_head: str | None,
+        new_head: str | None,
+        new_seq: int,
+    ) -> None:
+        sql = (
+            "UPDATE remit_branches SET head_id = ?, head_seq = ? "
+            "WHERE run_id = ? AND ns = ? AND branch = ? AND "
+        )
+        params: list[Any] = [new_head, new_seq, run_id, ns, branch]
+        if expected_head is None:
+            sql += "head_id IS NULL"
+        else:
+            sql += "head_id = ?"
+            params.append(expected_head)
+        with self._txn() as txn:
+            cur = txn.execute(sql, params)
+            if cur.rowcount != 1:
+                raise HeadMoved(
+                    f"branch {branch!r} no longer has head {expected_head!r}",
+                    run_id=run_id,
+                    checkpoint_id=expected_head,
+                )
+
     def get_blobs(self, run_id: str, ns: str, keys: Sequence[str]) -> dict[str, bytes]:
         if not keys:
             return {}

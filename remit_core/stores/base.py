@@ -96,6 +96,23 @@ class Store(ABC):
         one, or the one an earlier call with the same token created (P3).
         """
 
+    def move_head(
+        self,
+        run_id: str,
+        ns: str,
+        branch: str,
+        *,
+        expected_head: str | None,
+        new_head: str | None,
+        new_seq: int,
+    ) -> None:
+        """Set a branch's head to `new_head` if it is still `expected_head` (else `HeadMoved`).
+
+        Only deletion uses it, to move a head back before its checkpoint is
+        removed; commits move heads forward with `commit_checkpoint`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot move a branch head")
+
     @abstractmethod
     def get_blobs(self, run_id: str, ns: str, keys: Sequence[str]) -> dict[str, bytes]:
         """The stored blobs among `keys`."""

@@ -1,0 +1,106 @@
+"""How LangGraph's checkpoints, channel values and writes map onto Remit records.
+
+A LangGraph thread is a Remit run (`run_id = thread_id`) and a checkpoint
+namespace is a Remit namespace. A checkpoint record holds the checkpoint's
+frame (ids, versions, timestamps) as tagged JSON; each channel value is a
+blob stored once per (channel, version), as LangGraph's PostgreSQL saver does,
+so a checkpoint that changes one channel writes one blob. Values are encoded
+with the saver's serializer and framed as `type NUL bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import Checkpoint
+from langgraph.checkpoint.serde.base import SerializerProtocol
+
+from remit_core import codec
+from remit_core.errors import CorruptRecord, RemitError
+
+#: Marks a checkpoint body as LangGraph's (other shims share the store).
+BODY_FORMAT = 1
+
+
+def pack(typed: tuple[str, bytes]) -> bytes:
+    """Frame a serializer result: its type name, NUL, its bytes."""
+    type_, data = typed
+    return type_.encode() + b"\x00" + data
+
+
+def unpack(raw: bytes, **ids: Any) -> tuple[str, bytes]:
+    """Split a framed value back into (type name, bytes)."""
+    type_, sep, data = bytes(raw).partition(b"\x00")
+    if not sep:
+        raise CorruptRecord("stored value has no type frame", **ids)
+    return type_.decode(), data
+
+
+def blob_key(channel: str, version: Any) -> str:
+    """The blob a channel's value at one version is stored under."""
+    return f"{version}:{channel}"
+
+
+def encode_body(checkpoint: Checkpoint, inline: Mapping[str, bytes]) -> bytes:
+    """The checkpoint record's body: everything but the blob-stored channel values."""
+    body = {
+        "lg": BODY_FORMAT,
+        "v": checkpoint.get("v", 1),
+        "ts": checkpoint.get("ts", ""),
+        "channel_versions": dict(checkpoint.get("channel_versions") or {}),
+        "versions_seen": {k: dict(v) for k, v in (checkpoint.get("versions_seen") or {}).items()},
+        "updated_channels": checkpoint.get("updated_channels"),
+        "inline": dict(inline),
+    }
+    try:
+        return codec.dumps(body)
+    except TypeError as exc:
+        raise RemitError(
+            f"checkpoint has a field Remit cannot store: {exc}", checkpoint_id=checkpoint.get("id")
+        ) from exc
+
+
+def decode_body(raw: bytes, **ids: Any) -> dict[str, Any]:
+    """Parse a checkpoint body; `CorruptRecord` if it is not a LangGraph checkpoint."""
+    try:
+        body = codec.loads(raw)
+    except ValueError as exc:
+        raise CorruptRecord(f"checkpoint body does not decode: {exc}", **ids) from exc
+    if not isinstance(body, dict) or body.get("lg") != BODY_FORMAT:
+        raise CorruptRecord("record is not a LangGraph checkpoint written by Remit", **ids)
+    return body
+
+
+def is_langgraph_body(raw: bytes) -> bool:
+    """Cheap check used when listing a store other shims also write to."""
+    return bytes(raw[:16]).startswith(b'{"lg":')
+
+
+def build_checkpoint(
+    checkpoint_id: str, body: Mapping[str, Any], values: dict[str, Any]
+) -> Checkpoint:
+    return Checkpoint(
+        v=body["v"],
+        id=checkpoint_id,
+        ts=body["ts"],
+        channel_values=values,
+        channel_versions=body["channel_versions"],
+        versions_seen=body["versions_seen"],
+        updated_channels=body["updated_channels"],
+    )
+
+
+def run_config(thread_id: str, ns: str, checkpoint_id: str) -> RunnableConfig:
+    return {
+        "configurable": {
+            "thread_id": thread_id,
+            "checkpoint_ns": ns,
+            "checkpoint_id": checkpoint_id,
+        }
+    }
+
+
+def decode_value(serde: SerializerProtocol, raw: bytes, **ids: Any) -> Any:
+    return serde.loads_typed(unpack(raw, **ids))

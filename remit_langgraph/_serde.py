@@ -1,0 +1,197 @@
+"""LangGraph's serializer protocol, fail-closed: no pickle, a strict type allowlist.
+
+Values are encoded as LangGraph's own `JsonPlusSerializer` encodes them
+(msgpack with extension types), so a checkpoint reads the same as LangGraph's
+savers would write it. The differences are the ones that matter for safety:
+
+- write time: every object that is not plain data must have its type in the
+  allowlist, else `CheckpointInvalid` names the type and where it sits in the
+  value. Nothing that could not be read back is ever stored.
+- read time: no pickle, no legacy JSON constructors; an extension type that is
+  not allowed, or that fails to rebuild, raises `CorruptRecord` instead of
+  coming back as `None` or a raw dict.
+
+The allowlist starts from LangGraph's safe types, LangChain's message types and
+LangGraph's own records (`Send`, `Interrupt`, `Overwrite`); a graph's state
+schema adds its types when the saver meets the graph, and `with_allowlist`
+adds more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import ormsgpack
+from langgraph._internal._serde import curated_core_allowlist
+from langgraph.checkpoint.serde import jsonplus
+from langgraph.checkpoint.serde._msgpack import SAFE_MSGPACK_METHODS, SAFE_MSGPACK_TYPES
+from langgraph.checkpoint.serde.base import SerializerProtocol
+from pydantic import BaseModel
+
+from remit_core.errors import CheckpointInvalid, CorruptRecord
+
+#: LangGraph records that a run itself stores (task packets, interrupts, overwrites).
+_LANGGRAPH_TYPES = frozenset(
+    {
+        ("langgraph.types", "Send"),
+        ("langgraph.types", "Interrupt"),
+        ("langgraph.types", "Overwrite"),
+    }
+)
+_PLAIN = (str, int, float, bool, type(None), bytes, bytearray)
+_CONTAINERS = (list, tuple, set, frozenset)
+_OPTIONS = ormsgpack.OPT_NON_STR_KEYS
+
+
+def _key(item: tuple[str, ...] | type) -> tuple[str, ...]:
+    if isinstance(item, type):
+        return (item.__module__, item.__name__)
+    return tuple(item)
+
+
+class StrictSerializer(SerializerProtocol):
+    """`dumps_typed` / `loads_typed` with a write-time allowlist and no pickle."""
+
+    def __init__(self, allowlist: Iterable[tuple[str, ...] | type] = ()) -> None:
+        self.allowlist: frozenset[tuple[str, ...]] = (
+            SAFE_MSGPACK_TYPES
+            | _LANGGRAPH_TYPES
+            | frozenset(curated_core_allowlist())
+            | frozenset(_key(i) for i in allowlist)
+        )
+
+    def with_allowlist(self, extra: Iterable[tuple[str, ...] | type]) -> StrictSerializer:
+        """A copy that also allows `extra` ((module, name) pairs or classes)."""
+        extra_keys = frozenset(_key(i) for i in extra)
+        if extra_keys <= self.allowlist:
+            return self
+        clone = StrictSerializer()
+        clone.allowlist = self.allowlist | extra_keys
+        return clone
+
+    # -- write -------------------------------------------------------------------
+    def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+        return self.dumps_at(obj, "<value>")
+
+    def dumps_at(self, obj: Any, path: str, **ids: Any) -> tuple[str, bytes]:
+        """`dumps_typed`, naming `path` (e.g. the channel) and `ids` in a refusal."""
+        if obj is None:
+            return "null", b""
+        if isinstance(obj, bytes):
+            return "bytes", obj
+        if isinstance(obj, bytearray):
+            return "bytearray", bytes(obj)
+        self._check(obj, path, ids)
+        try:
+            return "msgpack", jsonplus._msgpack_enc(obj)
+        except (TypeError, ormsgpack.MsgpackEncodeError) as exc:
+            raise CheckpointInvalid(
+                f"value at {path} cannot be serialized ({exc}); store plain data or "
+                "allowlisted types",
+                field=path,
+                **ids,
+            ) from exc
+
+    def _check(self, obj: Any, path: str, ids: dict[str, Any]) -> None:
+        """Refuse any object whose type is not plain data or allowlisted (walks containers)."""
+        if isinstance(obj, _PLAIN):
+            return
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                self._check(k, f"{path}.<key>", ids)
+                self._check(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]", ids)
+            return
+        if type(obj) in _CONTAINERS:
+            for i, v in enumerate(obj):
+                self._check(v, f"{path}[{i}]", ids)
+            return
+        if isinstance(obj, BaseException):
+            return  # LangGraph stores errors as their repr string
+        cls = type(obj)
+        if (cls.__module__, cls.__name__) not in self.allowlist:
+            raise CheckpointInvalid(
+                f"value of type {cls.__module__}.{cls.__qualname__} at {path} is not in the "
+                "serializer allowlist; declare it in the graph's state schema or pass "
+                "RemitSaver(..., allowlist=[...])",
+                field=path,
+                **ids,
+            )
+        if isinstance(obj, BaseModel):
+            for name in type(obj).model_fields:
+                self._check(getattr(obj, name, None), f"{path}.{name}", ids)
+        elif dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                self._check(getattr(obj, f.name), f"{path}.{f.name}", ids)
+        elif isinstance(obj, (tuple, deque)):  # a namedtuple or a deque
+            for i, v in enumerate(obj):
+                self._check(v, f"{path}[{i}]", ids)
+        elif hasattr(obj, "arg") and hasattr(obj, "node"):  # Send
+            self._check(obj.arg, f"{path}.arg", ids)
+
+    # -- read --------------------------------------------------------------------
+    def loads_typed(self, data: tuple[str, bytes]) -> Any:
+        type_, body = data
+        if type_ == "null":
+            return None
+        if type_ == "bytes":
+            return bytes(body)
+        if type_ == "bytearray":
+            return bytearray(body)
+        if type_ == "msgpack":
+            try:
+                return ormsgpack.unpackb(body, ext_hook=self._ext_hook, option=_OPTIONS)
+            except CorruptRecord:
+                raise
+            except Exception as exc:
+                raise CorruptRecord(f"stored value does not decode: {exc}") from exc
+        raise CorruptRecord(
+            f"stored value has serialization type {type_!r}; Remit reads only null, bytes, "
+            "bytearray and msgpack (never pickle)"
+        )
+
+    def _allowed(self, module: str, name: str) -> None:
+        if (module, name) not in self.allowlist:
+            raise CorruptRecord(
+                f"stored value has type {module}.{name}, which is not in the serializer "
+                "allowlist; add it with RemitSaver(..., allowlist=[...]) if it is trusted"
+            )
+
+    def _ext_hook(self, code: int, data: bytes) -> Any:
+        if code == jsonplus.EXT_DELTA_SNAPSHOT:
+            value = ormsgpack.unpackb(data, ext_hook=self._ext_hook, option=_OPTIONS)
+            return jsonplus._DeltaSnapshot(value)
+        if code == jsonplus.EXT_NUMPY_ARRAY:
+            self._allowed("numpy", "ndarray")
+            return jsonplus._create_msgpack_ext_hook(True)(code, data)
+        tup = ormsgpack.unpackb(data, ext_hook=self._ext_hook, option=_OPTIONS)
+        module, name = tup[0], tup[1]
+        if code == jsonplus.EXT_METHOD_SINGLE_ARG:
+            if (module, name, tup[3]) not in SAFE_MSGPACK_METHODS:
+                raise CorruptRecord(f"stored value calls {module}.{name}.{tup[3]}, not allowed")
+        else:
+            self._allowed(module, name)
+        try:
+            target = getattr(importlib.import_module(module), name)
+            if code == jsonplus.EXT_CONSTRUCTOR_SINGLE_ARG:
+                return target(tup[2])
+            if code == jsonplus.EXT_CONSTRUCTOR_POS_ARGS:
+                if (module, name) == ("langgraph.types", "Send"):
+                    return jsonplus._send_from_args(tup[2])
+                return target(*tup[2])
+            if code in (
+                jsonplus.EXT_CONSTRUCTOR_KW_ARGS,
+                jsonplus.EXT_PYDANTIC_V1,
+                jsonplus.EXT_PYDANTIC_V2,
+            ):
+                return target(**tup[2])
+            if code == jsonplus.EXT_METHOD_SINGLE_ARG:
+                return getattr(target, tup[3])(tup[2])
+        except Exception as exc:
+            raise CorruptRecord(
+                f"stored value of type {module}.{name} does not rebuild: {exc}"
+            ) from exc
+        raise CorruptRecord(f"stored value has unknown extension code {code}")

@@ -1,0 +1,410 @@
+"""`RemitSaver`: LangGraph's `BaseCheckpointSaver` over `remit_core`, sync and async.
+
+Storage and policy live in the core; this module translates LangGraph's
+checkpoints, channel values and writes into Remit records (`_records`) and
+back. The async methods run the same sync code in a worker thread, so the
+logic exists once and the event loop never waits on the store. The contract
+hooks that need LangGraph's run loop (claims, resume values, forks, state
+schema, effect scopes) are in `_runs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import sys
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    get_serializable_checkpoint_metadata,
+    writes_sort_key,
+)
+from langgraph.checkpoint.serde.base import SerializerProtocol
+
+from remit_core import Remit, connect, policy
+from remit_core.errors import RemitError
+from remit_core.records import MAIN_BRANCH, CheckpointRecord, WriteRecord
+from remit_core.schema import StateSchema
+from remit_langgraph import _records as rec
+from remit_langgraph._runs import Runs
+from remit_langgraph._serde import StrictSerializer
+
+
+def _conf(config: RunnableConfig | None) -> dict[str, Any]:
+    return dict((config or {}).get("configurable") or {})
+
+
+def _thread(config: RunnableConfig) -> str:
+    thread_id = _conf(config).get("thread_id")
+    if thread_id is None:
+        raise RemitError("config has no configurable.thread_id: Remit stores runs by thread")
+    return str(thread_id)
+
+
+class RemitSaver(BaseCheckpointSaver[str]):
+    """A LangGraph checkpointer that keeps the Resume Contract.
+
+    `store` is a Remit store URL (`sqlite:///remit.db`, `postgresql://...`,
+    `redis://...`) or a `remit_core.Remit`. See the package docstring for the
+    options and the config keys it reads.
+    """
+
+    def __init__(
+        self,
+        store: str | Remit,
+        *,
+        state_schema: Any = None,
+        allowlist: Iterable[tuple[str, ...] | type] = (),
+        lease: float | None = None,
+        workflow_version: str = "",
+        accept_versions: Iterable[str] | None = None,
+        serde: SerializerProtocol | None = None,
+    ) -> None:
+        super().__init__(serde=serde or StrictSerializer(allowlist))
+        self.remit = connect(store) if isinstance(store, str) else store
+        self.lease = self.remit.lease if lease is None else lease
+        self.workflow_version = workflow_version
+        self.accept_versions = (
+            set(accept_versions)
+            if accept_versions is not None
+            else ({workflow_version} if workflow_version else None)
+        )
+        self.state_schema = (
+            state_schema
+            if state_schema is None or isinstance(state_schema, StateSchema)
+            else StateSchema(state_schema)
+        )
+        self._runs = Runs(self)
+
+    @classmethod
+    def from_conn_string(cls, url: str, **options: Any) -> _Opened:
+        """`with RemitSaver.from_conn_string(url) as saver:` (or `async with`)."""
+        return _Opened(cls(url, **options))
+
+    # -- helpers ------------------------------------------------------------------
+    def _dump(self, value: Any, field: str, **ids: Any) -> bytes:
+        if isinstance(self.serde, StrictSerializer):
+            return rec.pack(self.serde.dumps_at(value, field, **ids))
+        return rec.pack(self.serde.dumps_typed(value))
+
+    def _tuple(self, record: CheckpointRecord, *, values_only: bool = False) -> CheckpointTuple:
+        """Rebuild a `CheckpointTuple` from a verified checkpoint record."""
+        ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+        policy.check_workflow_version(record, self.accept_versions)
+        body = rec.decode_body(record.state, **ids)
+        keys = {ch: rec.blob_key(ch, v) for ch, v in body["channel_versions"].items()}
+        blobs = self.remit.blobs(record.run_id, list(keys.values()), ns=record.ns)
+        values = {
+            ch: rec.decode_value(self.serde, blobs[key], **ids)
+            for ch, key in keys.items()
+            if key in blobs
+        }
+        for ch, raw in body["inline"].items():
+            values[ch] = rec.decode_value(self.serde, raw, **ids)
+        values = self._runs.upgrade(record, values)
+        writes = [] if values_only else self._writes(record)
+        parent = (
+            rec.run_config(record.run_id, record.ns, record.parent_id) if record.parent_id else None
+        )
+        return CheckpointTuple(
+            config=rec.run_config(record.run_id, record.ns, record.checkpoint_id),
+            checkpoint=rec.build_checkpoint(record.checkpoint_id, body, values),
+            metadata=dict(record.metadata),  # type: ignore[arg-type]
+            parent_config=parent,
+            pending_writes=writes,
+        )
+
+    def _writes(self, record: CheckpointRecord) -> list[tuple[str, str, Any]]:
+        ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+        stored = self.remit.writes(record.run_id, record.checkpoint_id, ns=record.ns)
+        stored.sort(key=lambda w: writes_sort_key(w.task_path, w.task_id, w.idx))
+        return [
+            (w.task_id, w.channel, rec.decode_value(self.serde, w.value, **ids)) for w in stored
+        ]
+
+    # -- reads ------------------------------------------------------------------
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """The checkpoint `config` names, else the head of its branch (main or its fork token's).
+
+        Called by LangGraph's run loop at the start of a run, it also takes
+        the run's claim and settles its resume value (see `_runs`).
+        """
+        return self._get_tuple(config, self._runs.calling_loop(sys._getframe(1)))
+
+    def _get_tuple(self, config: RunnableConfig, loop: Any) -> CheckpointTuple | None:
+        if loop is not None:
+            return self._runs.start(loop, config)
+        return self.read(config)
+
+    def read(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """`get_tuple` without the run-start hooks."""
+        record = self._record(config)
+        return None if record is None else self._tuple(record)
+
+    def _record(self, config: RunnableConfig) -> CheckpointRecord | None:
+        conf = _conf(config)
+        thread, ns = _thread(config), conf.get("checkpoint_ns", "")
+        checkpoint_id = conf.get("checkpoint_id")
+        if checkpoint_id:
+            return self.remit.checkpoint(thread, checkpoint_id, ns=ns)
+        token = conf.get("fork_token")
+        branch = policy.fork_branch_name(token) if token else MAIN_BRANCH
+        record = self.remit.head(thread, ns=ns, branch=branch)
+        if record is None and token:
+            record = self.remit.head(thread, ns=ns)
+        return record
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        """Checkpoints newest first; `filter` matches metadata keys exactly."""
+        conf = _conf(config)
+        thread = conf.get("thread_id")
+        ns = conf.get("checkpoint_ns")
+        before_id = _conf(before).get("checkpoint_id")
+        records = self.remit.history(
+            None if thread is None else str(thread),
+            ns=ns,
+            before_id=before_id,
+            limit=None if filter or thread is None else limit,
+            verify=False,
+        )
+        if conf.get("checkpoint_id"):
+            records = [r for r in records if r.checkpoint_id == conf["checkpoint_id"]]
+        count = 0
+        for raw in records:
+            if limit is not None and count >= limit:
+                return
+            if filter and any(raw.metadata.get(k) != v for k, v in filter.items()):
+                continue
+            record = self.remit.checkpoint(raw.run_id, raw.checkpoint_id, ns=raw.ns)
+            if record is None or not rec.is_langgraph_body(record.state):
+                continue  # deleted while listing, or another shim's run
+            count += 1
+            yield self._tuple(record)
+
+    # -- writes -----------------------------------------------------------------
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """Commit `checkpoint` after `config`'s checkpoint id (a compare-and-set of the head).
+
+        Channel values are stored once per (channel, version) in `new_versions`.
+        """
+        conf = _conf(config)
+        thread, ns = _thread(config), conf.get("checkpoint_ns", "")
+        checkpoint_id = checkpoint["id"]
+        ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
+        values = checkpoint["channel_values"]
+        self._runs.validate_state(thread, ns, values, **ids)
+        blobs, inline = {}, {}
+        for ch, value in values.items():
+            if ch in new_versions:
+                blobs[rec.blob_key(ch, new_versions[ch])] = self._dump(value, ch, **ids)
+            else:
+                inline[ch] = self._dump(value, ch, **ids)
+        stored_meta = get_serializable_checkpoint_metadata(config, metadata)
+        run = self._runs.active(thread)
+        self.remit.commit(
+            run_id=thread,
+            checkpoint_id=checkpoint_id,
+            parent_id=conf.get("checkpoint_id"),
+            state=rec.encode_body(checkpoint, inline),
+            ns=ns,
+            metadata=stored_meta,
+            fork_token=conf.get("fork_token"),
+            schema_version=self.state_schema.version if self.state_schema else 1,
+            workflow_version=self.workflow_version,
+            blobs=blobs,
+            fence=None if run is None else run.fence,
+            allow_new_root=True,
+        )
+        return rec.run_config(thread, ns, checkpoint_id)
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        """Store a task's writes on a checkpoint (special channels overwrite, others keep first)."""
+        conf = _conf(config)
+        thread, ns = _thread(config), conf.get("checkpoint_ns", "")
+        checkpoint_id = conf["checkpoint_id"]
+        ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
+        self._runs.validate_writes(thread, ns, writes, **ids)
+        records = [
+            WriteRecord(
+                run_id=thread,
+                checkpoint_id=checkpoint_id,
+                task_id=task_id,
+                idx=WRITES_IDX_MAP.get(channel, idx),
+                channel=channel,
+                value=self._dump(value, channel, **ids),
+                ns=ns,
+                task_path=task_path,
+            )
+            for idx, (channel, value) in enumerate(writes)
+        ]
+        special = all(w.channel in WRITES_IDX_MAP for w in records)
+        run = self._runs.active(thread)
+        self._runs.before_writes(thread, ns, checkpoint_id, task_id, writes)
+        self.remit.put_writes(
+            records,
+            mode="overwrite" if special else "first",
+            fence=None if run is None else run.fence,
+        )
+        self._runs.after_writes(thread, ns, checkpoint_id, task_id, writes)
+
+    # -- whole threads ------------------------------------------------------------
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete every record of a thread (checkpoints, writes, interrupts, effects)."""
+        self.remit.delete_run(str(thread_id))
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete the checkpoints (and their writes) that LangGraph runs `run_ids` wrote.
+
+        A deleted branch head moves back to the newest checkpoint that remains.
+        """
+        wanted = {str(r) for r in run_ids}
+        if not wanted:
+            return
+        doomed: dict[tuple[str, str], list[str]] = {}
+        for r in self.remit.history(None, verify=False):
+            if r.metadata.get("run_id") in wanted:
+                doomed.setdefault((r.run_id, r.ns), []).append(r.checkpoint_id)
+        for (thread, ns), checkpoint_ids in doomed.items():
+            self.remit.delete_checkpoints(thread, ns, checkpoint_ids)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy a thread's checkpoints, branches, channel values and writes to a new thread id."""
+        self.remit.copy_run(str(source_thread_id), str(target_thread_id))
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """`keep_latest`: keep each branch's head (and fork bases); `delete`: drop the threads."""
+        if strategy == "delete":
+            for thread in thread_ids:
+                self.remit.delete_run(str(thread))
+        elif strategy == "keep_latest":
+            self.remit.prune([str(t) for t in thread_ids], keep_last=1)
+        else:
+            raise ValueError(f"unknown prune strategy {strategy!r}: use 'keep_latest' or 'delete'")
+
+    def get_next_version(self, current: str | None, channel: None = None) -> str:
+        """`<counter>.<random>`: monotonic per channel, unique across branches."""
+        if current is None:
+            n = 0
+        elif isinstance(current, str):
+            n = int(current.split(".", 1)[0])
+        else:
+            n = int(current)
+        return f"{n + 1:032}.{random.random():016}"
+
+    def with_allowlist(self, extra_allowlist: Any) -> RemitSaver:
+        """A shallow clone whose serializer also allows `extra_allowlist`."""
+        if not isinstance(self.serde, StrictSerializer):
+            return self
+        serde = self.serde.with_allowlist(extra_allowlist)
+        if serde is self.serde:
+            return self
+        clone = copy.copy(self)
+        clone.serde = serde
+        return clone
+
+    # -- async twins: the same code in a worker thread --------------------------------
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        loop = self._runs.calling_loop(sys._getframe(1))
+        return await asyncio.to_thread(self._get_tuple, config, loop)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        items = await asyncio.to_thread(
+            lambda: list(self.list(config, filter=filter, before=before, limit=limit))
+        )
+        for item in items:
+            yield item
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        return await asyncio.to_thread(self.put, config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        await asyncio.to_thread(self.put_writes, config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        await asyncio.to_thread(self.delete_thread, thread_id)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        await asyncio.to_thread(self.delete_for_runs, run_ids)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        await asyncio.to_thread(self.copy_thread, source_thread_id, target_thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+
+
+class _Opened:
+    """What `from_conn_string` returns: a sync and async context manager for one saver."""
+
+    def __init__(self, saver: RemitSaver) -> None:
+        self.saver = saver
+
+    def __enter__(self) -> RemitSaver:
+        return self.saver
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.saver._runs.close()
+
+    async def __aenter__(self) -> RemitSaver:
+        return self.saver
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.saver._runs.close()
