@@ -46,6 +46,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypedDict
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from annotated_types import Ge, MinLen
 
@@ -163,13 +164,37 @@ class Target:
             "postgresql://... or redis://..."
         )
 
-    def relocated(self, folder: Path, tag: str) -> Target:
-        """The same kind of target at a fresh location (a local file moves to `folder`)."""
+    def relocated(self, folder: Path, tag: str, slot: int = 1) -> Target:
+        """The same kind of target at a fresh, isolated location (what `copy_store` fills).
+
+        A local file moves to `folder`; PostgreSQL gets its own schema
+        (`probe_copy_<tag>`, through libpq's `options=-csearch_path=...`; the
+        copier creates it); Redis gets database number `slot` (1-15).
+        """
+        folder = Path(folder)
         if self.is_local:
-            return replace(
-                self, url=f"sqlite:///{Path(folder) / 'store.db'}", folder=folder, tag=tag
-            )
-        return replace(self, folder=Path(folder), tag=tag)
+            return replace(self, url=f"sqlite:///{folder / 'store.db'}", folder=folder, tag=tag)
+        parts = urlsplit(self.url)
+        if self.engine == "postgresql":
+            query = [(k, v) for k, v in parse_qsl(parts.query) if k != "options"]
+            query.append(("options", f"-csearch_path={copy_schema(tag)}"))
+            url = urlunsplit(parts._replace(query=urlencode(query)))
+        else:
+            url = urlunsplit(parts._replace(path=f"/{slot}"))
+        return replace(self, url=url, folder=folder, tag=tag)
+
+    @property
+    def schema(self) -> str | None:
+        """The PostgreSQL schema a relocated target lives in (None: the default)."""
+        for key, value in parse_qsl(urlsplit(self.url).query):
+            if key == "options" and value.startswith("-csearch_path="):
+                return value.split("=", 1)[1]
+        return None
+
+
+def copy_schema(tag: str) -> str:
+    """The PostgreSQL schema that holds the copy tagged `tag`."""
+    return f"probe_copy_{tag}"
 
 
 # -- the environment handed to the probe -------------------------------------
