@@ -78,6 +78,17 @@ def step_scope(
         _scope.reset(token)
 
 
+def bind_step_scope(scope: StepScope | None) -> None:
+    """Make `scope` the open step scope of the current context (None: no step is open).
+
+    For a framework that announces step boundaries through callbacks (a hook
+    before the step, another after it) rather than one block of code, so that
+    a `with step_scope(...)` cannot span the step: the before-hook binds the
+    step's scope, the after-hook binds None, both in the step's own context.
+    """
+    _scope.set(scope)
+
+
 _resolvers: list[Callable[[], StepScope | None]] = []
 
 

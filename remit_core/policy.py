@@ -120,6 +120,32 @@ def is_head(checkpoint_id: str, branches: Iterable[BranchRecord]) -> bool:
     return any(b.head_id == checkpoint_id for b in branches)
 
 
+def plan_continue(
+    run_id: str, branch: str, current: BranchRecord | None, parent_id: str | None
+) -> CommitPlan:
+    """Continue the named `branch` from `parent_id`: a plain compare-and-set of its head.
+
+    For a writer that knows which line it extends (unlike `plan_commit`, which
+    infers the branch from the parent). A head that moved on since the writer
+    read it raises `HeadMoved` instead of committing over the newer checkpoint.
+    Only the main line may start from nothing; a fork branch starts at its base.
+    """
+    if current is None:
+        if parent_id is None and branch == MAIN_BRANCH:
+            return CommitPlan(MAIN_BRANCH, None, 1)
+        from remit_core.errors import UnknownRecord
+
+        raise UnknownRecord(f"run has no branch {branch!r}", run_id=run_id)
+    if current.head_id != parent_id:
+        raise HeadMoved(
+            f"branch {branch!r} moved on to {current.head_id!r} after this writer read "
+            f"{parent_id!r}; another writer is driving it",
+            run_id=run_id,
+            checkpoint_id=parent_id,
+        )
+    return CommitPlan(branch, parent_id, current.head_seq + 1)
+
+
 # -- claims and consume-once (P5, L1, L2) ------------------------------------
 
 ClaimDecision = Literal["grant_new", "keep", "conflict"]

@@ -1,0 +1,128 @@
+"""CrewAI interception hooks that carry the contract into the flow engine.
+
+`FlowPersistence` never sees which methods completed, which flow instance
+is running, or the feedback a resume delivers; CrewAI's global interception
+hooks do. Installed once per process by the first `RemitFlowPersistence`,
+they act only on flows whose persistence is one:
+
+- EXECUTION_START: a kickoff with `inputs["id"]` claims that flow and hands
+  it its completion ledger, so CrewAI's own resumption skips completed methods.
+- PRE_STEP: the step runs under the flow's claim; the first step after a
+  resume consumes the pending feedback; effects inside get a step scope
+  keyed by branch, method and occurrence.
+- POST_STEP: closes the step scope.
+- EXECUTION_END: consumes feedback still owed, releases the claim.
+
+CrewAI swallows every exception a hook raises except `HookAborted`, so a
+refusal from a hook is raised as its own Remit class that is also a
+`HookAborted` (`aborting`): the step stops, and callers still catch e.g. `Fenced`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
+
+from remit_core.effects import StepScope, bind_step_scope
+from remit_core.errors import RemitError
+from remit_crewai.persistence import (
+    Execution,
+    RemitFlowPersistence,
+    current_execution,
+    current_fork_token,
+)
+
+_installed = False
+_install_lock = threading.Lock()
+_aborts: dict[type[RemitError], type[RemitError]] = {}
+
+
+def install() -> None:
+    """Register the hooks once per process (idempotent)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        register(InterceptionPoint.EXECUTION_START, _on_start)
+        register(InterceptionPoint.PRE_STEP, _on_pre_step)
+        register(InterceptionPoint.POST_STEP, _on_post_step)
+        register(InterceptionPoint.EXECUTION_END, _on_end)
+        _installed = True
+
+
+def aborting(error: RemitError) -> RemitError:
+    """`error` as an exception CrewAI lets out of a hook: same class name and ids, and a
+    `HookAborted`, so `except Fenced` (or any Remit class) still catches it."""
+    cls = type(error)
+    hybrid = _aborts.get(cls)
+    if hybrid is None:
+        hybrid = type(cls.__name__, (cls, HookAborted), {"__module__": cls.__module__})
+        _aborts[cls] = hybrid
+    out = hybrid.__new__(hybrid, *error.args)
+    out.__dict__.update(error.__dict__)
+    out.reason, out.source = str(error), "remit"  # type: ignore[attr-defined]
+    return out
+
+
+def _backend(ctx: Any) -> RemitFlowPersistence | None:
+    persistence = getattr(ctx.flow, "persistence", None)
+    return persistence if isinstance(persistence, RemitFlowPersistence) else None
+
+
+def _on_start(ctx: Any) -> Any:
+    backend = _backend(ctx)
+    if backend is None:
+        return None
+    token = current_fork_token.get()
+    inputs, replaced = ctx.payload, None
+    if token is not None and inputs is None:
+        # A fork names its run through inputs["id"]: give CrewAI a dict to read it from.
+        inputs = replaced = {}
+    ex = Execution(
+        flow=weakref.ref(ctx.flow),
+        inputs=inputs if isinstance(inputs, dict) else None,
+        fork_token=token,
+    )
+    current_execution.set(ex)
+    if isinstance(inputs, dict) and "id" in inputs:
+        backend._begin_restart(ex, ctx.flow, str(inputs["id"]))
+    return replaced
+
+
+def _on_pre_step(ctx: Any) -> None:
+    backend = _backend(ctx)
+    if backend is None or ctx.kind != "flow_method":
+        return
+    ex = current_execution.get()
+    if ex is not None:
+        ex.stepping = True
+    try:
+        session = backend._step_session(ctx.flow)
+        if session.pending is not None:
+            backend._accept(session, ctx.flow)
+    except RemitError as exc:
+        raise aborting(exc) from exc
+    method = str(ctx.step_name)
+    step_key = f"{session.branch}/{method}#{session.ledger.occurrence(method)}"
+    bind_step_scope(StepScope(backend.remit, session.run_id, step_key, session.fence))
+
+
+def _on_post_step(ctx: Any) -> None:
+    if _backend(ctx) is not None and ctx.kind == "flow_method":
+        bind_step_scope(None)
+
+
+def _on_end(ctx: Any) -> None:
+    backend = _backend(ctx)
+    if backend is None:
+        return
+    bind_step_scope(None)
+    try:
+        backend._finish(ctx.flow, completed=ctx.status == "completed")
+    except RemitError as exc:
+        raise aborting(exc) from exc
+    finally:
+        current_execution.set(None)

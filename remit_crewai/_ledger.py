@@ -1,0 +1,113 @@
+"""What a CrewAI checkpoint holds besides the state, and how flow ids name Remit runs.
+
+A flow id is a Remit run on its main branch; a fork made with a token is the
+same run on the token's branch, named `<run>@fork-<16 hex>` so that CrewAI can
+carry it as an ordinary flow id. Each checkpoint's sealed body holds the state
+and the completion ledger: the methods that completed, how often each one
+completed (the occurrence in effect keys), and the human feedback the run
+accepted. A restarted flow reads the ledger instead of re-running its past.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from remit_core import codec
+from remit_core.errors import CorruptRecord
+from remit_core.records import MAIN_BRANCH
+
+_FORKED = re.compile(r"^(?P<run>.+)@(?P<branch>fork-[0-9a-f]{16})$")
+
+#: The method name CrewAI gives the state checkpoint it takes before `ask()`.
+ASK_CHECKPOINT = "_ask_checkpoint"
+
+
+def locate(flow_id: str) -> tuple[str, str]:
+    """The (run id, branch) a flow id names."""
+    match = _FORKED.match(flow_id)
+    if match is None:
+        return flow_id, MAIN_BRANCH
+    return match["run"], match["branch"]
+
+
+def flow_id_of(run_id: str, branch: str) -> str:
+    """The flow id of a run's branch (the run id itself for the main line)."""
+    return run_id if branch == MAIN_BRANCH else f"{run_id}@{branch}"
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The run's past as of one checkpoint.
+
+    `completed`: methods that completed at least once. `counts`: completions
+    per method; the next execution of `m` is occurrence `counts[m]`.
+    `feedback`: accepted human feedback, oldest first, one dict per consumed
+    interrupt (interrupt, method, feedback, outcome, timestamp, output, metadata).
+    """
+
+    completed: tuple[str, ...] = ()
+    counts: dict[str, int] = field(default_factory=dict)
+    feedback: tuple[dict[str, Any], ...] = ()
+
+    def completing(self, method: str) -> Ledger:
+        counts = dict(self.counts)
+        counts[method] = counts.get(method, 0) + 1
+        completed = self.completed if method in self.completed else (*self.completed, method)
+        return replace(self, completed=completed, counts=counts)
+
+    def accepting(self, value: dict[str, Any]) -> Ledger:
+        """Record consumed feedback; consuming it is what completes its method."""
+        if any(f["interrupt"] == value["interrupt"] for f in self.feedback):
+            return self
+        done = self.completing(value["method"])
+        return replace(done, feedback=(*self.feedback, value))
+
+    def occurrence(self, method: str) -> int:
+        return self.counts.get(method, 0)
+
+
+@dataclass(frozen=True)
+class Body:
+    """The decoded payload of one checkpoint."""
+
+    state: dict[str, Any]
+    method: str
+    kind: str
+    ledger: Ledger
+
+
+def encode(body: Body) -> bytes:
+    ledger = body.ledger
+    return codec.dumps(
+        {
+            "state": body.state,
+            "method": body.method,
+            "kind": body.kind,
+            "completed": list(ledger.completed),
+            "counts": ledger.counts,
+            "feedback": list(ledger.feedback),
+        }
+    )
+
+
+def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
+    try:
+        raw = codec.loads(data)
+        return Body(
+            state=dict(raw["state"]),
+            method=str(raw["method"]),
+            kind=str(raw["kind"]),
+            ledger=Ledger(
+                completed=tuple(raw["completed"]),
+                counts={str(k): int(v) for k, v in raw["counts"].items()},
+                feedback=tuple(raw["feedback"]),
+            ),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptRecord(
+            f"checkpoint is not a CrewAI flow checkpoint ({exc})",
+            run_id=run_id,
+            checkpoint_id=checkpoint_id,
+        ) from exc

@@ -1,0 +1,730 @@
+"""`RemitFlowPersistence`: CrewAI's `FlowPersistence` interface on Remit.
+
+    @persist(RemitFlowPersistence("postgresql://..."))
+    class OrderFlow(Flow[OrderState]): ...
+
+Every save is a checkpoint committed by compare-and-set of the flow's branch
+head, under the flow's leased claim (its fence), after the state validated
+against its model or declared schema. A pause opens an interrupt; resuming
+claims the flow before any listener runs and consumes the interrupt once.
+The checkpoint body carries the completion ledger (`remit_crewai._ledger`),
+which the interception hooks (`remit_crewai._hooks`) hand back to a
+restarted flow so that it skips what already completed.
+
+While a process drives a flow it holds a `_Session` for it: the claim (with
+its heartbeat), the head it continues from and the ledger. Sessions live in a
+per-process registry keyed by store URL and flow id, so every persistence
+instance on one store shares them, and a forked child starts with none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from crewai.flow.async_feedback.types import PendingFeedbackContext
+from crewai.flow.human_feedback import HumanFeedbackResult
+from crewai.flow.persistence.base import FlowPersistence
+from pydantic import BaseModel, Field
+
+from remit_core import codec, policy
+from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit
+from remit_core.errors import (
+    CheckpointInvalid,
+    ForkWithoutIntent,
+    ResumeConflict,
+    UnknownRecord,
+)
+from remit_core.records import MAIN_BRANCH, CheckpointRecord, FenceRef, InterruptRecord
+from remit_core.schema import StateSchema
+from remit_core.stores import open_store
+from remit_crewai._ledger import (
+    ASK_CHECKPOINT,
+    Body,
+    Ledger,
+    decode,
+    encode,
+    flow_id_of,
+    locate,
+)
+
+if TYPE_CHECKING:
+    from crewai.flow.flow import Flow
+
+
+#: The fork token `kickoff(restore_from_state_id=...)` forks under (see `fork_token`).
+current_fork_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "remit_crewai_fork_token", default=None
+)
+
+
+@contextlib.contextmanager
+def fork_token(token: str) -> Iterator[None]:
+    """Let `kickoff(restore_from_state_id=S)` inside the block fork S under `token`.
+
+    The fork's flow id follows from S and the token, so presenting the same
+    token again (from any process) continues the same fork instead of making
+    a second one. Without a token such a kickoff is refused (`ForkWithoutIntent`).
+    """
+    if not token:
+        raise ValueError("a fork token must be a non-empty string")
+    reset = current_fork_token.set(token)
+    try:
+        yield
+    finally:
+        current_fork_token.reset(reset)
+
+
+@dataclass(eq=False)
+class Execution:
+    """One kickoff of a Remit-backed flow, as the interception hooks saw it begin.
+
+    `restart`: the flow id `inputs["id"]` asks to continue; `refusal`: why it
+    may not (raised by `load_state`, since CrewAI swallows errors of hooks);
+    `stepping`: a step began, so later `load_state` calls are plain reads.
+    """
+
+    flow: weakref.ref[Any]
+    inputs: dict[str, Any] | None
+    fork_token: str | None
+    restart: str | None = None
+    refusal: BaseException | None = None
+    stepping: bool = False
+
+
+#: The kickoff now running in this context (set by the EXECUTION_START hook).
+current_execution: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
+    "remit_crewai_execution", default=None
+)
+
+
+@dataclass(eq=False)
+class _Session:
+    """This process's hold on one flow id while it drives it."""
+
+    store_url: str
+    flow_id: str
+    run_id: str
+    branch: str
+    handle: ClaimHandle
+    head: str | None
+    ledger: Ledger
+    state: dict[str, Any]
+    beating: bool
+    owner: weakref.ref[Any] | None = None
+    #: The interrupt a `from_pending` resume consumes once its value is known.
+    pending: InterruptRecord | None = None
+    state_type: type[BaseModel] | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def fence(self) -> FenceRef:
+        return self.handle.fence
+
+
+#: The session `load_pending_feedback` opened in this context, for the resume that follows.
+current_resumer: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
+    "remit_crewai_resumer", default=None
+)
+
+
+class _Registry:
+    """Sessions of this process by (store URL, flow id); a forked child starts empty."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._items: dict[tuple[str, str], _Session] = {}
+        self._pid = os.getpid()
+
+    def _here(self) -> dict[tuple[str, str], _Session]:
+        if self._pid != os.getpid():
+            self._items, self._pid = {}, os.getpid()
+        return self._items
+
+    def get(self, store_url: str, flow_id: str) -> _Session | None:
+        with self.lock:
+            return self._here().get((store_url, flow_id))
+
+    def add(self, session: _Session) -> None:
+        with self.lock:
+            self._here()[(session.store_url, session.flow_id)] = session
+
+    def discard(self, session: _Session) -> None:
+        with self.lock:
+            items = self._here()
+            if items.get((session.store_url, session.flow_id)) is session:
+                del items[(session.store_url, session.flow_id)]
+
+
+_sessions = _Registry()
+_cores: dict[tuple[str, float, int], Remit] = {}
+_cores_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_of(state_type: type[BaseModel]) -> StateSchema:
+    return StateSchema(state_type)
+
+
+def _unencodable(value: Any, path: str = "") -> str:
+    """The path of the first value in `value` that `codec.dumps` refuses."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            try:
+                codec.dumps(v)
+            except TypeError:
+                return _unencodable(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for i, v in enumerate(value):
+            try:
+                codec.dumps(v)
+            except TypeError:
+                return _unencodable(v, f"{path}[{i}]")
+    return path or "<root>"
+
+
+def _interrupt_method(interrupt_id: str) -> str:
+    return interrupt_id.rsplit("#", 1)[0]
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """One checkpoint of a flow, for time travel: fork from its id."""
+
+    checkpoint_id: str
+    method: str
+    kind: str
+    completed: tuple[str, ...]
+    state: dict[str, Any]
+
+
+class RemitFlowPersistence(FlowPersistence):
+    """CrewAI flow persistence that keeps the Resume Contract, on SQLite, PostgreSQL or Redis.
+
+    `url`: the Remit store (`sqlite:///remit.db`, `postgresql://...`,
+    `redis://...`). `lease`: seconds a crashed process keeps a flow claimed.
+    `workflow_version`: recorded on every checkpoint; a flow written by a
+    version outside {`workflow_version`, *`accepts`} is refused. `state_schema`
+    (JSON Schema) validates dict states; a model state validates against its
+    model. `feedback_schema` (JSON Schema) validates human feedback before it
+    is consumed. All fields are plain data; the store connects on first use.
+    """
+
+    persistence_type: str = Field(default="RemitFlowPersistence")
+    url: str = Field(default="sqlite:///remit.db")
+    lease: float = Field(default=DEFAULT_LEASE, gt=0)
+    workflow_version: str = ""
+    accepts: list[str] = Field(default_factory=list)
+    state_schema: dict[str, Any] | None = None
+    feedback_schema: dict[str, Any] | None = None
+
+    def __init__(self, url: str | None = None, /, **data: Any) -> None:
+        if url is not None:
+            data["url"] = url
+        super().__init__(**data)
+
+    def model_post_init(self, context: Any, /) -> None:
+        from remit_crewai._hooks import install
+
+        install()
+
+    # -- connection ----------------------------------------------------------
+    @property
+    def remit(self) -> Remit:
+        """This process's `Remit` on `url` (connects on first use, again in a forked child)."""
+        key = (self.url, self.lease, os.getpid())
+        with _cores_lock:
+            core = _cores.get(key)
+            if core is None:
+                core = _cores[key] = Remit(open_store(self.url), lease=self.lease)
+        return core
+
+    def init_db(self) -> None:
+        """Create or migrate the store's schema (idempotent). CrewAI never calls this itself."""
+        self.remit.store.setup()
+
+    # -- FlowPersistence -------------------------------------------------------
+    def save_state(
+        self, flow_uuid: str, method_name: str, state_data: dict[str, Any] | BaseModel
+    ) -> None:
+        """Commit the state after `method_name` completed, validated and fenced.
+
+        Raises `CheckpointInvalid` (nothing written, the head stays), `HeadMoved`
+        or `Fenced` (another process drove the flow since this one read it).
+        """
+        session, one_shot = self._writer(flow_uuid)
+        try:
+            with session.lock:
+                plain = self._plain_state(session, state_data)
+                if method_name == ASK_CHECKPOINT:
+                    kind, ledger = "ask", session.ledger
+                elif session.pending is not None and method_name == _interrupt_method(
+                    session.pending.interrupt_id
+                ):
+                    # The feedback method completes when its feedback is consumed.
+                    kind, ledger = "feedback", session.ledger
+                else:
+                    kind, ledger = "step", session.ledger.completing(method_name)
+                self._commit(session, plain, method_name, kind, ledger)
+        finally:
+            if one_shot:
+                session.handle.release()
+
+    def load_state(self, flow_uuid: str) -> dict[str, Any] | None:
+        """The flow's head state; inside a kickoff, the restart or fork it begins.
+
+        `kickoff(inputs={"id": X})` continues X under its claim (`ResumeConflict`
+        if another process drives it). `kickoff(restore_from_state_id=S)` is a
+        fork and needs `fork_token` (`ForkWithoutIntent` otherwise).
+        """
+        ex = current_execution.get()
+        if ex is not None and not ex.stepping:
+            if ex.restart == flow_uuid:
+                if ex.refusal is not None:
+                    raise ex.refusal
+                session = _sessions.get(self.url, flow_uuid)
+                if session is not None:
+                    return {**session.state, "id": flow_uuid} if session.head else None
+            else:
+                return self._hydrate_fork(flow_uuid, ex)
+        run_id, branch = locate(flow_uuid)
+        _, body = self._read_head(run_id, branch)
+        return None if body is None else {**body.state, "id": flow_uuid}
+
+    def save_pending_feedback(
+        self,
+        flow_uuid: str,
+        context: PendingFeedbackContext,
+        state_data: dict[str, Any] | BaseModel,
+    ) -> None:
+        """Commit the paused state, open its interrupt, and give the claim up."""
+        session, _ = self._writer(flow_uuid)
+        try:
+            with session.lock:
+                plain = self._plain_state(session, state_data)
+                method = str(context.method_name)
+                record = self._commit(session, plain, method, "pause", session.ledger)
+                interrupt_id = f"{method}#{session.ledger.occurrence(method)}"
+                self.remit.open_interrupts(
+                    session.run_id,
+                    {interrupt_id: codec.dumps(context.to_dict())},
+                    branch=session.branch,
+                    checkpoint_id=record.checkpoint_id,
+                    fence=session.fence,
+                )
+        finally:
+            self._release(session)
+
+    def load_pending_feedback(
+        self, flow_uuid: str
+    ) -> tuple[dict[str, Any], PendingFeedbackContext] | None:
+        """Claim the paused flow for its resume: one resumer wins, the rest get `ResumeConflict`.
+
+        The claim is taken before anything is read, so of k concurrent
+        `from_pending(...).resume(...)` calls exactly one gets here. Feedback
+        that was already consumed raises `ResumeConflict`, never runs twice.
+        """
+        run_id, branch = locate(flow_uuid)
+        session = self._open(flow_uuid, heartbeat=False)
+        try:
+            interrupts = self.remit.interrupts(run_id, branch=branch)
+            pending = [i for i in interrupts if i.status == "pending"]
+            if not pending:
+                consumed = [i for i in interrupts if i.status == "consumed"]
+                if consumed:
+                    raise ResumeConflict(
+                        "the feedback this flow waited for was already given; nothing is "
+                        "pending, and a second value is not stored",
+                        run_id=run_id,
+                        interrupt_id=consumed[-1].interrupt_id,
+                    )
+                session.handle.release()
+                return None
+        except BaseException:
+            session.handle.release()
+            raise
+        session.pending = pending[-1]
+        _sessions.add(session)
+        current_resumer.set(session)
+        assert session.pending.prompt is not None
+        context = PendingFeedbackContext.from_dict(codec.loads(session.pending.prompt))
+        context.flow_id = flow_uuid
+        return {**session.state, "id": flow_uuid}, context
+
+    def clear_pending_feedback(self, flow_uuid: str) -> None:
+        """Nothing to do: the interrupt stays pending until the resumed run consumes it.
+
+        CrewAI calls this before any listener runs. Deleting the pause here
+        would lose it if the resumer died next; instead the resumer's claim
+        keeps others out, and its lease lets another resume once it is dead.
+        """
+
+    # -- beyond CrewAI's interface -----------------------------------------------
+    def fork(
+        self, flow_id: str, *, fork_token: str | None, checkpoint_id: str | None = None
+    ) -> str:
+        """The flow id that continues `flow_id` from `checkpoint_id` (default: its head).
+
+        Continuing from a checkpoint that is not a head needs `fork_token`
+        (`ForkWithoutIntent` otherwise); the same token always gives the same
+        forked id. The fork of a paused checkpoint waits for its own feedback.
+        Run it with `kickoff(inputs={"id": forked})` or `from_pending(forked)`.
+        """
+        run_id, branch = locate(flow_id)
+        remit = self.remit
+        if checkpoint_id is None:
+            current = remit.branch(run_id, branch=branch)
+            if current is None or current.head_id is None:
+                raise UnknownRecord("flow has no checkpoint to fork from", run_id=run_id)
+            checkpoint_id = current.head_id
+        base = remit.checkpoint(run_id, checkpoint_id)
+        if base is None:
+            raise UnknownRecord("no such checkpoint", run_id=run_id, checkpoint_id=checkpoint_id)
+        policy.check_workflow_version(base, self._accepted())
+        if fork_token is None:
+            return flow_id_of(run_id, remit.plan(run_id, checkpoint_id).branch)
+        created = remit.fork(run_id, checkpoint_id, fork_token)
+        body = decode(base.state, run_id=run_id, checkpoint_id=checkpoint_id)
+        if body.kind == "pause":
+            interrupt_id = f"{body.method}#{body.ledger.occurrence(body.method)}"
+            paused = remit.interrupt(run_id, interrupt_id, branch=base.branch)
+            if paused is not None:
+                remit.open_interrupts(
+                    run_id,
+                    {interrupt_id: paused.prompt},
+                    branch=created.branch,
+                    checkpoint_id=checkpoint_id,
+                )
+        return flow_id_of(run_id, created.branch)
+
+    def checkpoints(self, flow_id: str) -> list[SavedCheckpoint]:
+        """The flow's checkpoints, newest first, along its line back to the start."""
+        run_id, branch = locate(flow_id)
+        current = self.remit.branch(run_id, branch=branch)
+        by_id = {r.checkpoint_id: r for r in self.remit.history(run_id)}
+        out: list[SavedCheckpoint] = []
+        cursor = None if current is None else current.head_id
+        while cursor is not None and cursor in by_id:
+            record = by_id[cursor]
+            body = decode(record.state, run_id=run_id, checkpoint_id=cursor)
+            out.append(
+                SavedCheckpoint(cursor, body.method, body.kind, body.ledger.completed, body.state)
+            )
+            cursor = record.parent_id
+        return out
+
+    def edit_state(
+        self,
+        flow_id: str,
+        changes: Mapping[str, Any],
+        *,
+        state_type: type[BaseModel] | None = None,
+    ) -> None:
+        """An operator's edit: merge `changes` into the head state and commit it.
+
+        Validated like any save (against `state_type` for a model state);
+        nothing is written if it fails. The edit completes no method.
+        """
+        session, one_shot = self._writer(flow_id)
+        try:
+            with session.lock:
+                if state_type is not None:
+                    session.state_type = state_type
+                merged = {**session.state, **changes, "id": flow_id}
+                plain = self._plain_state(session, merged)
+                self._commit(session, plain, "", "edit", session.ledger)
+        finally:
+            if one_shot:
+                session.handle.release()
+
+    # -- sessions ------------------------------------------------------------
+    def _accepted(self) -> set[str] | None:
+        return {self.workflow_version, *self.accepts} if self.workflow_version else None
+
+    def _read_head(self, run_id: str, branch: str) -> tuple[CheckpointRecord | None, Body | None]:
+        record = self.remit.head(run_id, branch=branch)
+        if record is None:
+            return None, None
+        policy.check_workflow_version(record, self._accepted())
+        return record, decode(record.state, run_id=run_id, checkpoint_id=record.checkpoint_id)
+
+    def _open(self, flow_id: str, *, heartbeat: bool) -> _Session:
+        """Claim `flow_id` (`ResumeConflict` while another holder's lease lives); read its head."""
+        run_id, branch = locate(flow_id)
+        handle = self.remit.claim(run_id, branch, lease=self.lease, heartbeat=heartbeat)
+        try:
+            if branch != MAIN_BRANCH and self.remit.branch(run_id, branch=branch) is None:
+                raise UnknownRecord(
+                    f"run has no fork {branch!r}: make it with RemitFlowPersistence.fork",
+                    run_id=run_id,
+                )
+            record, body = self._read_head(run_id, branch)
+        except BaseException:
+            handle.release()
+            raise
+        return _Session(
+            store_url=self.url,
+            flow_id=flow_id,
+            run_id=run_id,
+            branch=branch,
+            handle=handle,
+            head=None if record is None else record.checkpoint_id,
+            ledger=Ledger() if body is None else body.ledger,
+            state={} if body is None else body.state,
+            beating=heartbeat,
+        )
+
+    def _writer(self, flow_id: str) -> tuple[_Session, bool]:
+        """The session a save goes through, and whether it is a one-shot (release after).
+
+        A save outside any kickoff (an operator's edit) claims, writes and
+        releases; inside a kickoff the session lives until the run ends or pauses.
+        """
+        with _sessions.lock:
+            session = _sessions.get(self.url, flow_id)
+            if session is not None:
+                self._activate(session)
+                return session, False
+            ex = current_execution.get()
+            session = self._open(flow_id, heartbeat=ex is not None)
+            if ex is None:
+                return session, True
+            session.owner = ex.flow
+            _sessions.add(session)
+            return session, False
+
+    def _activate(self, session: _Session) -> None:
+        """Start the heartbeat of a claim taken without one (by `load_pending_feedback`)."""
+        with session.lock:
+            if session.beating:
+                return
+            claim = self.remit.store.renew_claim(
+                session.handle.claim, now=self.remit.clock(), lease=self.lease
+            )
+            session.handle = ClaimHandle(self.remit, claim, self.lease, heartbeat=True)
+            session.beating = True
+
+    def _release(self, session: _Session) -> None:
+        _sessions.discard(session)
+        session.handle.release()
+
+    def _plain_state(self, session: _Session, state_data: Any) -> dict[str, Any]:
+        """The state as plain data the codec stores exactly, or `CheckpointInvalid`."""
+        ids = {"run_id": session.run_id, "checkpoint_id": session.head}
+        model = type(state_data) if isinstance(state_data, BaseModel) else session.state_type
+        if model is not None and isinstance(state_data, (BaseModel, dict)):
+            plain = self._dump_model(_schema_of(model).validate(state_data, **ids), ids)
+        elif isinstance(state_data, dict):
+            plain = dict(state_data)
+            try:
+                codec.dumps(plain)
+            except TypeError as exc:
+                path = _unencodable(plain)
+                raise CheckpointInvalid(
+                    f"state field {path} holds a value Remit cannot store exactly ({exc})",
+                    field=path,
+                    **ids,
+                ) from exc
+        else:
+            raise CheckpointInvalid(
+                f"state must be a dict or a pydantic model, not {type(state_data).__name__}",
+                field="<root>",
+                **ids,
+            )
+        if self.state_schema is not None:
+            StateSchema(self.state_schema).validate(plain, **ids)
+        return plain
+
+    @staticmethod
+    def _dump_model(state: BaseModel, ids: Mapping[str, Any]) -> dict[str, Any]:
+        """Python-mode fields when the codec keeps them exactly, else the JSON form if it
+        validates back to an equal model; otherwise the state is refused."""
+        plain = state.model_dump(mode="python")
+        try:
+            codec.dumps(plain)
+            return plain
+        except TypeError as exc:
+            as_json = state.model_dump(mode="json")
+            if type(state).model_validate(as_json) == state:
+                return as_json
+            path = _unencodable(plain)
+            raise CheckpointInvalid(
+                f"state field {path} does not survive storage ({exc})", field=path, **ids
+            ) from exc
+
+    def _commit(
+        self, session: _Session, plain: dict[str, Any], method: str, kind: str, ledger: Ledger
+    ) -> CheckpointRecord:
+        remit = self.remit
+        plan = policy.plan_continue(
+            session.run_id,
+            session.branch,
+            remit.branch(session.run_id, branch=session.branch),
+            session.head,
+        )
+        record = remit.commit(
+            run_id=session.run_id,
+            checkpoint_id=f"{plan.seq:012d}-{uuid.uuid4().hex[:12]}",
+            parent_id=session.head,
+            state=encode(Body(plain, method, kind, ledger)),
+            metadata={"flow_id": session.flow_id, "method": method, "kind": kind},
+            workflow_version=self.workflow_version,
+            fence=session.fence,
+            plan=plan,
+        )
+        session.head, session.ledger, session.state = record.checkpoint_id, ledger, plain
+        return record
+
+    # -- called by the interception hooks ------------------------------------------
+    def _begin_restart(self, ex: Execution, flow: Flow[Any], flow_id: str) -> None:
+        """`kickoff(inputs={"id": flow_id})`: claim it and hand its ledger to `flow`."""
+        ex.restart = flow_id
+        try:
+            with _sessions.lock:
+                session = self._open(flow_id, heartbeat=True)
+                session.owner = ex.flow
+                _sessions.add(session)
+            self._restore_into(flow, session)
+        except Exception as exc:  # raised again by load_state: CrewAI swallows hook errors
+            ex.refusal = exc
+
+    def _hydrate_fork(self, source_id: str, ex: Execution) -> dict[str, Any] | None:
+        """`kickoff(restore_from_state_id=source_id)`: a fork, under the active fork token."""
+        run_id, branch = locate(source_id)
+        if ex.fork_token is None or ex.restart is not None or ex.inputs is None:
+            current = self.remit.branch(run_id, branch=branch)
+            raise ForkWithoutIntent(
+                "restore_from_state_id continues another flow's state under a new id, which "
+                "is a fork: run the kickoff inside `with remit_crewai.fork_token(token):` and "
+                "without inputs['id'], or use RemitFlowPersistence.fork",
+                run_id=run_id,
+                checkpoint_id=None if current is None else current.head_id,
+            )
+        forked = self.fork(source_id, fork_token=ex.fork_token)
+        flow = ex.flow()
+        self._begin_restart(ex, flow, forked)
+        if ex.refusal is not None:
+            raise ex.refusal
+        # CrewAI names the hydrated run from inputs["id"], which it reads right after this call.
+        ex.inputs["id"] = forked
+        if flow._completed_methods:
+            flow._is_execution_resuming = True
+        session = _sessions.get(self.url, forked)
+        assert session is not None
+        return {**session.state, "id": forked}
+
+    def _restore_into(self, flow: Flow[Any], session: _Session) -> None:
+        """Give a restarted flow its past: completed methods and accepted feedback.
+
+        Feedback consumed after the head was written (its resumer died before
+        the next save) still counts; a method whose feedback is still pending
+        runs again, so that it pauses again.
+        """
+        interrupts = self.remit.interrupts(session.run_id, branch=session.branch)
+        ledger = session.ledger
+        for i in sorted(
+            (i for i in interrupts if i.status == "consumed" and i.value is not None),
+            key=lambda i: i.consumed_at or 0.0,
+        ):
+            ledger = ledger.accepting(codec.loads(i.value))  # type: ignore[arg-type]
+        session.ledger = ledger
+        waiting = {_interrupt_method(i.interrupt_id) for i in interrupts if i.status == "pending"}
+        flow._completed_methods = {m for m in ledger.completed if m not in waiting}
+        history = [
+            HumanFeedbackResult(
+                output=f["output"],
+                feedback=f["feedback"],
+                outcome=f["outcome"],
+                timestamp=f["timestamp"],
+                method_name=f["method"],
+                metadata=f["metadata"],
+            )
+            for f in ledger.feedback
+        ]
+        flow.human_feedback_history = history
+        flow.last_human_feedback = history[-1] if history else None
+
+    def _step_session(self, flow: Flow[Any]) -> _Session:
+        """The session a step of `flow` runs under: its own, a resumer's it adopts, or new."""
+        with _sessions.lock:
+            session = _sessions.get(self.url, flow.flow_id)
+            if session is None:
+                session = self._open(flow.flow_id, heartbeat=True)
+                session.owner = weakref.ref(flow)
+                _sessions.add(session)
+            elif not self._owns(session, flow):
+                raise ResumeConflict(
+                    "another flow instance in this process is driving this flow",
+                    run_id=session.run_id,
+                )
+        self._activate(session)
+        if isinstance(flow.state, BaseModel):
+            session.state_type = type(flow.state)
+        return session
+
+    def _owns(self, session: _Session, flow: Flow[Any]) -> bool:
+        """Whether `flow` drives `session`; a resumed flow adopts the session of its resume."""
+        if session.owner is not None:
+            return session.owner() is flow
+        feedback = flow.last_human_feedback
+        resuming = session.pending is not None and (
+            current_resumer.get() is session
+            or (
+                feedback is not None
+                and feedback.method_name == _interrupt_method(session.pending.interrupt_id)
+            )
+        )
+        if resuming:
+            session.owner = weakref.ref(flow)
+        return resuming
+
+    def _accept(self, session: _Session, flow: Flow[Any]) -> None:
+        """Consume the pending interrupt with the feedback the resumed flow now holds."""
+        with session.lock:
+            pending, feedback = session.pending, flow.last_human_feedback
+            if pending is None or feedback is None:
+                return
+            method = _interrupt_method(pending.interrupt_id)
+            if feedback.method_name != method:
+                return
+            ids = {"run_id": session.run_id, "interrupt_id": pending.interrupt_id}
+            if self.feedback_schema is not None:
+                StateSchema(self.feedback_schema).validate(feedback.feedback, **ids)
+            prompt = codec.loads(pending.prompt) if pending.prompt is not None else {}
+            value = {
+                "interrupt": pending.interrupt_id,
+                "method": method,
+                "feedback": feedback.feedback,
+                "outcome": feedback.outcome,
+                "timestamp": feedback.timestamp,
+                "output": prompt.get("method_output"),
+                "metadata": prompt.get("metadata") or {},
+            }
+            self.remit.consume(
+                session.run_id,
+                pending.interrupt_id,
+                codec.dumps(value),
+                branch=session.branch,
+                fence=session.fence,
+            )
+            session.pending = None
+            session.ledger = session.ledger.accepting(value)
+
+    def _finish(self, flow: Flow[Any], *, completed: bool) -> None:
+        """The run of `flow` ended (or failed): consume what it still owes and release it."""
+        session = _sessions.get(self.url, flow.flow_id)
+        if session is None or not self._owns(session, flow):
+            return
+        try:
+            if completed and session.pending is not None:
+                self._accept(session, flow)
+        finally:
+            self._release(session)
