@@ -107,19 +107,22 @@ ReleaseClaim(r) ==
            /\ cLapsed' = [cLapsed EXCEPT ![b] = TRUE]
       ELSE UNCHANGED <<cHolder, cLapsed>>
 
-\* A primitive raised (Fenced, HeadMoved, ForkWithoutIntent, CheckpointInvalid):
-\* the shim's claim context releases the claim and the resumer stops.
-Abort(r) ==
+\* The resumer lets go of the run: its claim context releases the claim, and
+\* what it had read is gone.
+LetGo(r, s) ==
     /\ ReleaseClaim(r)
     /\ fence' = [fence EXCEPT ![r] = 0]
-    /\ Go(r, "lost")
+    /\ lpos' = [lpos EXCEPT ![r] = 0]
+    /\ lval' = [lval EXCEPT ![r] = 0]
+    /\ Go(r, s)
+
+\* A primitive raised (Fenced, HeadMoved, ForkWithoutIntent, CheckpointInvalid).
+Abort(r) == LetGo(r, "lost")
 
 \* EffectInDoubt: the same, and the run stays refused until someone reconciles.
 Halt(r) ==
-    /\ ReleaseClaim(r)
-    /\ fence' = [fence EXCEPT ![r] = 0]
+    /\ LetGo(r, "halted")
     /\ doubt' = [doubt EXCEPT ![Drive[r]] = TRUE]
-    /\ Go(r, "halted")
 
 \* Where the effect protocol goes after reading ledger entry `st` (effects._protocol).
 Decide(r, st, e) ==
@@ -130,7 +133,7 @@ Decide(r, st, e) ==
                       [] a = "return_recorded" -> "commit"
                       [] a = "reconcile" -> "reconcile"
                       [] a = "reapply" -> "apply")
-           /\ UNCHANGED <<cHolder, cLapsed, fence, doubt>>
+           /\ UNCHANGED <<cHolder, cLapsed, fence, lpos, lval, doubt>>
 
 (* ---- claims -------------------------------------------------------------- *)
 Claim(r) ==
@@ -181,7 +184,7 @@ Consume(r) ==
     LET b == Drive[r] IN
     /\ pc[r] = "consume"
     /\ IF ~CanWrite(r)
-         THEN Abort(r) /\ UNCHANGED <<lval, intr, stale>>
+         THEN Abort(r) /\ UNCHANGED <<intr, stale>>
          ELSE /\ IF intr[b] = 0
                    THEN /\ intr' = [intr EXCEPT ![b] = r]
                         /\ lval' = [lval EXCEPT ![r] = r]
@@ -189,8 +192,8 @@ Consume(r) ==
                    ELSE /\ lval' = [lval EXCEPT ![r] = intr[b]]
                         /\ UNCHANGED <<intr, stale>>
               /\ Go(r, "commit")
-              /\ UNCHANGED <<cHolder, cLapsed, fence>>
-    /\ UNCHANGED <<lpos, seen, hpos, hval, base, cFence, ledger, applied, doubt, faults, stray>>
+              /\ UNCHANGED <<cHolder, cLapsed, fence, lpos>>
+    /\ UNCHANGED <<seen, hpos, hval, base, cFence, ledger, applied, doubt, faults, stray>>
 
 \* Remit.commit of the step's checkpoint holding value v: plan (CAS target),
 \* fence check, compare-and-set of the head.
@@ -199,9 +202,9 @@ DoCommit(r, v) ==
     IF t = 0
       THEN /\ Abort(r)
            /\ stray' = (stray \/ (BugForkNoToken /\ Drive[r] = Main))
-           /\ UNCHANGED <<lpos, lval, hpos, hval, stale>>
+           /\ UNCHANGED <<hpos, hval, stale>>
       ELSE IF ~CanWrite(r)
-      THEN Abort(r) /\ UNCHANGED <<lpos, lval, hpos, hval, stale, stray>>
+      THEN Abort(r) /\ UNCHANGED <<hpos, hval, stale, stray>>
       ELSE /\ hpos' = [hpos EXCEPT ![t] = lpos[r] + 1]
            /\ hval' = [hval EXCEPT ![t] = v]
            /\ lpos' = [lpos EXCEPT ![r] = lpos[r] + 1]
@@ -219,7 +222,7 @@ Commit(r) ==
 Effect(r) ==
     /\ pc[r] = "effect"
     /\ Decide(r, ledger[Drive[r]][lpos[r]], lpos[r])
-    /\ UNCHANGED <<lpos, lval, seen, hpos, hval, base, intr, cFence, ledger, applied,
+    /\ UNCHANGED <<seen, hpos, hval, base, intr, cFence, ledger, applied,
                    faults, stale, stray>>
 
 \* store.begin_effect: fenced insert-if-absent of the intent.
@@ -233,9 +236,9 @@ Begin(r) ==
          THEN /\ ledger' = [ledger EXCEPT ![b][e] = "intent"]
               /\ stale' = (stale \/ StaleNow(r))
               /\ Go(r, "apply")
-              /\ UNCHANGED <<cHolder, cLapsed, fence, doubt>>
+              /\ UNCHANGED <<cHolder, cLapsed, fence, lpos, lval, doubt>>
          ELSE Decide(r, ledger[b][e], e) /\ UNCHANGED <<ledger, stale>>
-    /\ UNCHANGED <<lpos, lval, seen, hpos, hval, base, intr, cFence, applied, faults, stray>>
+    /\ UNCHANGED <<seen, hpos, hval, base, intr, cFence, applied, faults, stray>>
 
 \* The external call: not fenceable.  The target ignores a repeated key if
 \* the effect is idempotent or the target deduplicates.
@@ -267,16 +270,13 @@ Finish(r) ==
          ELSE /\ ledger' = [ledger EXCEPT ![b][e] = "done"]
               /\ stale' = (stale \/ StaleNow(r))
               /\ Go(r, "commit")
-              /\ UNCHANGED <<cHolder, cLapsed, fence>>
-    /\ UNCHANGED <<lpos, lval, seen, hpos, hval, base, intr, cFence, applied, doubt, faults,
-                   stray>>
+              /\ UNCHANGED <<cHolder, cLapsed, fence, lpos, lval>>
+    /\ UNCHANGED <<seen, hpos, hval, base, intr, cFence, applied, doubt, faults, stray>>
 
 Release(r) ==
     /\ pc[r] = "release"
-    /\ ReleaseClaim(r)
-    /\ fence' = [fence EXCEPT ![r] = 0]
-    /\ Go(r, "done")
-    /\ UNCHANGED <<lpos, lval, seen, hpos, hval, base, intr, cFence, ledger, applied, doubt,
+    /\ LetGo(r, "done")
+    /\ UNCHANGED <<seen, hpos, hval, base, intr, cFence, ledger, applied, doubt,
                    faults, stale, stray>>
 
 \* A resumer that got ResumeConflict (or was fenced) tries again once the
@@ -311,7 +311,7 @@ BadWrite(r) ==
     /\ faults' = faults + 1
     /\ IF BugNoValidation
          THEN DoCommit(r, Bad)
-         ELSE Abort(r) /\ UNCHANGED <<lpos, lval, hpos, hval, stale, stray>>
+         ELSE Abort(r) /\ UNCHANGED <<hpos, hval, stale, stray>>
     /\ UNCHANGED <<seen, base, intr, cFence, ledger, applied, doubt>>
 
 \* The lease lapses once the holder's incarnation stopped renewing it.

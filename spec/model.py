@@ -254,7 +254,18 @@ class Model:
         return {}
 
     def _abort(self, s: State, r: int, pc: str = "lost", **kw: Any) -> State:
-        return self._go(s, r, pc, fence=_set(s.fence, r - 1, 0), **self._released(s, r), **kw)
+        """LetGo: release the claim if still ours, and forget what was read."""
+        i = r - 1
+        return self._go(
+            s,
+            r,
+            pc,
+            fence=_set(s.fence, i, 0),
+            lpos=_set(s.lpos, i, 0),
+            lval=_set(s.lval, i, 0),
+            **self._released(s, r),
+            **kw,
+        )
 
     def _decide(self, s: State, r: int, e: int, **kw: Any) -> State:
         a = self.action(s, self.drive(r), e)
