@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -328,16 +329,19 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             plan=plan,
         )
 
+    def _refuse_fork(self, base_id: str, why: str) -> ForkWithoutIntent:
+        return ForkWithoutIntent(
+            f"{why}: that is a fork; pass fork_token= to RemitStatePersistence to make one "
+            "named branch, resume(node) to answer a paused run, or iter_from_persistence() "
+            "to continue it",
+            run_id=self.run_id,
+            checkpoint_id=base_id,
+        )
+
     def _fork(self, base_id: str, *, heartbeat: bool, why: str) -> _Head:
         """Move to the branch `fork_token` names from `base_id` (P3); its head must be the base."""
         if self.fork_token is None:
-            raise ForkWithoutIntent(
-                f"{why}: that is a fork; pass fork_token= to RemitStatePersistence to make one "
-                "named branch, resume(node) to answer a paused run, or iter_from_persistence() "
-                "to continue it",
-                run_id=self.run_id,
-                checkpoint_id=base_id,
-            )
+            raise self._refuse_fork(base_id, why)
         made = self.remit.fork(self.run_id, base_id, self.fork_token)
         self._switch(made.branch, heartbeat=heartbeat)
         head = self._read_head()
@@ -351,17 +355,27 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         return head
 
+    def _start_reason(self, head: _Head | None) -> str | None:
+        if head is None:
+            return None
+        return (
+            f"the run already has a head on branch {self.branch!r} ({head.top.describe()}) "
+            "and starting a new node there"
+        )
+
     def _start(self, snapshot: Snapshot[StateT, RunEndT], *, keep_claim: bool) -> None:
         """A snapshot that does not follow a node this instance ran: a root, or a fork."""
         body = self._encode(snapshot)
-        self._acquire(heartbeat=False)
         try:
+            # Refuse from a read first: a refused writer never holds the claim.
             head = self._read_head()
-            if head is not None:
-                why = (
-                    f"the run already has a head on branch {self.branch!r} "
-                    f"({head.top.describe()}) and starting a new node there"
-                )
+            why = self._start_reason(head)
+            if head is not None and why is not None and self.fork_token is None:
+                raise self._refuse_fork(head.top.id, why)
+            self._acquire(heartbeat=False)
+            head = self._read_head()
+            why = self._start_reason(head)
+            if head is not None and why is not None:
                 head = self._fork(head.top.id, heartbeat=False, why=why)
             self._commit(snapshot, body, head)
         except BaseException:
@@ -438,18 +452,25 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._ran = (head, perf_counter() - start)
         claim.abandon()
 
+    def _run_reason(self, snapshot_id: str, head: _Head | None) -> str | None:
+        if head is not None and head.top.id == snapshot_id:
+            return None
+        self._read(snapshot_id)  # LookupError (UnknownRecord) if it does not exist
+        return (
+            f"snapshot {snapshot_id!r} is not the head of branch {self.branch!r} (the head is "
+            f"{'none' if head is None else head.top.id}) and running it again"
+        )
+
     def _begin_run(self, snapshot_id: str) -> _Head:
-        self._acquire(heartbeat=True)
         try:
+            why = self._run_reason(snapshot_id, self._read_head())
+            if why is not None and self.fork_token is None:
+                raise self._refuse_fork(snapshot_id, why)
+            self._acquire(heartbeat=True)
             head = self._read_head()
-            if head is None or head.top.id != snapshot_id:
-                self._read(snapshot_id)  # LookupError (UnknownRecord) if it does not exist
-                where = "none" if head is None else head.top.id
-                why = (
-                    f"snapshot {snapshot_id!r} is not the head of branch {self.branch!r} "
-                    f"(the head is {where}) and running it again"
-                )
-                head = self._fork(snapshot_id, heartbeat=True, why=why)
+            why = self._run_reason(snapshot_id, head)
+            if head is None or why is not None:
+                head = self._fork(snapshot_id, heartbeat=True, why=why or "")
             if not head.top.is_node:
                 raise GraphNodeStatusError(head.top.status)
             GraphNodeStatusError.check(head.top.status)
@@ -522,27 +543,49 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _resume(self, node: BaseNode[StateT, Any, RunEndT]) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
-        self._acquire(heartbeat=False)
+        paused = self._paused_head()
+        self._check_successor(paused.top, node)
+        snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
+        body = self._encode(snapshot)
+        pause_id = paused.top.id
+        self.remit.open_interrupts(
+            self.run_id, {pause_id: None}, branch=self.branch, checkpoint_id=pause_id
+        )
+        # The one atomic step: of all resumers, exactly one gets past it. Losers never
+        # take the run's claim, so they cannot get in the way of the winner's run.
+        self.remit.consume(self.run_id, pause_id, body, branch=self.branch)
+        if not self._acquire_patiently():
+            return snapshot  # accepted; the claim's holder settles it in its load_next
         try:
-            paused = self._paused_head()
-            self._check_successor(paused.top, node)
-            snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
-            body = self._encode(snapshot)
-            pause_id, fence = paused.top.id, self._fence()
-            self.remit.open_interrupts(
-                self.run_id,
-                {pause_id: None},
-                branch=self.branch,
-                checkpoint_id=pause_id,
-                fence=fence,
-            )
-            self.remit.consume(self.run_id, pause_id, body, branch=self.branch, fence=fence)
-            self._commit(snapshot, body, paused, via="resume", replaces=pause_id)
-        finally:
+            head = self._read_head()
+            if head is not None and head.top.id == pause_id:
+                self._commit(snapshot, body, head, via="resume", replaces=pause_id)
+            elif self.remit.checkpoint(self.run_id, snapshot.id) is None:
+                raise HeadMoved(
+                    "the run moved on from its pause while the value was delivered; the value "
+                    "was recorded with the pause and is not used",
+                    run_id=self.run_id,
+                    checkpoint_id=pause_id,
+                )
+        except BaseException:
             self._drop()
+            raise
         return snapshot
 
+    def _acquire_patiently(self) -> bool:
+        """Take the claim, waiting out at most one lease of its current holder."""
+        deadline = time.monotonic() + self.lease + 1.0
+        while True:
+            try:
+                self._acquire(heartbeat=False)
+                return True
+            except ResumeConflict:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+
     def _paused_head(self) -> _Head:
+        """The head if the run is paused: a node not started, not holding an answer, unclaimed."""
         head = self._read_head()
         if head is None:
             raise UnknownRecord("the run has no snapshots to resume", run_id=self.run_id)
@@ -559,6 +602,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             raise ResumeConflict(
                 "the run was already resumed (its head holds an earlier answer); the value "
                 "was not stored",
+                **ids,
+            )
+        claim = self.remit.store.get_claim(self.run_id, self.branch)
+        if policy.decide_claim(claim, self._holder, self.remit.clock()) == "conflict":
+            raise ResumeConflict(
+                "another process holds the run (it is loading or running the paused node); "
+                "the value was not stored",
                 **ids,
             )
         return head
@@ -601,9 +651,6 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return None
         pause = self.remit.interrupt(self.run_id, head.top.id, branch=self.branch)
         if pause is not None and pause.status == "consumed":
-            return None
-        claim = self.remit.store.get_claim(self.run_id, self.branch)
-        if policy.decide_claim(claim, self._holder, self.remit.clock()) == "conflict":
             return None
         snapshot = head.top.snapshot
         assert isinstance(snapshot, NodeSnapshot)
