@@ -10,6 +10,7 @@ reconcile hook, and on vanilla targets a plain call.
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -177,7 +178,7 @@ class _Session(ProbeSession):
     # -- operations ----------------------------------------------------------------
     def start(self, run: str) -> RunResult:
         if self.target.kind == "vanilla" and self.target.engine == "postgresql":
-            self.saver.setup()
+            self._setup_postgres(self.saver)
         return self._result(self.graph.invoke(initial_state(), self._config(run)))
 
     def resume(self, run: str, value: Any, *, branch: str | None = None) -> RunResult:
@@ -220,17 +221,17 @@ class _Session(ProbeSession):
                 (flip_middle_byte(blob), run, checkpoint_id),
             )
             self._conn.commit()
-        else:
-            version = head.checkpoint["channel_versions"]["amount"]
+        else:  # PostgresSaver keeps lists in checkpoint_blobs (primitives stay inline)
+            version = str(head.checkpoint["channel_versions"]["log"])
+            where = (
+                "WHERE thread_id = %s AND checkpoint_ns = '' AND channel = 'log' AND version = %s"
+            )
             row = self._conn.execute(
-                "SELECT blob FROM checkpoint_blobs WHERE thread_id = %s AND checkpoint_ns = '' "
-                "AND channel = 'amount' AND version = %s",
-                (run, str(version)),
+                f"SELECT blob FROM checkpoint_blobs {where}", (run, version)
             ).fetchone()
             self._conn.execute(
-                "UPDATE checkpoint_blobs SET blob = %s WHERE thread_id = %s AND "
-                "checkpoint_ns = '' AND channel = 'amount' AND version = %s",
-                (flip_middle_byte(bytes(row["blob"])), run, str(version)),
+                f"UPDATE checkpoint_blobs SET blob = %s {where}",
+                (flip_middle_byte(bytes(row["blob"])), run, version),
             )
         return checkpoint_id
 
@@ -271,12 +272,24 @@ class _Session(ProbeSession):
         else:
             self._copy_postgres(run, dest)
 
+    def _setup_postgres(self, saver: Any) -> None:
+        """`PostgresSaver.setup()`, retried when another process runs the same migration."""
+        from psycopg import errors
+
+        for attempt in range(10):
+            try:
+                saver.setup()
+                return
+            except (errors.UniqueViolation, errors.DeadlockDetected):
+                time.sleep(0.1 * (attempt + 1))
+        saver.setup()
+
     def _copy_postgres(self, run: str, dest: Target) -> None:
         from langgraph.checkpoint.postgres import PostgresSaver
 
         create_schema(dest)
         with PostgresSaver.from_conn_string(dest.url) as saver:
-            saver.setup()
+            self._setup_postgres(saver)
         for table in ("checkpoints", "checkpoint_blobs", "checkpoint_writes"):
             self._conn.execute(
                 f'INSERT INTO "{dest.schema}".{table} SELECT * FROM {table} WHERE thread_id = %s',
