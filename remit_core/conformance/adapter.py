@@ -45,10 +45,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from annotated_types import Ge, MinLen
+from typing_extensions import TypedDict  # pydantic validates it on Python < 3.12
 
 from remit_core.conformance.world import (
     EffectSink,
