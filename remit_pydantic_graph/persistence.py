@@ -101,6 +101,20 @@ class _Head:
     top: _Stored
 
 
+_UNEXPECTED = re.compile(
+    r"Expected `([^`]+)`[^\[]*\[field_name='([^']*)', input_value=(.*?), input_type=(\w+)\]"
+)
+
+
+def _serialization_problem(text: str) -> tuple[str, str]:
+    """(field, what was wrong) from pydantic's serializer warnings, skipping union tries."""
+    found = [m for m in _UNEXPECTED.finditer(text) if m.group(2) != "node"]
+    if not found:
+        return "<root>", text.replace("\n", " ")[:300]
+    expected, field, value, kind = found[0].groups()
+    return field, f"expected {expected}, got {kind} {value}"
+
+
 def _field(loc: Iterable[int | str]) -> str:
     parts = [str(p) for p in loc]
     if parts and parts[0] in ("node", "end"):  # the `kind` discriminator's tag
@@ -184,10 +198,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         try:
             body = adapter.dump_json(snapshot, warnings="error")
         except PydanticSerializationError as exc:
-            named = re.search(r"field_name='([^']*)'", str(exc))
+            field, expected = _serialization_problem(str(exc))
             raise CheckpointInvalid(
-                f"snapshot does not fit the graph's types, nothing was written: {exc}",
-                field=named.group(1) if named else None,
+                f"snapshot does not fit the graph's types at {field}: {expected}; "
+                "nothing was written",
+                field=field,
                 **ids,
             ) from exc
         try:

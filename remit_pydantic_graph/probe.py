@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sqlite3
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 from pydantic_graph import BaseNode, End, GraphRunContext
 from pydantic_graph.graph import Graph, GraphRun
@@ -30,10 +29,8 @@ from pydantic_graph.persistence import (
     Snapshot,
 )
 from pydantic_graph.persistence.file import FileStatePersistence
-from typing_extensions import TypedDict
 
 from remit_core.conformance.adapter import (
-    EFFECTS,
     CheckpointRef,
     ProbeAdapter,
     ProbeEnv,
@@ -45,20 +42,19 @@ from remit_core.conformance.adapter import (
     initial_state,
 )
 from remit_core.conformance.adapter import Snapshot as ProbeSnapshot
+from remit_core.conformance.storage import (
+    copy_remit_run,
+    corrupt_remit_checkpoint,
+    flip_middle_byte,
+)
 from remit_core.core import Remit
-from remit_core.errors import ResumeConflict
-from remit_core.records import MAIN_BRANCH
-from remit_core.stores.sqlite import sqlite_path
 from remit_pydantic_graph.persistence import RemitStatePersistence
 
-#: `ProbeState` as a `typing_extensions.TypedDict`, which pydantic can validate on 3.10+.
-State = TypedDict("State", get_type_hints(ProbeState, include_extras=True))  # type: ignore[misc]
-
-Ctx = GraphRunContext[State, ProbeEnv]
+Ctx = GraphRunContext[ProbeState, ProbeEnv]
 
 
 @dataclass
-class Prepare(BaseNode[State, ProbeEnv, str]):
+class Prepare(BaseNode[ProbeState, ProbeEnv, str]):
     async def run(self, ctx: Ctx) -> AwaitApproval:
         ctx.deps.enter("prepare")
         ctx.state["amount"] = -5 if ctx.deps.variant.invalid_step_write else 100
@@ -67,7 +63,7 @@ class Prepare(BaseNode[State, ProbeEnv, str]):
 
 
 @dataclass
-class AwaitApproval(BaseNode[State, ProbeEnv, str]):
+class AwaitApproval(BaseNode[ProbeState, ProbeEnv, str]):
     """The pause: the driver stops before this node; the answer replaces it."""
 
     first: str | None = None
@@ -77,7 +73,7 @@ class AwaitApproval(BaseNode[State, ProbeEnv, str]):
 
 
 @dataclass
-class Approve(BaseNode[State, ProbeEnv, str]):
+class Approve(BaseNode[ProbeState, ProbeEnv, str]):
     value: ResumeValue
     first: str | None = None
 
@@ -95,7 +91,7 @@ class Approve(BaseNode[State, ProbeEnv, str]):
 
 
 @dataclass
-class Charge(BaseNode[State, ProbeEnv, str]):
+class Charge(BaseNode[ProbeState, ProbeEnv, str]):
     async def run(self, ctx: Ctx) -> Notify:
         env = ctx.deps
         env.enter("charge")
@@ -108,7 +104,7 @@ class Charge(BaseNode[State, ProbeEnv, str]):
 
 
 @dataclass
-class Notify(BaseNode[State, ProbeEnv, str]):
+class Notify(BaseNode[ProbeState, ProbeEnv, str]):
     async def run(self, ctx: Ctx) -> End[str]:
         env = ctx.deps
         env.enter("notify")
@@ -181,14 +177,6 @@ async def _drive(run: GraphRun[Any, Any, Any], *, first_step: bool = False) -> R
     return RunResult("done", dict(run.state))
 
 
-def _corrupted(body: bytes) -> bytes:
-    """The same alteration on every target: one character of the order id in the head."""
-    if b"order-1" not in body:
-        raise ValueError("head record does not hold the probe's order id")
-    at = body.rindex(b"order-1")
-    return body[:at] + b"order-2" + body[at + len(b"order-1") :]
-
-
 class _Session(ProbeSession):
     def __init__(self, target: Target, env: ProbeEnv) -> None:
         self.target, self.env = target, env
@@ -240,15 +228,10 @@ class RemitSession(_Session):
         super().__init__(target, env)
         self.remit = Remit(target.url, lease=env.lease)
 
-    def _run_id(self, run: str, target: Target | None = None) -> str:
-        target = target or self.target
-        # A server holds copies side by side: the location's tag keeps their runs apart.
-        return run if target.is_local else f"{target.tag}:{run}"
-
     def _persistence(self, run: str, branch: str | None = None) -> _RemitProbePersistence:
         p = _RemitProbePersistence(
             self.remit,
-            self._run_id(run),
+            run,
             fork_token=branch,
             lease=self.env.lease,
             workflow_version=self.env.variant.workflow_version,
@@ -307,26 +290,9 @@ class RemitSession(_Session):
         asyncio.run(go())
 
     def corrupt_head(self, run: str) -> str:
-        """Rewrite the head checkpoint with altered bytes through the store's own primitives."""
-        store, rid = self.remit.store, self._run_id(run)
-        branch = store.get_branch(rid, "", MAIN_BRANCH)
-        assert branch is not None and branch.head_id is not None
-        head = store.get_checkpoint(rid, "", branch.head_id)
-        assert head is not None
-        # A head cannot be deleted: step past it, replace it, step back, drop the stand-in.
-        spare = replace(
-            head,
-            checkpoint_id=f"{head.checkpoint_id}~",
-            parent_id=head.checkpoint_id,
-            seq=branch.head_seq + 1,
-        )
-        store.commit_checkpoint(spare, expected_head=head.checkpoint_id)
-        store.delete_checkpoints(rid, "", [head.checkpoint_id])
-        store.commit_checkpoint(
-            replace(head, state=_corrupted(head.state)), expected_head=spare.checkpoint_id
-        )
-        store.delete_checkpoints(rid, "", [spare.checkpoint_id])
-        return head.checkpoint_id
+        head = self._stored(run)[-1]
+        corrupt_remit_checkpoint(self.target, run, head.id)
+        return head.id
 
     def inspect(self, run: str, *, branch: str | None = None) -> ProbeSnapshot:
         async def go() -> ProbeSnapshot:
@@ -345,35 +311,7 @@ class RemitSession(_Session):
         return asyncio.run(go())
 
     def copy_store(self, run: str, dest: Target) -> None:
-        if self.target.is_local:
-            with sqlite3.connect(sqlite_path(self.target.url)) as src:
-                with sqlite3.connect(sqlite_path(dest.url)) as dst:
-                    src.backup(dst)
-            return
-        self._copy_run(self._run_id(run), self._run_id(run, dest))
-
-    def _copy_run(self, source: str, target: str) -> None:
-        """The run's records under another id: checkpoints and writes, interrupts, effects."""
-        store, now = self.remit.store, self.remit.clock()
-        store.copy_run(source, target)
-        for i in store.list_interrupts(source):
-            store.open_interrupts([replace(i, run_id=target, status="pending", value=None)])
-            if i.status == "consumed" and i.value is not None:
-                try:
-                    store.consume_interrupt(
-                        target, i.branch, i.interrupt_id, i.value, consumer="copy", now=now
-                    )
-                except ResumeConflict:
-                    pass  # the engine's copy_run already carried it over
-        for record in store.list_checkpoints(source):
-            for name in EFFECTS:
-                key = f"{record.checkpoint_id}/{name}#0"
-                entry = store.get_effect(source, key)
-                if entry is None:
-                    continue
-                store.begin_effect(target, key, entry.idempotency_key, now=now)
-                if entry.status == "done" and entry.outcome is not None:
-                    store.finish_effect(target, key, entry.outcome, now=now)
+        copy_remit_run(self.target, dest, run)
 
 
 class FileSession(_Session):
@@ -419,7 +357,9 @@ class FileSession(_Session):
     def corrupt_head(self, run: str) -> str:
         path = self._path(run)
         head = self._stored(run)[-1]
-        path.write_bytes(_corrupted(path.read_bytes()))
+        data = path.read_bytes()
+        at = data.rindex(b'"state"')  # the head is the file's last snapshot
+        path.write_bytes(data[:at] + flip_middle_byte(data[at:]))
         return head.id
 
     def inspect(self, run: str, *, branch: str | None = None) -> ProbeSnapshot:
