@@ -39,7 +39,9 @@ from remit_core import codec, policy
 from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit
 from remit_core.errors import (
     CheckpointInvalid,
+    Fenced,
     ForkWithoutIntent,
+    HeadMoved,
     ResumeConflict,
     UnknownRecord,
 )
@@ -564,12 +566,23 @@ class RemitFlowPersistence(FlowPersistence):
         self, session: _Session, plain: dict[str, Any], method: str, kind: str, ledger: Ledger
     ) -> CheckpointRecord:
         remit = self.remit
-        plan = policy.plan_continue(
-            session.run_id,
-            session.branch,
-            remit.branch(session.run_id, branch=session.branch),
-            session.head,
-        )
+        try:
+            plan = policy.plan_continue(
+                session.run_id,
+                session.branch,
+                remit.branch(session.run_id, branch=session.branch),
+                session.head,
+            )
+        except HeadMoved as exc:
+            claim = remit.store.get_claim(session.run_id, session.branch)
+            if not policy.fence_is_current(claim, session.fence.fence):
+                raise Fenced(
+                    "this process's claim on the flow was taken over after its lease lapsed; "
+                    "its writes are refused",
+                    run_id=session.run_id,
+                    scope=session.branch,
+                ) from exc
+            raise
         record = remit.commit(
             run_id=session.run_id,
             checkpoint_id=f"{plan.seq:012d}-{uuid.uuid4().hex[:12]}",
