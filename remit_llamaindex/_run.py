@@ -137,7 +137,8 @@ class Session:
         self.mirror = init_state.deepcopy()
         self.ticks: list[WorkflowTick] = []
         self.unsaved: list[tuple[int, WorkflowTick]] = []
-        self.injections: deque[WorkflowTick] = deque()
+        self.injections: deque[TickAddEvent] = deque()
+        self.expected: set[int] = set()
         self.claim: ClaimHandle | None = None
         self.opened: set[str] = set()
         self.done = False
@@ -211,6 +212,8 @@ class Session:
             seq = self.mirror.journal_seq
             replay = await replay_ticks_stream(self.mirror, _one(tick), run_id=self.key)
             self.mirror = replay.state
+            if isinstance(tick, TickAddEvent):
+                self.expected.discard(id(tick.event))
             self.ticks.append(tick)
             self.unsaved.append((seq, tick))
             failure = _remit_failure(tick)
@@ -224,7 +227,7 @@ class Session:
             await asyncio.to_thread(self._commit, status, replay.exit_command)
             if isinstance(tick, TickStepResult):
                 failpoints.hit("step.after")
-            if status == snap.WAITING or status in snap.TERMINAL:
+            if status in snap.TERMINAL or (status == snap.WAITING and not self.expected):
                 await asyncio.to_thread(self.release_claim)
 
     def _metadata(self, status: str, exit_command: object | None) -> dict[str, Any]:
@@ -336,7 +339,14 @@ class Session:
                     await asyncio.to_thread(self.release_claim)
                 raise
             assert self.inner is not None
+            if isinstance(tick, TickAddEvent):
+                self.expected.add(id(tick.event))
             await self.inner.send_event(tick)
+
+    def inject(self, event: Event) -> None:
+        """Queue an accepted resume value whose delivery a crash interrupted."""
+        self.expected.add(id(event))
+        self.injections.append(TickAddEvent(event=event))
 
     def _refuse_consumed(self, waiters: list[snap.Waiter]) -> None:
         """A resumer that lost the race for a waiter gets `ResumeConflict`, not a fork error."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from workflows.context.serializers import BaseSerializer
-from workflows.context.state_store import InMemoryStateStore, MODEL_T, StateRecord
+from workflows.context.state_store import MODEL_T, InMemoryStateStore, StateRecord
 
 from remit_core.schema import StateSchema
 

@@ -29,7 +29,6 @@ from typing import Any
 from pydantic import BaseModel
 from workflows.context.context import Context
 from workflows.context.serializers import BaseSerializer, JsonSerializer
-from workflows.context.state_store_integration import decode_seed_state
 from workflows.context.state_store import (
     DictState,
     StateStore,
@@ -37,6 +36,7 @@ from workflows.context.state_store import (
     infer_state_type,
     set_by_path_copy,
 )
+from workflows.context.state_store_integration import decode_seed_state
 from workflows.events import Event, StartEvent
 from workflows.handler import WorkflowHandler
 from workflows.plugins.basic import BasicRuntime, get_current_run_id
@@ -66,13 +66,20 @@ from workflows.workflow import Workflow
 from remit_core import codec, connect, failpoints, policy
 from remit_core.core import DEFAULT_LEASE, Remit
 from remit_core.effects import step_scope
-from remit_core.errors import CorruptRecord, ForkWithoutIntent, RemitError, UnknownRecord
+from remit_core.errors import (
+    CorruptRecord,
+    ForkWithoutIntent,
+    RemitError,
+    ResumeConflict,
+    UnknownRecord,
+)
 from remit_core.records import MAIN_BRANCH, CheckpointRecord
 from remit_core.schema import StateSchema
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import Session, new_checkpoint_id, public_run_id, split_run_id
 
 logger = logging.getLogger("remit_llamaindex")
+_FIRST_ATTEMPT = RetryAttempt()
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             event: Event,
             workflow: Workflow,
             bound_events: dict[str, Event] | None = None,
-            retry: RetryAttempt = RetryAttempt(),
+            retry: RetryAttempt = _FIRST_ATTEMPT,
         ) -> list[StepWorkerOutput]:
             session = self._sessions.get(get_current_run_id() or "")
             if session is None:
@@ -256,8 +263,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         for interrupt in remit.interrupts(run_id, branch=branch.branch):
             if interrupt.status == "consumed" and interrupt.interrupt_id in pending:
                 assert interrupt.value is not None
-                event = serializer.deserialize(interrupt.value.decode())
-                session.injections.append(TickAddEvent(event=event))
+                session.inject(serializer.deserialize(interrupt.value.decode()))
         return session
 
     def _session(
@@ -389,17 +395,17 @@ class RemitRuntime(BaseRuntimeDecorator):
         is continued only with `fork_token` (one token, one branch, from any
         process); without one the run refuses with `ForkWithoutIntent`.
         """
-        key_run, _ = split_run_id(run_id)
-        record = (
-            self._head(run_id)
-            if checkpoint_id is None
-            else self._checkpoint(key_run, checkpoint_id)
-        )
+        key_run, branch = split_run_id(run_id)
+        if checkpoint_id is None:
+            record = self._head(run_id)
+        else:
+            record = self._checkpoint(key_run, checkpoint_id)
+            branch = record.branch
         ctx = snap.decode(record.state, run_id=record.run_id, checkpoint_id=record.checkpoint_id)
         handle = {
             "store_type": snap.HANDLE_TYPE,
             "run_id": record.run_id,
-            "branch": record.branch,
+            "branch": branch,
             "checkpoint_id": record.checkpoint_id,
             "fork_token": fork_token,
         }
@@ -441,7 +447,43 @@ class RemitRuntime(BaseRuntimeDecorator):
         stop = JsonSerializer().deserialize(record.metadata["result"])
         return getattr(stop, "result", stop)
 
+    def status(self, run_id: str) -> str:
+        """The status its head records: running, waiting, completed, failed or cancelled."""
+        return str(self._head(run_id).metadata.get("status", snap.RUNNING))
+
     # -- acting on runs -------------------------------------------------------------------
+    def fork(self, run_id: str, checkpoint_id: str, fork_token: str) -> str:
+        """The run id of the one branch `fork_token` makes from `checkpoint_id` (P3).
+
+        The same token from any process names the same branch; continue it with
+        `recover`, `respond` or `context` like any run.
+        """
+        key_run, _ = split_run_id(run_id)
+        self._checkpoint(key_run, checkpoint_id)
+        branch = self.remit.fork(key_run, checkpoint_id, fork_token)
+        return public_run_id(key_run, branch.branch)
+
+    def recover(self, workflow: Workflow, run_id: str) -> WorkflowHandler | None:
+        """Continue a run after its process died; None if it waits for an event or ended.
+
+        A resume value that was accepted (its interrupt consumed) but not yet
+        delivered when the process died is delivered now, without asking again.
+        """
+        record = self._head(run_id)
+        status = record.metadata.get("status")
+        if status in snap.TERMINAL:
+            return None
+        if status == snap.WAITING:
+            waiting = set(record.metadata.get("waiting", ()))
+            accepted = {
+                i.interrupt_id
+                for i in self.remit.interrupts(record.run_id, branch=record.branch)
+                if i.status == "consumed"
+            }
+            if not waiting & accepted:
+                return None
+        return workflow.run(ctx=self.context(workflow, run_id))
+
     async def send_event(
         self, handler: WorkflowHandler, event: Event, step: str | None = None
     ) -> None:
@@ -465,7 +507,14 @@ class RemitRuntime(BaseRuntimeDecorator):
         of k concurrent resumers one proceeds and the others get `ResumeConflict`.
         """
         ctx = self.context(workflow, run_id)
-        handler = workflow.run(ctx=ctx)
+        try:
+            handler = workflow.run(ctx=ctx)
+        except ForkWithoutIntent as exc:
+            raise ResumeConflict(
+                "another resumer continued the run while this one restored it; the event "
+                "was not delivered",
+                run_id=run_id,
+            ) from exc
         try:
             await self.send_event(handler, event)
         except BaseException:
