@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from spec.configs import CONFIGS, Config
-from spec.model import Model, State
+from spec.model import Model, State, init
 
 Trace = list[tuple[str, State]]
 
@@ -51,7 +51,7 @@ def explore(cfg: Config, *, max_states: int = 2_000_000) -> Explored:
     model = Model(cfg)
     invariants = model.invariants()
     actions = model.action_properties()
-    s0 = model_init(model)
+    s0 = init(model.cfg)
     parent: dict[State, tuple[State | None, str]] = {s0: (None, "Init")}
     depth_of = {s0: 1}
     queue = deque([s0])
@@ -88,19 +88,13 @@ def explore(cfg: Config, *, max_states: int = 2_000_000) -> Explored:
     return Explored(len(parent), generated, depth, time.perf_counter() - t0)
 
 
-def model_init(model: Model) -> State:
-    from spec.model import init
-
-    return init(model.cfg)
-
-
 def label(cfg: Config, states: list[State]) -> Trace:
     """Name the action behind each step of a state sequence (a TLC counterexample).
 
     Raises ValueError if a step is not a transition of this encoding.
     """
     model = Model(cfg)
-    if states[0] != model_init(model):
+    if states[0] != init(model.cfg):
         raise ValueError("the trace does not start in the initial state")
     out: Trace = [("Init", states[0])]
     for n, (s, t) in enumerate(zip(states, states[1:], strict=False), 2):
@@ -114,7 +108,7 @@ def label(cfg: Config, states: list[State]) -> Trace:
 def random_walk(cfg: Config, rng: random.Random, length: int) -> Trace:
     """A random behavior of `cfg` of up to `length` steps."""
     model = Model(cfg)
-    s = model_init(model)
+    s = init(model.cfg)
     out: Trace = [("Init", s)]
     for _ in range(length):
         options = list(model.successors(s))

@@ -94,6 +94,10 @@ CONFIGS: dict[str, Config] = {
         bad_writes=True,
     ),
     "large": replace(_CORRECT, resumers=4, drive=(1, 1, 1, 2), max_faults=2),
+    # Random walks replayed on the real core: a bigger fault budget than
+    # exhaustive search affords, once with each ledger mix.
+    "walk_ledger": replace(_CORRECT, max_faults=4),
+    "walk_doubt": replace(_CORRECT, kind=("reconcile", "plain"), max_faults=4),
     # The honest limit: a zombie against a target that does not deduplicate.
     "limit_zombie_no_dedup": Config(
         resumers=2, drive=(1, 1), zombies=True, dedup=False, expect="EffectOnce"

@@ -14,6 +14,7 @@ its configuration expects: no violation, or exactly the expected one.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import re
 import shutil
@@ -156,6 +157,12 @@ def run(cfg: Config, *, workers: int = 2, heap: str | None = None) -> TlcResult:
         seconds = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     return parse_output(out, seconds)
+
+
+@functools.cache
+def run_named(name: str) -> TlcResult:
+    """`run` of the configuration `CONFIGS[name]`, once per process (tests share it)."""
+    return run(CONFIGS[name])
 
 
 _COUNTS = re.compile(r"([\d,]+) states generated, ([\d,]+) distinct states found")
