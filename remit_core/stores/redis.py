@@ -239,7 +239,7 @@ class RedisStore(Store):
         try:
             pool = ConnectionPool.from_url(self.url, decode_responses=False)
         except ValueError as exc:
-            raise StoreUnavailable(f"bad Redis URL {self.url!r}: {exc}") from exc
+            raise ValueError(f"bad Redis URL {self.url!r}: {exc}") from exc
         return pool, Redis(connection_pool=pool), os.getpid()
 
     def _client(self) -> Redis:
