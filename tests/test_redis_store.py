@@ -590,12 +590,16 @@ def test_redis_malformed_record_header_is_corrupt_record(
 ) -> None:
     redis_store.commit_checkpoint(ckpt(run_id, "c1"), expected_head=None)
     key, field = run_prefix(run_id) + "ck", "c1\x00"
-    raw.hset(key, field, b"not json\n" + raw.hget(key, field).partition(b"\n")[2])  # type: ignore[union-attr]
-    with pytest.raises(CorruptRecord) as err:
-        redis_store.get_checkpoint(run_id, "", "c1")
-    assert err.value.run_id == run_id
-    with pytest.raises(CorruptRecord):
-        redis_store.list_checkpoints(run_id)
+    state = raw.hget(key, field).partition(b"\n")[2]  # type: ignore[union-attr]
+    raw.hset(key, field, b"not json\n" + state)
+    try:
+        with pytest.raises(CorruptRecord) as err:
+            redis_store.get_checkpoint(run_id, "", "c1")
+        assert err.value.run_id == run_id
+        with pytest.raises(CorruptRecord):
+            redis_store.list_checkpoints(run_id)
+    finally:
+        redis_store.delete_run(run_id)  # a corrupt run would break listings of every run
 
 
 def test_redis_setup_records_each_migration_once(redis_store: RedisStore, raw: Redis) -> None:
