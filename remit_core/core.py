@@ -7,12 +7,16 @@ failpoints. Payloads stay bytes here: shims own their framework's encoding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import heapq
+import itertools
 import os
 import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -33,6 +37,8 @@ from remit_core.records import (
 from remit_core.stores import Store, open_store
 
 DEFAULT_LEASE = 30.0
+#: How many checkpoints of main a `Remit` remembers to skip planning a commit after them.
+_SEEN_MAX = 1024
 
 
 def _ckpt_identity(ns: str, checkpoint_id: str) -> str:
@@ -41,6 +47,76 @@ def _ckpt_identity(ns: str, checkpoint_id: str) -> str:
 
 def _write_identity(ns: str, checkpoint_id: str, task_id: str, idx: int) -> str:
     return f"write\x00{ns}\x00{checkpoint_id}\x00{task_id}\x00{idx}"
+
+
+def _with_state(r: CheckpointRecord, state: bytes) -> CheckpointRecord:
+    """`r` with other state bytes (`dataclasses.replace` costs twice as much)."""
+    return CheckpointRecord(
+        run_id=r.run_id,
+        checkpoint_id=r.checkpoint_id,
+        branch=r.branch,
+        parent_id=r.parent_id,
+        state=state,
+        ns=r.ns,
+        seq=r.seq,
+        metadata=r.metadata,
+        schema_version=r.schema_version,
+        workflow_version=r.workflow_version,
+        created_at=r.created_at,
+    )
+
+
+class _LeaseKeeper:
+    """One thread per process renews the lease of every heartbeat claim, each
+    every `lease / 3`, instead of one thread per claim: starting a thread costs
+    more than taking the claim. A forked child starts with no renewals (its
+    parent's claims are not its own) and a thread of its own on first use.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._wake = threading.Condition(threading.Lock())
+        self._due: list[tuple[float, int, ClaimHandle]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, handle: ClaimHandle) -> None:
+        """Renew `handle` every `handle.lease / 3` seconds until it stops."""
+        with self._wake:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="remit-leases", daemon=True)
+                self._thread.start()
+            due = time.monotonic() + handle.lease / 3
+            heapq.heappush(self._due, (due, next(self._order), handle))
+            if self._due[0][2] is handle:
+                self._wake.notify()
+
+    def _next(self) -> ClaimHandle:
+        with self._wake:
+            while True:
+                if not self._due:
+                    self._wake.wait()
+                    continue
+                delay = self._due[0][0] - time.monotonic()
+                if delay > 0:
+                    self._wake.wait(delay)
+                    continue
+                return heapq.heappop(self._due)[2]
+
+    def _run(self) -> None:
+        while True:
+            handle = self._next()
+            if handle._renew():
+                with self._wake:
+                    due = time.monotonic() + handle.lease / 3
+                    heapq.heappush(self._due, (due, next(self._order), handle))
+
+
+_keeper = _LeaseKeeper()
+os.register_at_fork(after_in_child=_keeper._reset)
+_holder_serial = itertools.count(1)
 
 
 class ClaimHandle:
@@ -55,41 +131,41 @@ class ClaimHandle:
         self.claim = claim
         self.lease = lease
         self.lost = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._renewing = threading.Lock()
         if heartbeat:
-            self._thread = threading.Thread(
-                target=self._beat, name=f"remit-lease-{claim.scope}", daemon=True
-            )
-            self._thread.start()
+            _keeper.add(self)
 
     @property
     def fence(self) -> FenceRef:
         return FenceRef.of(self.claim)
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.lease / 3):
+    def _renew(self) -> bool:
+        """One heartbeat; whether to keep renewing."""
+        with self._renewing:
+            if self._stopped:
+                return False
             try:
                 self.claim = self._remit.store.renew_claim(
                     self.claim, now=self._remit.clock(), lease=self.lease
                 )
             except Fenced:
                 self.lost = True
-                return
+                return False
             except Exception:  # a passing store error: try again next beat
-                continue
+                return True
+            return True
 
     def release(self) -> None:
         """Stop renewing and give the claim up (no-op if it was taken over)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        with self._renewing:  # waits for a renewal in flight
+            self._stopped = True
         if not self.lost:
             self._remit.store.release_claim(self.claim)
 
     def abandon(self) -> None:
         """Stop renewing without releasing: the lease lapses as if the holder died."""
-        self._stop.set()
+        self._stopped = True
 
     def __enter__(self) -> ClaimHandle:
         return self
@@ -124,6 +200,7 @@ class Remit:
         self._holder = holder
         self._holder_pid = -1
         self._holder_auto = ""
+        self._main_seqs: OrderedDict[tuple[str, str, str], int] = OrderedDict()
 
     @property
     def holder(self) -> str:
@@ -177,7 +254,14 @@ class Remit:
         `Fenced` if `fence` is stale. Nothing is written when it raises.
         `allow_new_root`: see `policy.plan_commit`.
         """
-        plan = plan or self.plan(
+        guess = None
+        if plan is None and fork_token is None and parent_id is not None:
+            # The parent was main's head when this process last saw it: try the
+            # compare-and-set straight away; if it lost, plan from the branches.
+            seq = self._main_seqs.get((run_id, ns, parent_id))
+            if seq is not None:
+                guess = policy.CommitPlan(MAIN_BRANCH, parent_id, seq + 1)
+        plan = plan or guess or self.plan(
             run_id, parent_id, ns=ns, fork_token=fork_token, allow_new_root=allow_new_root
         )
         if plan.fork is not None:
@@ -207,16 +291,41 @@ class Remit:
             BlobRecord(run_id, k, codec.seal(v, f"blob\x00{ns}\x00{k}"), ns)
             for k, v in (blobs or {}).items()
         ]
+        sealed_writes = [self._seal_write(w) for w in writes]
         failpoints.hit("checkpoint.before_commit")
-        self.store.commit_checkpoint(
-            record,
-            expected_head=plan.expected_head,
-            blobs=sealed_blobs,
-            writes=[self._seal_write(w) for w in writes],
-            fence=fence,
-        )
+        try:
+            self.store.commit_checkpoint(
+                record,
+                expected_head=plan.expected_head,
+                blobs=sealed_blobs,
+                writes=sealed_writes,
+                fence=fence,
+            )
+        except HeadMoved:
+            if guess is None:
+                raise
+            plan = self.plan(run_id, parent_id, ns=ns, allow_new_root=allow_new_root)
+            record = dataclasses.replace(record, branch=plan.branch, seq=plan.seq)
+            self.store.commit_checkpoint(
+                record,
+                expected_head=plan.expected_head,
+                blobs=sealed_blobs,
+                writes=sealed_writes,
+                fence=fence,
+            )
+        self._seen(record)
         failpoints.hit("checkpoint.after_commit")
-        return dataclasses.replace(record, state=state)
+        return _with_state(record, state)
+
+    def _seen(self, record: CheckpointRecord) -> None:
+        """Remember a checkpoint of main and its seq, for the next commit after it."""
+        if record.branch != MAIN_BRANCH:
+            return
+        seqs = self._main_seqs
+        if len(seqs) >= _SEEN_MAX:
+            with contextlib.suppress(KeyError):
+                seqs.popitem(last=False)
+        seqs[record.run_id, record.ns, record.checkpoint_id] = record.seq
 
     def _open_ckpt(self, record: CheckpointRecord) -> CheckpointRecord:
         body = codec.unseal(
@@ -225,7 +334,8 @@ class Remit:
             run_id=record.run_id,
             checkpoint_id=record.checkpoint_id,
         )
-        return dataclasses.replace(record, state=body)
+        self._seen(record)
+        return _with_state(record, body)
 
     def checkpoint(
         self, run_id: str, checkpoint_id: str, *, ns: str = ""
@@ -247,10 +357,8 @@ class Remit:
         self, run_id: str, *, ns: str = "", branch: str = MAIN_BRANCH
     ) -> CheckpointRecord | None:
         """The head checkpoint of a branch, verified; None if the branch has none."""
-        b = self.store.get_branch(run_id, ns, branch)
-        if b is None or b.head_id is None:
-            return None
-        return self.checkpoint(run_id, b.head_id, ns=ns)
+        record = self.store.get_head(run_id, ns, branch)
+        return None if record is None else self._open_ckpt(record)
 
     def fork_branch(self, run_id: str, fork_token: str, *, ns: str = "") -> BranchRecord | None:
         """The branch a fork token made, if any."""
@@ -389,7 +497,7 @@ class Remit:
         claim gets that claim back, same fence.
         """
         lease = self.lease if lease is None else lease
-        holder = holder or f"{self.holder}/{uuid.uuid4().hex[:8]}"
+        holder = holder or f"{self.holder}/{next(_holder_serial)}"
         claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
         failpoints.hit("claim.after_acquire")
         return ClaimHandle(self, claim, lease, heartbeat)

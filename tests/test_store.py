@@ -921,3 +921,41 @@ def test_facade_delete_and_copy_run(remit: Remit, run_id: str) -> None:
     remit.delete_run(run_id)
     assert remit.head(run_id) is None and remit.history(run_id) == []
     assert remit.head(target) is not None
+
+
+def test_commit_after_a_head_another_process_moved(store: Store, run_id: str) -> None:
+    """A process that last saw c02 as main's head still plans correctly once it moved."""
+    here, there = Remit(store), Remit(type(store)(store.url))  # type: ignore[call-arg]
+    here.commit(run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"1")
+    here.commit(run_id=run_id, checkpoint_id="c02", parent_id="c01", state=b"2")
+    there.commit(run_id=run_id, checkpoint_id="c03", parent_id="c02", state=b"3")
+    with pytest.raises(ForkWithoutIntent):
+        here.commit(run_id=run_id, checkpoint_id="x", parent_id="c02", state=b"x")
+    forked = here.commit(
+        run_id=run_id, checkpoint_id="f01", parent_id="c02", state=b"f", fork_token="t"
+    )
+    assert forked.branch == policy.fork_branch_name("t")
+    # A fork head is continued by planning, never by guessing main.
+    f2 = here.commit(run_id=run_id, checkpoint_id="f02", parent_id="f01", state=b"f")
+    assert f2.branch == forked.branch
+    head = there.head(run_id)
+    assert head is not None and head.checkpoint_id == "c03"
+
+
+def test_commit_after_main_was_rewound(store: Store, run_id: str) -> None:
+    here, there = Remit(store), Remit(type(store)(store.url))  # type: ignore[call-arg]
+    for i, parent in enumerate([None, "c01", "c02"], start=1):
+        here.commit(run_id=run_id, checkpoint_id=f"c{i:02d}", parent_id=parent, state=b"s")
+    try:
+        there.store.move_head(
+            run_id, "", MAIN_BRANCH, expected_head="c03", new_head="c02", new_seq=2
+        )
+    except NotImplementedError:
+        pytest.xfail(f"{engine_of(store)} has no move_head yet")
+    # c02 is main's head again: the next commit after it is a plain CAS at seq 3.
+    again = here.commit(run_id=run_id, checkpoint_id="c03b", parent_id="c02", state=b"3b")
+    assert (again.branch, again.seq) == (MAIN_BRANCH, 3)
+    head = there.head(run_id)
+    assert head is not None and (head.checkpoint_id, head.seq) == ("c03b", 3)
+    children = sorted(c.checkpoint_id for c in here.history(run_id) if c.parent_id == "c02")
+    assert children == ["c03", "c03b"]

@@ -71,6 +71,7 @@ _CKPT_COLS = (
     "run_id, checkpoint_id, branch, parent_id, state, ns, seq, metadata, "
     "schema_version, workflow_version, created_at"
 )
+_CKPT_COLS_OF_C = ", ".join("c." + col for col in _CKPT_COLS.split(", "))
 _BRANCH_COLS = "run_id, branch, head_id, ns, head_seq, base_id, fork_token, created_at"
 _INTR_COLS = (
     "run_id, branch, interrupt_id, checkpoint_id, status, prompt, value, consumed_by, "
@@ -189,7 +190,11 @@ class SqlStore(Store):
         raise NotImplementedError
 
     def _read(self) -> contextlib.AbstractContextManager[Txn]:
-        """A read-only snapshot (may be the same as `_txn`)."""
+        """Where one read-only statement runs, a snapshot of its own (may be `_txn`)."""
+        return self._txn()
+
+    def _atomic(self) -> contextlib.AbstractContextManager[Txn]:
+        """Where one write statement runs that is atomic by itself (may be `_txn`)."""
         return self._txn()
 
     # -- lifecycle -----------------------------------------------------------
@@ -350,6 +355,16 @@ class SqlStore(Store):
                 (run_id, ns, branch),
             ).fetchone()
         return None if row is None else _branch(row)
+
+    def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
+        with self._read() as txn:
+            row = txn.execute(
+                f"SELECT {_CKPT_COLS_OF_C} FROM remit_branches b JOIN remit_checkpoints c "
+                "ON c.run_id = b.run_id AND c.ns = b.ns AND c.checkpoint_id = b.head_id "
+                "WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?",
+                (run_id, ns, branch),
+            ).fetchone()
+        return None if row is None else _ckpt(row)
 
     def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:
         sql = f"SELECT {_BRANCH_COLS} FROM remit_branches WHERE run_id = ?"
@@ -522,7 +537,8 @@ class SqlStore(Store):
     def acquire_claim(
         self, run_id: str, scope: str, holder: str, *, now: float, lease: float
     ) -> Claim:
-        with self._txn() as txn:
+        failpoints.hit("claim.in_acquire")
+        with self._atomic() as txn:
             row = txn.execute(
                 "INSERT INTO remit_claims (run_id, scope, holder, fence, expires_at) "
                 "VALUES (?, ?, ?, 1, ?) ON CONFLICT (run_id, scope) DO UPDATE SET "
@@ -535,7 +551,6 @@ class SqlStore(Store):
                 "RETURNING holder, fence, expires_at",
                 (run_id, scope, holder, now + lease, now, now),
             ).fetchone()
-            failpoints.hit("claim.in_acquire")
         if row is None:
             raise ResumeConflict(
                 "another resumer holds this run; retry after its lease expires",
@@ -545,7 +560,7 @@ class SqlStore(Store):
         return Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
 
     def renew_claim(self, claim: Claim, *, now: float, lease: float) -> Claim:
-        with self._txn() as txn:
+        with self._atomic() as txn:
             row = txn.execute(
                 "UPDATE remit_claims SET expires_at = ? WHERE run_id = ? AND scope = ? "
                 "AND fence = ? AND holder = ? RETURNING expires_at",
@@ -558,7 +573,7 @@ class SqlStore(Store):
         return Claim(claim.run_id, claim.scope, claim.holder, claim.fence, float(row[0]))
 
     def release_claim(self, claim: Claim) -> None:
-        with self._txn() as txn:
+        with self._atomic() as txn:
             txn.execute(
                 "UPDATE remit_claims SET holder = '', expires_at = 0 "
                 "WHERE run_id = ? AND scope = ? AND fence = ? AND holder = ?",

@@ -84,6 +84,13 @@ class Store(ABC):
     def get_branch(self, run_id: str, ns: str, branch: str) -> BranchRecord | None:
         """One branch, or None."""
 
+    def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
+        """The head checkpoint of a branch, or None (an engine may read it in one step)."""
+        b = self.get_branch(run_id, ns, branch)
+        if b is None or b.head_id is None:
+            return None
+        return self.get_checkpoint(run_id, ns, b.head_id)
+
     @abstractmethod
     def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:
         """Every branch of a run (of one namespace, if given)."""

@@ -1,8 +1,9 @@
 """PostgreSQL engine (psycopg 3 and a connection pool), for many processes or hosts.
 
 `postgresql://user@host:port/db`. Query options `min_size`/`max_size` size
-the pool; other options go to libpq. Each primitive is one transaction; the
-fence check holds the claim row `FOR SHARE` until commit.
+the pool; other options go to libpq. Each primitive is one transaction (a
+single statement runs in autocommit mode, one round trip); the fence check
+holds the claim row `FOR SHARE` until commit.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class PostgresStore(SqlStore):
                 try:
                     self._pool = ConnectionPool(
                         self._conninfo, min_size=self._min, max_size=self._max, open=True,
-                        kwargs={"autocommit": False}, timeout=30,
+                        kwargs={"autocommit": True}, timeout=30,
                     )
                     self._pool.wait(timeout=30)
                 except Exception as exc:
@@ -76,6 +77,17 @@ class PostgresStore(SqlStore):
                 yield _PgTxn(cur)
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[Txn]:
+        # Pooled connections are in autocommit mode: one statement, one round trip.
+        try:
+            with self._get_pool().connection() as conn, conn.cursor() as cur:
+                yield _PgTxn(cur)
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
+
+    _atomic = _read
 
     def setup(self) -> None:
         with self._txn() as txn:

@@ -12,6 +12,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterator
+from types import TracebackType
 from urllib.parse import parse_qs, urlsplit
 
 from remit_core.errors import StoreUnavailable
@@ -29,6 +30,37 @@ def sqlite_path(url: str) -> str:
     return path
 
 
+class _OneStatement:
+    """The store's connection under its lock, for one statement in autocommit mode.
+
+    A plain class rather than a generator context: reads and claims are short
+    enough that the generator's cost shows.
+    """
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> Txn:
+        self._store._lock.acquire()
+        try:
+            return self._store._connection()
+        except BaseException:
+            self._store._lock.release()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._store._lock.release()
+        if isinstance(exc, sqlite3.OperationalError):
+            raise StoreUnavailable(f"SQLite store {self._store.path!r}: {exc}") from exc
+
+
 class SQLiteStore(SqlStore):
     """One connection per process, serialised by a lock; re-opened after fork."""
 
@@ -43,6 +75,7 @@ class SQLiteStore(SqlStore):
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
+        self._one_statement = _OneStatement(self)
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None or self._pid != os.getpid():
@@ -76,15 +109,14 @@ class SQLiteStore(SqlStore):
             except sqlite3.Error as exc:
                 raise StoreUnavailable(f"SQLite commit failed on {self.path!r}: {exc}") from exc
 
-    @contextlib.contextmanager
-    def _read(self) -> Iterator[Txn]:
-        with self._lock:
-            conn = self._connection()
-            conn.execute("BEGIN")
-            try:
-                yield conn
-            finally:
-                conn.execute("COMMIT")
+    def _read(self) -> contextlib.AbstractContextManager[Txn]:
+        # One statement in autocommit mode reads one consistent snapshot.
+        return self._one_statement
+
+    def _atomic(self) -> contextlib.AbstractContextManager[Txn]:
+        # A write statement in autocommit mode takes the write lock when it starts
+        # (waiting up to the busy timeout), so it needs no BEGIN IMMEDIATE.
+        return self._one_statement
 
     def setup(self) -> None:
         with self._txn() as txn:
