@@ -265,6 +265,11 @@ def test_list_branches_and_create_branch_by_token(store: Store, run_id: str) -> 
     names = sorted(b.branch for b in store.list_branches(run_id))
     assert names == ["fork-x", MAIN_BRANCH]
     assert store.list_branches(run_id, "other") == []
+    # A branch's head in one read: a fresh fork's head is its base.
+    head = store.get_head(run_id, "", "fork-x")
+    assert head is not None and head == store.get_checkpoint(run_id, "", "c01")
+    assert store.get_head(run_id, "", "absent") is None
+    assert store.get_head(run_id, "other", MAIN_BRANCH) is None
     # The fork branch continues by CAS from its base.
     store.commit_checkpoint(ckpt(run_id, "f01", "c01", seq=1, branch="fork-x"), expected_head="c01")
     assert head_id(store, run_id, "fork-x") == "f01"
