@@ -1,0 +1,568 @@
+"""RemitStatePersistence against the real pydantic-graph 1.x, on SQLite, PostgreSQL and Redis.
+
+Crash and concurrency items run in real forked processes (SIGKILL, a barrier of
+racing resumers); the outside world (step entries, effect applications) is a
+SQLite file every process shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import pytest
+from annotated_types import Ge, MinLen
+from conftest import engine_url
+from pydantic_graph import BaseNode, End, GraphRunContext
+from pydantic_graph.exceptions import GraphNodeStatusError
+from pydantic_graph.graph import Graph
+from pydantic_graph.persistence import EndSnapshot, NodeSnapshot
+from typing_extensions import TypedDict
+
+from remit_core import (
+    CheckpointInvalid,
+    CorruptRecord,
+    ForkWithoutIntent,
+    ResumeConflict,
+    VersionMismatch,
+    arun_effect,
+    failpoints,
+)
+from remit_core.conformance.adapter import Target
+from remit_core.conformance.processes import Barrier, fork
+from remit_core.conformance.storage import corrupt_remit_checkpoint
+from remit_core.conformance.world import EffectSink, Journal, WorldDB
+from remit_pydantic_graph import RemitStatePersistence
+
+LEASE = 1.0
+
+
+class Order(TypedDict):
+    amount: Annotated[int, Ge(0)]
+    approved_by: str | None
+    log: list[str]
+
+
+@dataclass
+class World:
+    """What nodes touch outside the store: a journal, an effect sink, a crash point."""
+
+    folder: Path
+    amount: int = 100
+    kill_at: str | None = None
+
+    def __post_init__(self) -> None:
+        self.db = WorldDB(self.folder / "world.db")
+        self.journal, self.sink = Journal(self.db), EffectSink(self.db)
+
+    def enter(self, node: str) -> None:
+        self.journal.record("enter", node)
+        if self.kill_at == node:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def entered(self) -> dict[str, int]:
+        return dict(self.journal.entered())
+
+
+Ctx = GraphRunContext[Order, World]
+
+
+@dataclass
+class Start(BaseNode[Order, World, str]):
+    async def run(self, ctx: Ctx) -> Ask:
+        ctx.deps.enter("start")
+        ctx.state["amount"] = ctx.deps.amount
+        ctx.state["log"].append("start")
+        return Ask()
+
+
+@dataclass
+class Ask(BaseNode[Order, World, str]):
+    """The pause: drivers stop before it; the answer comes as `Answer(value)`."""
+
+    async def run(self, ctx: Ctx) -> Answer:
+        raise AssertionError("the pause never runs")
+
+
+@dataclass
+class Answer(BaseNode[Order, World, str]):
+    value: Annotated[str, MinLen(1)]
+
+    async def run(self, ctx: Ctx) -> Pay:
+        ctx.deps.enter("answer")
+        ctx.state["approved_by"] = self.value
+        ctx.state["log"].append("answer")
+        return Pay()
+
+
+@dataclass
+class Pay(BaseNode[Order, World, str]):
+    async def run(self, ctx: Ctx) -> Done:
+        ctx.deps.enter("pay")
+        sink = ctx.deps.sink
+
+        async def apply(key: str) -> str:
+            return sink.apply("charge", key)
+
+        await arun_effect("charge", apply, reconcile=sink.reconcile)
+        ctx.deps.enter("pay.after_effect")
+        ctx.state["log"].append("pay")
+        return Done()
+
+
+@dataclass
+class Done(BaseNode[Order, World, str]):
+    async def run(self, ctx: Ctx) -> End[str]:
+        ctx.deps.enter("done")
+        ctx.state["log"].append("done")
+        return End(f"paid {ctx.state['amount']}")
+
+
+GRAPH = Graph(nodes=(Start, Ask, Answer, Pay, Done), name="order")
+
+
+def fresh() -> Order:
+    return {"amount": 0, "approved_by": None, "log": []}
+
+
+@pytest.fixture
+def url(store_url: str) -> str:
+    return store_url
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def persistence(url: str, run_id: str, **kw: Any) -> RemitStatePersistence[Order, str]:
+    p: RemitStatePersistence[Order, str] = RemitStatePersistence(url, run_id, lease=LEASE, **kw)
+    p.set_graph_types(GRAPH)
+    return p
+
+
+async def drive(p: RemitStatePersistence[Order, str], world: World, node: Any = None) -> Any:
+    """Run from `node` (or from the stored head) until the pause or the end."""
+    context = (
+        GRAPH.iter_from_persistence(p, deps=world)
+        if node is None
+        else GRAPH.iter(node, state=fresh(), deps=world, persistence=p)
+    )
+    async with context as run:
+        async for step in run:
+            if isinstance(step, Ask):
+                return "paused"
+    return run.result.output if run.result else None
+
+
+async def to_pause(url: str, run_id: str, world: World) -> RemitStatePersistence[Order, str]:
+    p = persistence(url, run_id)
+    assert await drive(p, world, Start()) == "paused"
+    return p
+
+
+def in_child(fn: Callable[[], Any]) -> Any:
+    """Run `fn` in a forked process; its outcome (ok / error / killed)."""
+    return fork(fn).wait(60)
+
+
+def statuses(snapshots: list[Any]) -> list[str]:
+    return [s.status if isinstance(s, NodeSnapshot) else "end" for s in snapshots]
+
+
+# -- the interface ------------------------------------------------------------------------
+
+
+def test_every_method_against_graph_run(url: str, run_id: str, world: World) -> None:
+    """graph.run / iter / initialize / iter_from_persistence, with every method of the interface."""
+
+    async def go() -> None:
+        p = RemitStatePersistence(url, run_id)
+        assert p.should_set_types()
+        p.set_graph_types(GRAPH)
+        assert not p.should_set_types()
+        await GRAPH.initialize(Start(), p, state=fresh())
+        assert statuses(await p.load_all()) == ["created"]
+        assert await drive(p, world) == "paused"
+        snap = await p.resume(Answer("ann"))
+        await p.snapshot_node_if_new(snap.id, snap.state, snap.node)  # known id: no-op
+        assert await drive(p, world) == "paid 100"
+        history = await p.load_all()
+        assert statuses(history) == ["success", "created", "success", "success", "success", "end"]
+        assert isinstance(history[-1], EndSnapshot) and history[-1].result.data == "paid 100"
+        assert [type(s.node).__name__ for s in history[:-1]] == [
+            "Start",
+            "Ask",
+            "Answer",
+            "Pay",
+            "Done",
+        ]
+        # Every node that ran has its duration; the pause never ran.
+        assert [s.duration is not None for s in history[:-1]] == [True, False, True, True, True]
+        with pytest.raises(LookupError):
+            async with p.record_run("Pay:no-such-snapshot"):
+                pass
+        assert await p.load_next() is None  # the run ended
+
+    asyncio.run(go())
+    assert world.entered() == {"start": 1, "answer": 1, "pay": 1, "pay.after_effect": 1, "done": 1}
+    assert world.sink.counts() == {"charge": 1}
+
+
+def test_effect_is_keyed_by_the_snapshot_id(url: str, run_id: str, world: World) -> None:
+    """P2: a node's effects are recorded under its snapshot id, the same on every replay."""
+
+    async def go() -> str:
+        p = await to_pause(url, run_id, world)
+        await p.resume(Answer("ann"))
+        await drive(p, world)
+        pay = next(s for s in await p.load_all() if isinstance(getattr(s, "node", None), Pay))
+        return pay.id
+
+    pay_id = asyncio.run(go())
+    entry = persistence(url, run_id).remit.store.get_effect(run_id, f"{pay_id}/charge#0")
+    assert entry is not None and entry.status == "done"
+
+
+# -- P1 / L1: crashes, reclaim, success with the next snapshot, cancellation ---------------
+
+
+@pytest.mark.parametrize("where", ["pay", "pay.after_effect"])
+def test_killed_node_is_reclaimed_with_its_snapshot_id(
+    url: str, run_id: str, world: World, where: str
+) -> None:
+    """P1/L1: SIGKILL inside a node leaves it running; after the lease, load_next hands the
+    same snapshot out again and the run completes; the effect is applied once (P2)."""
+    asyncio.run(to_pause(url, run_id, world))
+
+    def crash() -> None:
+        world.kill_at = where
+
+        async def go() -> None:
+            p = persistence(url, run_id)
+            await p.resume(Answer("ann"))
+            await drive(p, world)
+
+        asyncio.run(go())
+
+    assert in_child(crash).status == "killed"
+    history = asyncio.run(persistence(url, run_id).load_all())
+    assert statuses(history)[-1] == "running" and isinstance(history[-1].node, Pay)
+    store = persistence(url, run_id).remit.store
+    dead = store.get_claim(run_id, "main")
+    assert dead is not None and dead.holder != ""  # never released: its lease has to lapse
+    time.sleep(LEASE + 0.2)
+
+    async def run_in_place() -> None:  # pydantic-graph's rule holds: no re-run without load_next
+        async with persistence(url, run_id).record_run(history[-1].id):
+            pass
+
+    with pytest.raises(GraphNodeStatusError):
+        asyncio.run(run_in_place())
+
+    async def recover() -> Any:
+        p = persistence(url, run_id)
+        again = await p.load_next()
+        assert again is not None and again.id == history[-1].id and again.status == "pending"
+        p.release()
+        return await drive(persistence(url, run_id), world)
+
+    assert asyncio.run(recover()) == "paid 100"
+    taken = store.get_claim(run_id, "main")
+    assert taken is not None and taken.fence > dead.fence  # a new claim, not the dead one's
+    assert world.sink.counts() == {"charge": 1}
+    assert world.entered()["pay"] == 2 and world.entered()["answer"] == 1
+
+
+@pytest.mark.parametrize(
+    ("point", "pay_entries"), [("checkpoint.before_commit", 2), ("checkpoint.after_commit", 1)]
+)
+def test_success_is_committed_with_the_next_snapshot(
+    url: str, run_id: str, world: World, point: str, pay_entries: int
+) -> None:
+    """P1: a crash just before Pay's completion commits re-runs Pay; just after, it does not.
+    Either way the next node is never lost (the file backend strands the run there)."""
+    asyncio.run(to_pause(url, run_id, world))
+
+    def crash() -> None:
+        async def go() -> None:
+            p = persistence(url, run_id)
+            await p.resume(Answer("ann"))
+            async with GRAPH.iter_from_persistence(p, deps=world) as run:
+                await run.next()  # Answer
+                failpoints.arm(point, "kill")
+                await run.next()  # Pay, then its completion with Done's snapshot
+
+        asyncio.run(go())
+
+    assert in_child(crash).status == "killed"
+    time.sleep(LEASE + 0.2)
+    assert asyncio.run(drive(persistence(url, run_id), world)) == "paid 100"
+    assert world.entered()["pay"] == pay_entries
+    assert world.sink.counts() == {"charge": 1}
+    kinds = [
+        type(getattr(s, "node", s)).__name__
+        for s in asyncio.run(persistence(url, run_id).load_all())
+    ]
+    assert kinds == ["Start", "Ask", "Answer", "Pay", "Done", "End"]
+
+
+def test_cancellation_gives_the_node_back(url: str, run_id: str, world: World) -> None:
+    """A cancelled node is not left running: another resumer takes it at once, same id."""
+
+    @dataclass
+    class Slow(BaseNode[Order, World, str]):
+        async def run(self, ctx: GraphRunContext[Order, World]) -> End[str]:
+            await asyncio.sleep(30)
+            return End("slow")
+
+    slow_graph = Graph(nodes=(Slow,), name="slow")
+
+    async def go() -> None:
+        p = RemitStatePersistence(url, run_id, lease=30.0)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(slow_graph.run(Slow(), state=fresh(), persistence=p), 0.5)
+        other = RemitStatePersistence(url, run_id, lease=30.0)
+        other.set_graph_types(slow_graph)
+        (first,) = await other.load_all()
+        assert first.status == "created" and first.start_ts is None
+        again = await other.load_next()  # no 30 s lease to wait out
+        assert again is not None and again.id == first.id
+        other.release()
+
+    asyncio.run(go())
+
+
+# -- P4: validation on write, verified reads, one End --------------------------------------
+
+
+def test_invalid_state_is_refused_and_the_run_stays_loadable(
+    url: str, run_id: str, tmp_path: Path
+) -> None:
+    """P4: amount=-5 from a node raises CheckpointInvalid naming the field; nothing is written."""
+    world = World(tmp_path, amount=-5)
+
+    async def go() -> None:
+        p = persistence(url, run_id)
+        with pytest.raises(CheckpointInvalid) as bad:
+            await drive(p, world, Start())
+        assert bad.value.field == "state.amount" and run_id in str(bad.value)
+        history = await persistence(url, run_id).load_all()
+        assert statuses(history) == ["error"] and history[0].state["amount"] == 0
+
+    asyncio.run(go())
+
+
+def test_wrong_types_never_reach_the_store(url: str, run_id: str, world: World) -> None:
+    """P4: a value of the wrong type (which the file backend writes with a warning) is refused."""
+
+    async def go() -> None:
+        p = await to_pause(url, run_id, world)
+        head = (await p.load_all())[-1]
+        for state, field in (
+            ({**head.state, "amount": "many"}, "amount"),
+            ({**head.state, "amount": -1}, "state.amount"),
+        ):
+            with pytest.raises(CheckpointInvalid) as bad:
+                await p.update_state(state)
+            assert bad.value.field == field
+        with pytest.raises(CheckpointInvalid) as bad:
+            await p.resume(Answer(12345))  # type: ignore[arg-type]
+        assert bad.value.field == "value"
+        assert (await p.paused()) is not None  # still paused, still answerable
+        assert [s.id for s in await p.load_all()][-1] == head.id
+
+    asyncio.run(go())
+
+
+def test_corrupt_and_foreign_records_fail_loudly(
+    url: str, run_id: str, world: World, tmp_path: Path
+) -> None:
+    """P4: altered bytes raise CorruptRecord, another workflow version VersionMismatch;
+    both name the run and the checkpoint."""
+
+    async def go() -> None:
+        p = await to_pause(url, run_id, world)
+        head = (await p.load_all())[-1].id
+        v2 = persistence(url, run_id, workflow_version="v2")
+        with pytest.raises(VersionMismatch) as other:
+            await v2.resume(Answer("ann"))
+        assert run_id in str(other.value) and head in str(other.value)
+        corrupt_remit_checkpoint(Target(url, "remit", url, tmp_path, "t"), run_id, head)
+        with pytest.raises(CorruptRecord) as bad:
+            await persistence(url, run_id).load_next()
+        assert run_id in str(bad.value) and head in str(bad.value)
+
+    asyncio.run(go())
+
+
+def test_at_most_one_end(url: str, run_id: str, world: World) -> None:
+    """P4/P3: after End, neither a new start nor a second End is written without a fork token."""
+
+    async def go() -> None:
+        p = await to_pause(url, run_id, world)
+        await p.resume(Answer("ann"))
+        await drive(p, world)
+        with pytest.raises(ForkWithoutIntent):
+            await GRAPH.run(
+                Start(), state=fresh(), deps=world, persistence=persistence(url, run_id)
+            )
+        with pytest.raises(ForkWithoutIntent):
+            await persistence(url, run_id).snapshot_end(fresh(), End("again"))
+        history = await persistence(url, run_id).load_all()
+        assert sum(isinstance(s, EndSnapshot) for s in history) == 1
+
+    asyncio.run(go())
+
+
+# -- P5: the resume value, once across processes -----------------------------------------
+
+
+def test_racing_resumers_one_wins(url: str, run_id: str, world: World) -> None:
+    """P5: four processes answer at once; one value is consumed and runs, three get
+    ResumeConflict and run nothing; a late answer is refused too."""
+    asyncio.run(to_pause(url, run_id, world))
+    barrier = Barrier(4)
+
+    def resumer(i: int) -> Callable[[], Any]:
+        def go() -> str:
+            barrier.wait()
+
+            async def answer() -> Any:
+                p = persistence(url, run_id)
+                await p.resume(Answer(f"v{i}"))
+                return await drive(p, world)
+
+            return asyncio.run(answer())
+
+        return go
+
+    workers = [fork(resumer(i), barrier=barrier) for i in range(4)]
+    barrier.release()
+    outcomes = [w.wait(60) for w in workers]
+    winners = [i for i, o in enumerate(outcomes) if o.ok]
+    assert len(winners) == 1, [o.summary() for o in outcomes]
+    assert all(o.raised("ResumeConflict") for o in outcomes if not o.ok)
+    final = asyncio.run(persistence(url, run_id).load_all())[-1]
+    assert final.state["approved_by"] == f"v{winners[0]}"
+    assert world.entered()["answer"] == 1 and world.sink.counts() == {"charge": 1}
+    with pytest.raises(ResumeConflict):
+        asyncio.run(persistence(url, run_id).resume(Answer("late")))
+
+
+def test_docs_pattern_never_silently_starts_over(url: str, run_id: str, world: World) -> None:
+    """P5/P3: the file backend's human-in-the-loop recipe (load_next, then iter(Answer(...)))
+    is refused on a paused or ended run instead of growing a second run in place."""
+
+    async def go() -> None:
+        await to_pause(url, run_id, world)
+        p = persistence(url, run_id)
+        snapshot = await p.load_next()
+        assert snapshot is not None and isinstance(snapshot.node, Ask)
+        with pytest.raises(ForkWithoutIntent):
+            async with GRAPH.iter(
+                Answer("ann"), state=snapshot.state, deps=world, persistence=p
+            ) as run:
+                await run.next()
+        assert await persistence(url, run_id).paused() is not None  # claim given back
+
+    asyncio.run(go())
+    assert world.entered() == {"start": 1}
+
+
+def test_value_accepted_before_a_crash_is_used_once(url: str, run_id: str, world: World) -> None:
+    """P5: killed right after the value was consumed (before its node was stored): recovery
+    continues with that value; a second value is refused."""
+    asyncio.run(to_pause(url, run_id, world))
+
+    def crash() -> None:
+        failpoints.arm("interrupt.after_consume", "kill")
+        asyncio.run(persistence(url, run_id).resume(Answer("ann")))
+
+    assert in_child(crash).status == "killed"
+    with pytest.raises(ResumeConflict):
+        asyncio.run(persistence(url, run_id).resume(Answer("bob")))
+    assert asyncio.run(drive(persistence(url, run_id), world)) == "paid 100"
+    final = asyncio.run(persistence(url, run_id).load_all())[-1]
+    assert final.state["approved_by"] == "ann" and world.sink.counts() == {"charge": 1}
+
+
+# -- P3: forks need a token; one token, one branch ---------------------------------------
+
+
+def test_forks_need_a_token_and_one_token_is_one_branch(
+    url: str, run_id: str, world: World
+) -> None:
+    async def go() -> None:
+        p = await to_pause(url, run_id, world)
+        await p.resume(Answer("ann"))
+        await drive(p, world)
+        history = await p.load_all()
+        pay = next(s for s in history if isinstance(getattr(s, "node", None), Pay))
+        with pytest.raises(ForkWithoutIntent):  # replaying an old snapshot in place
+            async with GRAPH.iter(pay.node, state=pay.state, deps=world, persistence=p) as run:
+                await run.next()
+        assert len(p.remit.branches(run_id)) == 1
+        forked = persistence(url, run_id, fork_token="again")
+        async with GRAPH.iter(pay.node, state=pay.state, deps=world, persistence=forked) as run:
+            async for _ in run:
+                pass
+        assert forked.branch != "main" and (await forked.load_all())[-1].state == history[-1].state
+        assert (await persistence(url, run_id).load_all())[-1].id == history[-1].id
+        same = await p.fork(pay.id, "again")
+        assert same.branch == forked.branch and len(p.remit.branches(run_id)) == 2
+
+    asyncio.run(go())
+    assert world.sink.counts() == {"charge": 1}  # Pay replayed on the fork: read from the ledger
+
+
+def test_fork_of_a_paused_run_has_its_own_interrupt(url: str, run_id: str, world: World) -> None:
+    """L3: both the run and its fork take one answer each."""
+
+    async def go() -> None:
+        p = await to_pause(url, run_id, world)
+        head = (await p.load_all())[-1].id
+        forked = await p.fork(head, "other-answer")
+        await forked.resume(Answer("bob"))
+        await p.resume(Answer("ann"))
+        assert await drive(forked, world) == await drive(p, world) == "paid 100"
+        with pytest.raises(ResumeConflict):
+            await (await p.fork(head, "other-answer")).resume(Answer("eve"))
+        ends = [(await x.load_all())[-1].state["approved_by"] for x in (p, forked)]
+        assert ends == ["ann", "bob"]
+
+    asyncio.run(go())
+
+
+# -- the async path -------------------------------------------------------------------------
+
+
+def test_store_calls_do_not_block_the_event_loop(tmp_path: Path, run_id: str, world: World) -> None:
+    """Each store call runs in a worker thread: a 0.3 s commit leaves the loop ticking."""
+    url = engine_url("sqlite", tmp_path)
+
+    async def go() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        failpoints.arm("checkpoint.before_commit", "sleep:0.3")
+        try:
+            await persistence(url, run_id).snapshot_node(fresh(), Start())
+        finally:
+            failpoints.disarm()
+            task.cancel()
+        return ticks
+
+    assert asyncio.run(go()) >= 5
