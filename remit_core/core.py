@@ -293,26 +293,22 @@ class Remit:
         ]
         sealed_writes = [self._seal_write(w) for w in writes]
         failpoints.hit("checkpoint.before_commit")
-        try:
-            self.store.commit_checkpoint(
-                record,
-                expected_head=plan.expected_head,
-                blobs=sealed_blobs,
-                writes=sealed_writes,
-                fence=fence,
-            )
-        except HeadMoved:
-            if guess is None:
-                raise
-            plan = self.plan(run_id, parent_id, ns=ns, allow_new_root=allow_new_root)
-            record = dataclasses.replace(record, branch=plan.branch, seq=plan.seq)
-            self.store.commit_checkpoint(
-                record,
-                expected_head=plan.expected_head,
-                blobs=sealed_blobs,
-                writes=sealed_writes,
-                fence=fence,
-            )
+        while True:
+            try:
+                self.store.commit_checkpoint(
+                    record,
+                    expected_head=plan.expected_head,
+                    blobs=sealed_blobs,
+                    writes=sealed_writes,
+                    fence=fence,
+                )
+                break
+            except HeadMoved:
+                if guess is None:
+                    raise
+                guess = None
+                plan = self.plan(run_id, parent_id, ns=ns, allow_new_root=allow_new_root)
+                record = dataclasses.replace(record, branch=plan.branch, seq=plan.seq)
         self._seen(record)
         failpoints.hit("checkpoint.after_commit")
         return _with_state(record, state)
