@@ -93,7 +93,8 @@ CONFIGS: dict[str, Config] = {
         dedup=True,
         bad_writes=True,
     ),
-    "large": replace(_CORRECT, resumers=4, drive=(1, 1, 1, 2), max_faults=2),
+    # The large run: 3 resumers on main and 1 on the fork, 3 faults.
+    "large": replace(_CORRECT, resumers=4, drive=(1, 1, 1, 2), max_faults=3),
     # Random walks replayed on the real core: a bigger fault budget than
     # exhaustive search affords, once with each ledger mix.
     "walk_ledger": replace(_CORRECT, max_faults=4),

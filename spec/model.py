@@ -225,7 +225,9 @@ class Model:
         st = s.ledger[b - 1][e - 1]
         if st == "intent" and self.cfg.bug("blind_refire"):
             return "reapply"
-        entry = None if st == "none" else EffectRecord(RUN, effect_key(b, e), "k", st)
+        entry = None
+        if st != "none":
+            entry = EffectRecord(RUN, effect_key(b, e), "k", "done" if st == "done" else "intent")
         kind = self.cfg.kind[e - 1]
         return policy.effect_action(
             entry, has_reconcile=kind == "reconcile", idempotent=kind == "idempotent"

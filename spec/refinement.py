@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +132,7 @@ class Impl:
                 self.store,
                 lease=LEASE,
                 holder=f"{self.run_id}-r{r}",
-                clock=lambda b=cfg.drive[r - 1]: self.clock[b],
+                clock=self._clock_of(cfg.drive[r - 1]),
             )
             for r in range(1, cfg.resumers + 1)
         ]
@@ -149,6 +149,9 @@ class Impl:
             state=_state_bytes(0, 0),
         )
         self.client.open_interrupts(self.run_id, {INTERRUPT: None})
+
+    def _clock_of(self, b: int) -> Callable[[], float]:
+        return lambda: self.clock[b]
 
     def _ckpt_id(self, branch: str, pos: int) -> str:
         return f"{self.run_id}/{branch}/{pos}"
@@ -259,8 +262,9 @@ class Impl:
             self._abort(r)
             return
         except ResumeConflict:
-            record = remit.interrupt(self.run_id, INTERRUPT, branch=branch_name(b))
-            assert record is not None
+            recorded = remit.interrupt(self.run_id, INTERRUPT, branch=branch_name(b))
+            assert recorded is not None
+            record = recorded
         assert record.value is not None
         proc.lval = int(codec.loads(record.value))
         proc.pc = "commit"
@@ -481,17 +485,18 @@ def schedule_replay(cfg: Config, labels: list[str], url: str) -> tuple[State, li
         for label in labels:
             name, arg = _LABEL.fullmatch(label).groups()  # type: ignore[union-attr]
             options = dict(model.successors(s))
+            take: str | None = label
             if name not in ENVIRONMENT:
                 step = model.step(s, int(arg))
-                label = None if step is None else f"{step[0]}({arg})"
-            if label is None or label not in options:
+                take = None if step is None else f"{step[0]}({arg})"
+            if take is None or take not in options:
                 continue
-            impl.apply(label)
+            impl.apply(take)
             got = impl.abstract()
-            if got != options[label]:
-                raise Divergence(f"{label}: " + _diff(got, options[label]))
+            if got != options[take]:
+                raise Divergence(f"{take}: " + _diff(got, options[take]))
             s = got
-            done.append(label)
+            done.append(take)
         return s, done
     finally:
         impl.cleanup()

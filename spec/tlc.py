@@ -124,7 +124,9 @@ class TlcResult:
     output: str = ""
 
 
-def run(cfg: Config, *, workers: int = 2, heap: str | None = None) -> TlcResult:
+def run(
+    cfg: Config, *, workers: int = 2, heap: str | None = None, progress: bool = False
+) -> TlcResult:
     """Model-check `cfg` with TLC; returns counts, the violated property and its trace."""
     java = shutil.which("java")
     if java is None:
@@ -153,10 +155,17 @@ def run(cfg: Config, *, workers: int = 2, heap: str | None = None) -> TlcResult:
             "MC.tla",
         ]
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, check=False)
+        lines = []
+        with subprocess.Popen(
+            cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if progress and line.startswith(("Progress(", "Checking temporal")):
+                    print(line.rstrip(), flush=True)
         seconds = time.monotonic() - t0
-    out = proc.stdout + proc.stderr
-    return parse_output(out, seconds)
+    return parse_output("".join(lines), seconds)
 
 
 @functools.cache
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cfg = CONFIGS[a.config]
     print(f"{a.config}: {cfg.describe()}", flush=True)
-    res = run(cfg, workers=a.workers, heap=a.heap)
+    res = run(cfg, workers=a.workers, heap=a.heap, progress=True)
     print(
         f"{res.distinct:,} distinct states, {res.generated:,} generated, depth {res.depth}, "
         f"{res.seconds:.1f} s"
