@@ -1,9 +1,24 @@
-"""Remit for LlamaIndex Workflows: `RemitRuntime` for the core runtime.
+"""Remit for LlamaIndex Workflows.
 
-from remit_llamaindex import RemitRuntime
-wf = MyWorkflow(runtime=RemitRuntime("postgresql://..."))
+`RemitRuntime` plugs into the core runtime (`Workflow(runtime=...)`);
+`RemitWorkflowStore` is the workflow server's store (`WorkflowServer(workflow_store=...)`,
+needs the server extra, imported from `remit_llamaindex.server`).
+
+    from remit_llamaindex import RemitRuntime
+    wf = MyWorkflow(runtime=RemitRuntime("postgresql://..."))
 """
+
+from typing import Any
 
 from remit_llamaindex.runtime import RemitRuntime, RunCheckpoint
 
-__all__ = ["RemitRuntime", "RunCheckpoint"]
+
+def __getattr__(name: str) -> Any:
+    if name == "RemitWorkflowStore":
+        from remit_llamaindex.server import RemitWorkflowStore
+
+        return RemitWorkflowStore
+    raise AttributeError(name)
+
+
+__all__ = ["RemitRuntime", "RemitWorkflowStore", "RunCheckpoint"]

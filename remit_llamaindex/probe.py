@@ -394,8 +394,9 @@ class VanillaProbe(ProbeSession):
     def fork(self, run: str, checkpoint: str, token: str | None) -> RunResult:
         async def go() -> RunResult:
             base = self._head(run, checkpoint)
-            if base["status"] == "done":
-                return RunResult("done", _plain(_state_of(base["ctx"])), base["id"])
+            if base["status"] == "done" or _waiting(base["ctx"]):
+                status = "done" if base["status"] == "done" else "paused"
+                return RunResult(status, _plain(_state_of(base["ctx"])), base["id"])
             flow = self._flow()
             handler = flow.run(ctx=Context.from_dict(flow, base["ctx"]))
             result = await self._drive(run, handler, base["id"])
@@ -453,6 +454,15 @@ def _waiters(ctx: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         w for worker in ctx.get("workers", {}).values() for w in worker.get("collected_waiters", [])
     ]
+
+
+def _waiting(ctx: dict[str, Any]) -> bool:
+    """Nothing to run: the snapshot only waits for a resume value."""
+    return (
+        not _next_steps(ctx)
+        and not ctx.get("deliveries")
+        and any(w.get("resolved_event") is None for w in _waiters(ctx))
+    )
 
 
 def _next_steps(ctx: dict[str, Any]) -> list[str]:

@@ -1,0 +1,373 @@
+"""`RemitWorkflowStore`: the workflow server's `AbstractWorkflowStore` on Remit.
+
+    from llama_agents.server import WorkflowServer
+    server = WorkflowServer(workflow_store=RemitWorkflowStore("postgresql://..."))
+
+Where the server's own stores fall short, this one keeps the contract:
+
+- Ticks and events are expected-sequence appends: each process keeps the
+  next sequence number of a run and writes exactly that slot; a slot another
+  writer took is refused (`WriteConflict`), never retried as MAX+1.
+- Every write of a run (ticks, events, handler status, state) is made under
+  the run's leased claim and carries its fence: a second server cannot drive
+  a run another live server holds (`ResumeConflict`), and a server whose
+  lease was taken over has its writes refused (`Fenced`). The claim is
+  released when the handler ends or goes idle.
+- Persistence errors stop the run. The server logs and swallows a failed
+  tick append (`_PersistenceInternalRunAdapter.on_tick`); this store then
+  cancels the run's task itself, and refuses every later write of that run
+  in this process, so the run never runs on with a gap in its journal. The
+  stored run stays as it was: "running", resumable from its last tick.
+- State is validated on every write against the workflow's state model:
+  an invalid value (even one built with `model_construct`) raises
+  `CheckpointInvalid` in the step and nothing is stored. Each state write is
+  a compare-and-set of the state's head, so a lost update raises `HeadMoved`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+from llama_agents.client.protocol.serializable_events import EventEnvelopeWithMetadata
+from llama_agents.server._store.abstract_workflow_store import (
+    AbstractWorkflowStore,
+    HandlerQuery,
+    PersistentHandler,
+    StoredEvent,
+    StoredTick,
+    decode_persistent_handler,
+    is_terminal_status,
+)
+from pydantic import BaseModel, ValidationError
+from workflows.context.serializers import BaseSerializer
+from workflows.context.state_store import DictState, StateRecord, StateStoreFacade, decode_state
+
+from remit_core import connect
+from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit
+from remit_core.errors import CheckpointInvalid, RemitError
+from remit_core.records import FenceRef, WriteRecord
+from remit_core.schema import StateSchema
+from remit_llamaindex._run import new_checkpoint_id
+
+logger = logging.getLogger("remit_llamaindex.server")
+
+NS = "llamaindex.server"
+HANDLE_TYPE = "remit-server"
+_SCOPE = "server"
+_T = TypeVar("_T")
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _matches(handler: PersistentHandler, query: HandlerQuery) -> bool:
+    """The server's query semantics: every given filter must hold (an empty list matches none)."""
+    checks = (
+        (query.handler_id_in, handler.handler_id),
+        (query.run_id_in, handler.run_id),
+        (query.workflow_name_in, handler.workflow_name),
+        (query.status_in, handler.status),
+    )
+    if any(values is not None and value not in values for values, value in checks):
+        return False
+    return query.is_idle is None or query.is_idle == (handler.idle_since is not None)
+
+
+class RemitWorkflowStore(AbstractWorkflowStore):
+    """Handlers, ticks, events and state of a workflow server, in a Remit store.
+
+    `url`: sqlite:///file.db, postgresql://... or redis://...; `lease`: seconds
+    a server holds a run without renewing; `namespace`: keeps the handler
+    index of several deployments on one store apart.
+    """
+
+    def __init__(
+        self,
+        url: str = "sqlite:///remit.db",
+        *,
+        lease: float = DEFAULT_LEASE,
+        namespace: str = "default",
+        poll_interval: float = 0.2,
+    ) -> None:
+        super().__init__()
+        self.url = url
+        self.lease = lease
+        self.poll_interval = poll_interval
+        self._index = f"llamaindex-server:{namespace}"
+        self._remit: Remit | None = None
+        self._remit_pid = -1
+        self._lock = threading.Lock()
+        self._claims: dict[str, ClaimHandle] = {}
+        self._next: dict[tuple[str, str], int] = {}
+        self._stopped: dict[str, RemitError] = {}
+
+    @property
+    def remit(self) -> Remit:
+        if self._remit is None or self._remit_pid != os.getpid():
+            self._remit = connect(self.url, lease=self.lease)
+            self._remit_pid = os.getpid()
+        return self._remit
+
+    # -- claims and stopping ------------------------------------------------------------
+    def _fence(self, run_id: str) -> FenceRef:
+        """The fence of this server's claim on `run_id`, taking the claim if needed (blocking)."""
+        stopped = self._stopped.get(run_id)
+        if stopped is not None:
+            raise stopped
+        claim = self._claims.get(run_id)
+        if claim is None or claim.lost:
+            claim = self.remit.claim(run_id, _SCOPE)
+            self._claims[run_id] = claim
+        return claim.fence
+
+    def _release(self, run_id: str) -> None:
+        claim = self._claims.pop(run_id, None)
+        if claim is not None:
+            claim.release()
+
+    async def _guarded(self, run_id: str, fn: Callable[[], _T]) -> _T:
+        """Run a blocking write of `run_id`; a refusal stops the run in this process."""
+        try:
+            return await asyncio.to_thread(fn)
+        except RemitError as exc:
+            if run_id not in self._stopped:
+                self._stopped[run_id] = exc
+                logger.error("persistence of run %s failed; stopping the run", run_id)
+            raise
+
+    # -- handlers -------------------------------------------------------------------------
+    def _handlers(self) -> list[PersistentHandler]:
+        found = []
+        for w in self.remit.writes(self._index, "handlers", ns=NS):
+            if w.channel != "handler":
+                continue
+            found.append(decode_persistent_handler(json.loads(w.value), self.result_decoder))
+        return found
+
+    async def query(self, query: HandlerQuery) -> list[PersistentHandler]:
+        handlers = await asyncio.to_thread(self._handlers)
+        return [h for h in handlers if _matches(h, query)]
+
+    def _put_handler(
+        self, handler: PersistentHandler, channel: str, fence: FenceRef | None
+    ) -> None:
+        value = json.dumps(handler.model_dump(mode="json")).encode()
+        self.remit.put_writes(
+            [WriteRecord(self._index, "handlers", handler.handler_id, 0, channel, value, NS)],
+            mode="overwrite",
+            fence=fence,
+        )
+
+    async def update(self, handler: PersistentHandler) -> None:
+        """Write a handler record; one with a run is fenced by the run's claim."""
+        run_id = handler.run_id
+        if run_id is None:
+            await asyncio.to_thread(self._put_handler, handler, "handler", None)
+            return
+
+        def write() -> None:
+            self._put_handler(handler, "handler", self._fence(run_id))
+            if is_terminal_status(handler.status) or handler.idle_since is not None:
+                self._release(run_id)
+
+        await self._guarded(run_id, write)
+
+    async def delete(self, query: HandlerQuery) -> int:
+        doomed = await self.query(query)
+        if doomed:
+            await asyncio.to_thread(lambda: [self._put_handler(h, "deleted", None) for h in doomed])
+        return len(doomed)
+
+    # -- ticks and events: expected-sequence appends --------------------------------------
+    def _append(self, run_id: str, kind: str, body: dict[str, Any]) -> int:
+        with self._lock:
+            key = (run_id, kind)
+            if key not in self._next:
+                stored = self.remit.writes(run_id, kind, ns=NS)
+                self._next[key] = max((w.idx for w in stored), default=-1) + 1
+            seq = self._next[key]
+            value = json.dumps({"t": _now().isoformat(), **body}).encode()
+            self.remit.put_writes(
+                [WriteRecord(run_id, kind, kind, seq, kind, value, NS)],
+                mode="expect_absent",
+                fence=self._fence(run_id),
+            )
+            self._next[key] = seq + 1
+            return seq
+
+    def _read(self, run_id: str, kind: str, after: int | None) -> list[tuple[int, dict[str, Any]]]:
+        return [
+            (w.idx, json.loads(w.value))
+            for w in self.remit.writes(run_id, kind, ns=NS, after_idx=after)
+        ]
+
+    async def append_tick(self, run_id: str, tick_data: dict[str, Any]) -> None:
+        """Append the next tick; on refusal the run's task is cancelled (see module doc)."""
+        try:
+            await self._guarded(run_id, lambda: self._append(run_id, "ticks", {"tick": tick_data}))
+        except RemitError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.cancel()
+            raise
+
+    def _replay(self, run_id: str) -> list[tuple[int, dict[str, Any]]]:
+        """Read the journal; this process's next appends follow what it read."""
+        with self._lock:
+            rows = self._read(run_id, "ticks", None)
+            events = self.remit.writes(run_id, "events", ns=NS)
+            self._next[(run_id, "ticks")] = max((seq for seq, _ in rows), default=-1) + 1
+            self._next[(run_id, "events")] = max((w.idx for w in events), default=-1) + 1
+        return rows
+
+    async def get_ticks(self, run_id: str) -> list[StoredTick]:
+        """The run's journal. A server reads it to rebuild the run; appends then expect
+        the slot after the last tick read (a writer that did not read it keeps its own
+        expectation, and is refused if another writer took that slot)."""
+        rows = await asyncio.to_thread(self._replay, run_id)
+        return [
+            StoredTick(
+                run_id=run_id,
+                sequence=seq,
+                timestamp=datetime.fromisoformat(body["t"]),
+                tick_data=body["tick"],
+            )
+            for seq, body in rows
+        ]
+
+    async def append_event(self, run_id: str, event: EventEnvelopeWithMetadata) -> None:
+        body = {"event": event.model_dump(mode="json")}
+        await self._guarded(run_id, lambda: self._append(run_id, "events", body))
+
+    async def query_events(
+        self, run_id: str, after_sequence: int | None = None, limit: int | None = None
+    ) -> list[StoredEvent]:
+        rows = await asyncio.to_thread(self._read, run_id, "events", after_sequence)
+        events = [
+            StoredEvent(
+                run_id=run_id,
+                sequence=seq,
+                timestamp=datetime.fromisoformat(body["t"]),
+                event=EventEnvelopeWithMetadata.model_validate(body["event"]),
+            )
+            for seq, body in rows
+        ]
+        return events if limit is None else events[:limit]
+
+    # -- state ------------------------------------------------------------------------------
+    def _build_state_store(
+        self,
+        run_id: str,
+        namespace: tuple[str, ...],
+        state_type: type[Any] | None,
+        serializer: BaseSerializer | None,
+    ) -> StateStoreFacade[Any]:
+        storage = _RemitStateStorage(self, run_id, namespace)
+        facade: StateStoreFacade[Any] = StateStoreFacade(storage, state_type, serializer)
+        storage.facade = facade
+        return facade
+
+
+class _RemitStateStorage:
+    """One run's state (one namespace) as a line of Remit checkpoints: load the head,
+    save a validated new head with the loaded one as parent (compare-and-set)."""
+
+    def __init__(
+        self,
+        owner: RemitWorkflowStore,
+        run_id: str,
+        namespace: tuple[str, ...],
+        parent: str | None = None,
+        bound: bool = False,
+    ) -> None:
+        self._owner = owner
+        self._run_id = run_id
+        self._namespace = namespace
+        self._ns = "llamaindex.state/" + "/".join(namespace)
+        self._parent = parent
+        self._bound = bound
+        self.facade: StateStoreFacade[Any] | None = None
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    def _head(self) -> tuple[str | None, str | None]:
+        remit = self._owner.remit
+        branch = remit.branch(self._run_id, ns=self._ns)
+        if branch is None or branch.head_id is None:
+            return None, None
+        record = remit.checkpoint(self._run_id, branch.head_id, ns=self._ns)
+        assert record is not None
+        return branch.head_id, record.state.decode()
+
+    async def load(self) -> StateRecord | None:
+        head, data = await asyncio.to_thread(self._head)
+        if self._bound:
+            self._parent = head
+        return None if data is None else StateRecord(data=data)
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[_RemitStateStorage]:
+        bound = _RemitStateStorage(self._owner, self._run_id, self._namespace, bound=True)
+        bound.facade = self.facade
+        yield bound
+
+    def _validate(self, data: str) -> None:
+        assert self.facade is not None
+        ids = {"run_id": self._run_id}
+        try:
+            state = decode_state(data, self.facade._serializer)
+        except (ValidationError, ValueError) as exc:
+            raise CheckpointInvalid(f"state does not decode as its model: {exc}", **ids) from exc
+        state_type = self.facade.state_type
+        if isinstance(state, BaseModel) and state_type is not DictState:
+            StateSchema(state_type).validate(state, **ids)
+
+    async def save(self, record: StateRecord) -> None:
+        data = record.data if isinstance(record.data, str) else json.dumps(record.data)
+        self._validate(data)
+        owner = self._owner
+
+        def commit() -> None:
+            parent = self._parent if self._bound else self._head()[0]
+            checkpoint_id = new_checkpoint_id()
+            owner.remit.commit(
+                run_id=self._run_id,
+                checkpoint_id=checkpoint_id,
+                parent_id=parent,
+                state=data.encode(),
+                ns=self._ns,
+                metadata={"source": "llamaindex-server", "state_type": record.state_type},
+                fence=owner._fence(self._run_id),
+            )
+            self._parent = checkpoint_id
+
+        await owner._guarded(self._run_id, commit)
+
+    def to_handle(self) -> dict[str, Any]:
+        return {"store_type": HANDLE_TYPE, "run_id": self._run_id}
+
+    def parse_own_handle(self, payload: dict[str, Any]) -> tuple[str, str] | None:
+        if payload.get("store_type") != HANDLE_TYPE:
+            return None
+        return (HANDLE_TYPE, str(payload["run_id"]))
+
+    async def copy_from_handle(self, handle: tuple[str, str]) -> None:
+        source = _RemitStateStorage(self._owner, handle[1], self._namespace)
+        source.facade = self.facade
+        found = await source.load()
+        if found is not None:
+            await self.save(found)
+
+
+__all__ = ["RemitWorkflowStore"]
