@@ -201,6 +201,23 @@ class RedisMatchesSql(RuleBasedStateMachine):
     @rule(
         run=st.sampled_from([0, 1]),
         ns=st.sampled_from(NSS),
+        branch=st.sampled_from([*BRANCHES, "f1"]),
+        expect=st.sampled_from(["none", "head", "other"]),
+        new=st.sampled_from([None, *IDS]),
+    )
+    def move_head(self, run: int, ns: str, branch: str, expect: str, new: str | None) -> None:
+        run_id = self.runs[run]
+        current = self.sql.get_branch(run_id, ns, branch)
+        expected = {"none": None, "head": current.head_id if current else None, "other": "c1"}
+        self.both(
+            lambda s: s.move_head(
+                run_id, ns, branch, expected_head=expected[expect], new_head=new, new_seq=7
+            )
+        )
+
+    @rule(
+        run=st.sampled_from([0, 1]),
+        ns=st.sampled_from(NSS),
         ids=st.lists(st.sampled_from(IDS), max_size=4),
     )
     def delete_checkpoints(self, run: int, ns: str, ids: list[str]) -> None:
@@ -328,6 +345,7 @@ class RedisMatchesSql(RuleBasedStateMachine):
         run_id = self.runs[run]
         self.both(lambda s: s.get_checkpoint(run_id, ns, cid))
         self.both(lambda s: [s.get_branch(run_id, ns, b) for b in [*BRANCHES, "f1"]])
+        self.both(lambda s: [s.get_head(run_id, ns, b) for b in [*BRANCHES, "f1"]])
         self.both(lambda s: s.get_blobs(run_id, ns, ["k1", "k2", "k3"]))
         self.both(lambda s: [s.get_interrupt(run_id, b, "i1") for b in BRANCHES])
         self.both(lambda s: [s.get_claim(run_id, scope) for scope in ("main", "other")])

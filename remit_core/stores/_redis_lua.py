@@ -11,8 +11,8 @@ Conventions shared with the Python side:
 - Composite hash fields and sorted-set members join escaped ids with NUL;
   a hash field of a record with columns ends in NUL and one column letter.
 - An optional argument is "" for NULL and "=" followed by the value otherwise.
-- The fence check takes the fence's claims hash as KEYS[1], its field as
-  ARGV[1] ("" when no fence is presented) and the fence number as ARGV[2].
+- The fence check takes the fence's claims hash as KEYS[1] and, as ARGV[1],
+  "" (no fence presented) or the fence number, ":", the escaped scope.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ local NUL = "\0"
 
 -- The fence check of every fenced primitive: nil when it holds.
 local function fenced()
-  if ARGV[1] == "" then return nil end
-  local current = redis.call("HGET", KEYS[1], ARGV[1])
-  if current ~= ARGV[2] then return {"fenced", current} end
+  local f = ARGV[1]
+  if f == "" then return nil end
+  local colon = string.find(f, ":", 1, true)
+  local current = redis.call("HGET", KEYS[1], string.sub(f, colon + 1) .. NUL .. "f")
+  if current ~= string.sub(f, 1, colon - 1) then return {"fenced", current} end
   return nil
 end
 
@@ -43,18 +45,20 @@ local function hmget(key, fields)
   return out
 end
 
--- "a\0b" -> "b\0a": a checkpoint's hash field from its per-namespace index member.
-local function swap(s)
-  local p = string.find(s, NUL, 1, true)
-  return string.sub(s, p + 1) .. NUL .. string.sub(s, 1, p - 1)
+-- A checkpoint's hash field ("cid NUL ns") from its index member:
+-- "x" .. cid NUL ns (by id) or "n" .. ns NUL cid (by namespace).
+local function ckpt_field(member)
+  if string.sub(member, 1, 1) == "x" then return string.sub(member, 2) end
+  local p = string.find(member, NUL, 1, true)
+  return string.sub(member, p + 1) .. NUL .. string.sub(member, 2, p - 1)
 end
 
--- Step writes from ARGV[i]: a count, then (writes-key index, index-key index,
+-- Step writes from ARGV[i] (absent: none): a count, then (writes-key index, index-key index,
 -- field, value) per write. mode "expect_absent" answers the 0-based position of
 -- the first write whose slot is taken (by the store or an earlier write of the
 -- batch) and writes nothing; "first" keeps present values; "overwrite" replaces.
 local function put_writes(i, mode)
-  local n = tonumber(ARGV[i])
+  local n = tonumber(ARGV[i] or "0")
   if mode == "expect_absent" then
     local seen = {}
     for j = 0, n - 1 do
@@ -79,62 +83,60 @@ local function put_writes(i, mode)
 end
 """
 
-#: KEYS: fence claims, checkpoints, index by id, index by ns, branches, run index,
-#: then blob/write keys. ARGV: fence (1-2), expected head (opt), branch member,
-#: new head id, head seq, created_at, checkpoint field, record, ns-index member,
-#: run id, blob count, (key index, field, value) per blob, then the writes.
+#: KEYS: fence claims, checkpoints, checkpoint index, branches, run index, then
+#: blob/write keys. ARGV: fence, expected head (opt), escaped ns, branch and id,
+#: raw id (opt: "" when it equals the escaped one), head seq, created_at, record,
+#: run id, then (absent: none) a blob count, (key index, field, value) per blob,
+#: and the writes.
 COMMIT = (
     _PRELUDE
     + r"""
 local err = fenced()
 if err then return err end
-local member = ARGV[4]
-local head = redis.call("HGET", KEYS[5], member .. NUL .. "h")
-if ARGV[3] == "" then
+local ns, cid = ARGV[3], ARGV[5]
+local member = ns .. NUL .. ARGV[4]
+local head = redis.call("HGET", KEYS[4], member .. NUL .. "h")
+if ARGV[2] == "" then
   if head then return {"head"} end
-elseif head ~= string.sub(ARGV[3], 2) then
+elseif head ~= string.sub(ARGV[2], 2) then
   return {"head"}
 end
-if redis.call("HEXISTS", KEYS[2], ARGV[8]) == 1 then return {"dup"} end
-if redis.call("HEXISTS", KEYS[5], member .. NUL .. "c") == 0 then
-  redis.call("HSET", KEYS[5], member .. NUL .. "c", ARGV[7])
-end
-redis.call("HSET", KEYS[5], member .. NUL .. "h", ARGV[5], member .. NUL .. "q", ARGV[6])
-redis.call("HSET", KEYS[2], ARGV[8], ARGV[9])
-redis.call("ZADD", KEYS[3], 0, ARGV[8])
-redis.call("ZADD", KEYS[4], 0, ARGV[10])
-redis.call("SADD", KEYS[6], ARGV[11])
-local nblobs = tonumber(ARGV[12])
+local field = cid .. NUL .. ns
+if redis.call("HSETNX", KEYS[2], field, ARGV[9]) == 0 then return {"dup"} end
+redis.call("ZADD", KEYS[3], 0, "x" .. field, 0, "n" .. ns .. NUL .. cid)
+redis.call("HSETNX", KEYS[4], member .. NUL .. "c", ARGV[8])
+local raw = ARGV[6] == "" and cid or string.sub(ARGV[6], 2)
+redis.call("HSET", KEYS[4], member .. NUL .. "h", raw, member .. NUL .. "q", ARGV[7])
+redis.call("SADD", KEYS[5], ARGV[10])
+local nblobs = tonumber(ARGV[11] or "0")
 for j = 0, nblobs - 1 do
-  local b = 13 + 3 * j
+  local b = 12 + 3 * j
   redis.call("HSETNX", KEYS[tonumber(ARGV[b])], ARGV[b + 1], ARGV[b + 2])
 end
-put_writes(13 + 3 * nblobs, "overwrite")
+put_writes(12 + 3 * nblobs, "overwrite")
 return {"ok"}
 """
 )
 
-#: KEYS: fence claims, then write keys. ARGV: fence (1-2), mode, the writes.
+#: KEYS: fence claims, then write keys. ARGV: fence, mode, the writes.
 PUT_WRITES = (
     _PRELUDE
     + r"""
 local err = fenced()
 if err then return err end
-local taken = put_writes(4, ARGV[3])
+local taken = put_writes(3, ARGV[2])
 if taken then return {"taken", taken} end
 return {"ok"}
 """
 )
 
-#: KEYS: checkpoints, an index. ARGV: "x" (index by id) or "n" (by ns), max, min,
-#: limit, escaped ns. Answers the packed records, newest id first.
+#: KEYS: checkpoints, checkpoint index. ARGV: max, min, limit of index members.
+#: Answers the packed records, newest id first.
 LIST_CHECKPOINTS = (
     _PRELUDE
     + r"""
-local members = redis.call("ZREVRANGEBYLEX", KEYS[2], ARGV[2], ARGV[3], "LIMIT", 0, ARGV[4])
-if ARGV[1] == "n" then
-  for i, m in ipairs(members) do members[i] = swap(m) end
-end
+local members = redis.call("ZREVRANGEBYLEX", KEYS[2], ARGV[1], ARGV[2], "LIMIT", 0, ARGV[3])
+for i, m in ipairs(members) do members[i] = ckpt_field(m) end
 return hmget(KEYS[1], members)
 """
 )
@@ -146,6 +148,37 @@ GET_WRITES = (
 return hmget(KEYS[1], redis.call("ZRANGEBYLEX", KEYS[2], ARGV[1], ARGV[2]))
 """
 )
+
+#: KEYS: branches, checkpoints. ARGV: branch member, escaped ns.
+#: Answers the packed head checkpoint of the branch, or nil.
+GET_HEAD = r"""
+local head = redis.call("HGET", KEYS[1], ARGV[1] .. "\0h")
+if not head then return nil end
+if string.find(head, "[%z\1]") then
+  head = string.gsub(string.gsub(head, "\1", "\1\2"), "%z", "\1\1")
+end
+return redis.call("HGET", KEYS[2], head .. "\0" .. ARGV[2])
+"""
+
+#: KEYS: branches. ARGV: branch member, expected head (opt), new head (opt), seq.
+#: Answers 1 if the branch had the expected head and now has the new one, else 0.
+MOVE_HEAD = r"""
+local m = ARGV[1]
+if redis.call("HEXISTS", KEYS[1], m .. "\0c") == 0 then return 0 end
+local head = redis.call("HGET", KEYS[1], m .. "\0h")
+if ARGV[2] == "" then
+  if head then return 0 end
+elseif head ~= string.sub(ARGV[2], 2) then
+  return 0
+end
+if ARGV[3] == "" then
+  redis.call("HDEL", KEYS[1], m .. "\0h")
+else
+  redis.call("HSET", KEYS[1], m .. "\0h", string.sub(ARGV[3], 2))
+end
+redis.call("HSET", KEYS[1], m .. "\0q", ARGV[4])
+return 1
+"""
 
 #: KEYS: branches, fork tokens. ARGV: branch member, token field ("" for none),
 #: head id (opt), head seq, base id (opt), fork token (opt), created_at.
@@ -172,14 +205,14 @@ return out
 """
 )
 
-#: KEYS: fence claims, then interrupt keys. ARGV: fence (1-2), then per record:
+#: KEYS: fence claims, then interrupt keys. ARGV: fence, then per record:
 #: key index, member, checkpoint id (opt), prompt (opt), created_at.
 OPEN_INTERRUPTS = (
     _PRELUDE
     + r"""
 local err = fenced()
 if err then return err end
-for b = 3, #ARGV, 5 do
+for b = 2, #ARGV, 5 do
   local key, m = KEYS[tonumber(ARGV[b])], ARGV[b + 1]
   if redis.call("HSETNX", key, m .. NUL .. "s", "pending") == 1 then
     hset_opt(key, m .. NUL .. "k", ARGV[b + 2])
@@ -191,19 +224,19 @@ return {"ok"}
 """
 )
 
-#: KEYS: fence claims, interrupts. ARGV: fence (1-2), member, value, consumer, now.
+#: KEYS: fence claims, interrupts. ARGV: fence, member, value, consumer, now.
 #: Answers checkpoint id, prompt and created_at of the consumed interrupt.
 CONSUME_INTERRUPT = (
     _PRELUDE
     + r"""
 local err = fenced()
 if err then return err end
-local m = ARGV[3]
+local m = ARGV[2]
 local status = redis.call("HGET", KEYS[2], m .. NUL .. "s")
 if not status then return {"unknown"} end
 if status ~= "pending" then return {"conflict"} end
-redis.call("HSET", KEYS[2], m .. NUL .. "s", "consumed", m .. NUL .. "v", ARGV[4],
-           m .. NUL .. "u", ARGV[5], m .. NUL .. "t", ARGV[6])
+redis.call("HSET", KEYS[2], m .. NUL .. "s", "consumed", m .. NUL .. "v", ARGV[3],
+           m .. NUL .. "u", ARGV[4], m .. NUL .. "t", ARGV[5])
 return {"ok", redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "p", m .. NUL .. "c")}
 """
 )
@@ -212,17 +245,16 @@ return {"ok", redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "p", m .
 ACQUIRE_CLAIM = r"""
 local m, holder, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local fh, ff, fe = m .. "\0h", m .. "\0f", m .. "\0e"
-local current = redis.call("HGET", KEYS[1], fh)
+local row = redis.call("HMGET", KEYS[1], fh, ff, fe)
+local current = row[1]
 if not current then
   redis.call("HSET", KEYS[1], fh, holder, ff, 1, fe, ARGV[4])
   return {"ok", "1"}
 end
-local live = tonumber(redis.call("HGET", KEYS[1], fe)) > now
+local live = tonumber(row[3]) > now
 if current ~= holder and current ~= "" and live then return {"conflict"} end
-local fence
-if current == holder and live then
-  fence = redis.call("HGET", KEYS[1], ff)
-else
+local fence = row[2]
+if current ~= holder or not live then
   fence = tostring(redis.call("HINCRBY", KEYS[1], ff, 1))
 end
 redis.call("HSET", KEYS[1], fh, holder, fe, ARGV[4])
@@ -245,17 +277,17 @@ end
 return 1
 """
 
-#: KEYS: fence claims, effects. ARGV: fence (1-2), member, idempotency key, now.
+#: KEYS: fence claims, effects. ARGV: fence, member, idempotency key, now.
 #: Answers created (0/1) and the entry's columns (k, s, o, c, d).
 BEGIN_EFFECT = (
     _PRELUDE
     + r"""
 local err = fenced()
 if err then return err end
-local m = ARGV[3]
+local m = ARGV[2]
 local created = 0
 if redis.call("HSETNX", KEYS[2], m .. NUL .. "s", "intent") == 1 then
-  redis.call("HSET", KEYS[2], m .. NUL .. "k", ARGV[4], m .. NUL .. "c", ARGV[5])
+  redis.call("HSET", KEYS[2], m .. NUL .. "k", ARGV[3], m .. NUL .. "c", ARGV[4])
   created = 1
 end
 return {"ok", created, redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "s",
@@ -263,24 +295,24 @@ return {"ok", created, redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL ..
 """
 )
 
-#: KEYS: fence claims, effects. ARGV: fence (1-2), member, outcome, now.
+#: KEYS: fence claims, effects. ARGV: fence, member, outcome, now.
 #: Answers the entry's columns (k, s, o, c, d) after the move.
 FINISH_EFFECT = (
     _PRELUDE
     + r"""
 local err = fenced()
 if err then return err end
-local m = ARGV[3]
+local m = ARGV[2]
 if redis.call("HGET", KEYS[2], m .. NUL .. "s") == "intent" then
-  redis.call("HSET", KEYS[2], m .. NUL .. "s", "done", m .. NUL .. "o", ARGV[4],
-             m .. NUL .. "d", ARGV[5])
+  redis.call("HSET", KEYS[2], m .. NUL .. "s", "done", m .. NUL .. "o", ARGV[3],
+             m .. NUL .. "d", ARGV[4])
 end
 return {"ok", redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "s",
         m .. NUL .. "o", m .. NUL .. "c", m .. NUL .. "d")}
 """
 )
 
-#: KEYS: branches, checkpoints, index by id, index by ns, writes, write index.
+#: KEYS: branches, checkpoints, checkpoint index, writes, write index.
 #: ARGV: escaped ns, then (raw id, escaped id) per checkpoint. Answers the count.
 DELETE_CHECKPOINTS = r"""
 local NUL = "\0"
@@ -301,14 +333,13 @@ for b = 2, #ARGV, 2 do
     local cid = ARGV[b + 1]
     local field = cid .. NUL .. ns
     deleted = deleted + redis.call("HDEL", KEYS[2], field)
-    redis.call("ZREM", KEYS[3], field)
-    redis.call("ZREM", KEYS[4], ns .. NUL .. cid)
+    redis.call("ZREM", KEYS[3], "x" .. field, "n" .. ns .. NUL .. cid)
     local lo, hi = "[" .. ns .. NUL .. cid .. NUL, "(" .. ns .. NUL .. cid .. "\1"
-    local writes = redis.call("ZRANGEBYLEX", KEYS[6], lo, hi)
+    local writes = redis.call("ZRANGEBYLEX", KEYS[5], lo, hi)
     for i = 1, #writes, 1000 do
-      redis.call("HDEL", KEYS[5], unpack(writes, i, math.min(i + 999, #writes)))
+      redis.call("HDEL", KEYS[4], unpack(writes, i, math.min(i + 999, #writes)))
     end
-    redis.call("ZREMRANGEBYLEX", KEYS[6], lo, hi)
+    redis.call("ZREMRANGEBYLEX", KEYS[5], lo, hi)
   end
 end
 return deleted
@@ -322,18 +353,19 @@ COPY_RUN = (
 local n = (#KEYS - 1) / 2
 local function src(i) return KEYS[i] end
 local function dst(i) return KEYS[n + i] end
--- 1 ck, 2 cx, 3 cn, 4 br, 5 bt, 6 bl, 7 wr, 8 wx (see RUN_KEYS)
+-- 1 ck, 2 ix, 3 br, 4 bt, 5 bl, 6 wr, 7 wx (see RUN_KEYS)
 local rows = redis.call("HGETALL", src(1))
 for i = 1, #rows, 2 do
   if redis.call("HSETNX", dst(1), rows[i], rows[i + 1]) == 1 then
-    redis.call("ZADD", dst(2), 0, rows[i])
-    redis.call("ZADD", dst(3), 0, swap(rows[i]))
+    local p = string.find(rows[i], NUL, 1, true)
+    local ns_cid = string.sub(rows[i], p + 1) .. NUL .. string.sub(rows[i], 1, p - 1)
+    redis.call("ZADD", dst(2), 0, "x" .. rows[i], 0, "n" .. ns_cid)
   end
 end
 local token_of = {}
-rows = redis.call("HGETALL", src(5))
-for i = 1, #rows, 2 do token_of[rows[i + 1]] = rows[i] end
 rows = redis.call("HGETALL", src(4))
+for i = 1, #rows, 2 do token_of[rows[i + 1]] = rows[i] end
+rows = redis.call("HGETALL", src(3))
 local columns = {}
 local order = {}
 for i = 1, #rows, 2 do
@@ -343,18 +375,18 @@ for i = 1, #rows, 2 do
 end
 for _, m in ipairs(order) do
   local tf = token_of[m]
-  if redis.call("HEXISTS", dst(4), m .. NUL .. "c") == 0
-      and (not tf or redis.call("HEXISTS", dst(5), tf) == 0) then
-    for c, v in pairs(columns[m]) do redis.call("HSET", dst(4), m .. NUL .. c, v) end
-    if tf then redis.call("HSET", dst(5), tf, m) end
+  if redis.call("HEXISTS", dst(3), m .. NUL .. "c") == 0
+      and (not tf or redis.call("HEXISTS", dst(4), tf) == 0) then
+    for c, v in pairs(columns[m]) do redis.call("HSET", dst(3), m .. NUL .. c, v) end
+    if tf then redis.call("HSET", dst(4), tf, m) end
   end
 end
+rows = redis.call("HGETALL", src(5))
+for i = 1, #rows, 2 do redis.call("HSETNX", dst(5), rows[i], rows[i + 1]) end
 rows = redis.call("HGETALL", src(6))
-for i = 1, #rows, 2 do redis.call("HSETNX", dst(6), rows[i], rows[i + 1]) end
-rows = redis.call("HGETALL", src(7))
 for i = 1, #rows, 2 do
-  if redis.call("HSETNX", dst(7), rows[i], rows[i + 1]) == 1 then
-    redis.call("ZADD", dst(8), 0, rows[i])
+  if redis.call("HSETNX", dst(6), rows[i], rows[i + 1]) == 1 then
+    redis.call("ZADD", dst(7), 0, rows[i])
   end
 end
 if redis.call("EXISTS", dst(1)) == 1 then redis.call("SADD", KEYS[#KEYS], ARGV[1]) end

@@ -14,8 +14,8 @@ in a run id are percent-escaped (an empty run id is `%`). The kinds are fixed
 by NUL (a NUL or \\x01 inside an id is escaped so that byte order is kept):
 
     ck  hash   cid NUL ns -> checkpoint (JSON header, newline, state bytes)
-    cx  zset   cid NUL ns, score 0: checkpoints by id over all namespaces
-    cn  zset   ns NUL cid, score 0: checkpoints by id within a namespace
+    ix  zset   score 0, two members per checkpoint: "x" cid NUL ns (by id over
+               all namespaces) and "n" ns NUL cid (by id within a namespace)
     br  hash   ns NUL branch NUL col -> h head_id, q head_seq, b base_id,
                t fork_token, c created_at (a NULL column has no field)
     bt  hash   ns NUL fork_token -> ns NUL branch
@@ -82,7 +82,7 @@ from remit_core.stores.base import Store
 MIGRATIONS: dict[int, str] = {1: "per-run keys remit:{run}:<kind>, see the module docstring"}
 
 #: Every per-run key kind, in the order the copy and delete scripts expect.
-RUN_KEYS = ("ck", "cx", "cn", "br", "bt", "bl", "wr", "wx", "in", "cl", "ef")
+RUN_KEYS = ("ck", "ix", "br", "bt", "bl", "wr", "wx", "in", "cl", "ef")
 RUNS_KEY = "remit:runs"
 MIGRATIONS_KEY = "remit:migrations"
 
@@ -110,6 +110,8 @@ def _esc(s: str) -> str:
 
 
 def _unesc(b: bytes) -> str:
+    if b"\x01" not in b:
+        return b.decode()
     return _UNESCAPE.sub(lambda m: b"\x00" if m.group(1) == b"\x01" else b"\x01", b).decode()
 
 
@@ -159,11 +161,11 @@ def _float(value: bytes | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _fence_args(fence: FenceRef | None, run_id: str) -> tuple[str, list[str]]:
-    """KEYS[1] and ARGV[1:2] of a fenced script."""
+def _fence_args(fence: FenceRef | None, run_id: str) -> tuple[str, str]:
+    """KEYS[1] and ARGV[1] of a fenced script."""
     if fence is None:
-        return run_prefix(run_id) + "cl", ["", ""]
-    return run_prefix(fence.run_id) + "cl", [_join(fence.scope) + "\x00f", str(fence.fence)]
+        return run_prefix(run_id) + "cl", ""
+    return run_prefix(fence.run_id) + "cl", f"{fence.fence}:{_esc(fence.scope)}"
 
 
 def _raise_fenced(fence: FenceRef | None, current: bytes | None) -> None:
@@ -181,6 +183,8 @@ _SCRIPTS = (
     "PUT_WRITES",
     "LIST_CHECKPOINTS",
     "GET_WRITES",
+    "GET_HEAD",
+    "MOVE_HEAD",
     "CREATE_BRANCH",
     "OPEN_INTERRUPTS",
     "CONSUME_INTERRUPT",
@@ -267,10 +271,9 @@ class RedisStore(Store):
     def _fenced_run(
         self, name: str, fence: FenceRef | None, run_id: str, keys: _Keys, args: list[Any]
     ) -> list[Any]:
-        """Run a fenced script (KEYS[1], ARGV[1:2] are its fence) and raise `Fenced`."""
-        fence_key, fence_argv = _fence_args(fence, run_id)
-        keys.keys[0] = fence_key
-        reply: list[Any] = self._run(name, keys.keys, fence_argv + args)
+        """Run a fenced script (KEYS[1], ARGV[1] are its fence) and raise `Fenced`."""
+        keys.keys[0], fence_arg = _fence_args(fence, run_id)
+        reply: list[Any] = self._run(name, keys.keys, [fence_arg, *args])
         if reply[0] == b"fenced":
             _raise_fenced(fence, reply[1])
         return reply
@@ -306,8 +309,8 @@ class RedisStore(Store):
     ) -> None:
         r = record
         prefix = run_prefix(r.run_id)
-        keys = _Keys("", prefix + "ck", prefix + "cx", prefix + "cn", prefix + "br", RUNS_KEY)
-        field = _join(r.checkpoint_id, r.ns)
+        keys = _Keys("", prefix + "ck", prefix + "ix", prefix + "br", RUNS_KEY)
+        cid = _esc(r.checkpoint_id)
         header = [
             r.checkpoint_id, r.branch, r.parent_id, r.ns, r.seq,
             codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version,
@@ -315,19 +318,20 @@ class RedisStore(Store):
         ]  # fmt: skip
         args: list[Any] = [
             _opt(expected_head),
-            _join(r.ns, r.branch),
-            r.checkpoint_id,
+            _esc(r.ns),
+            _esc(r.branch),
+            cid,
+            "" if cid == r.checkpoint_id else _opt(r.checkpoint_id),
             r.seq,
             repr(r.created_at),
-            field,
             _pack(header, r.state),
-            _join(r.ns, r.checkpoint_id),
             r.run_id,
-            len(blobs),
         ]
-        for b in blobs:
-            args += [keys.index(run_prefix(b.run_id) + "bl"), _join(b.ns, b.key), b.value]
-        args += _write_args(keys, writes)
+        if blobs or writes:
+            args.append(len(blobs))
+            for b in blobs:
+                args += [keys.index(run_prefix(b.run_id) + "bl"), _join(b.ns, b.key), b.value]
+            args += _write_args(keys, writes)
         failpoints.hit("checkpoint.in_commit")
         reply = self._fenced_run("COMMIT", fence, r.run_id, keys, args)
         if reply[0] == b"head":
@@ -381,15 +385,15 @@ class RedisStore(Store):
     ) -> list[CheckpointRecord]:
         count = -1 if limit is None or limit < 0 else int(limit)
         if ns is None:
-            index, hi, lo = "cx", "+" if before_id is None else "(" + _join(before_id), "-"
+            lo, hi = "[x", "(y" if before_id is None else "(x" + _esc(before_id)
         else:
-            index, lo = "cn", "[" + _join(ns) + _SEP
-            hi = "(" + _join(ns) + "\x01" if before_id is None else "(" + _join(ns, before_id)
-        args = ["x" if ns is None else "n", hi, lo, count, _join(ns or "")]
+            lo = "[n" + _esc(ns) + _SEP
+            hi = "(n" + _esc(ns) + ("\x01" if before_id is None else _SEP + _esc(before_id))
+        args: list[str | int] = [hi, lo, count]
 
         def keys(run: str) -> list[str]:
             prefix = run_prefix(run)
-            return [prefix + "ck", prefix + index]
+            return [prefix + "ck", prefix + "ix"]
 
         if run_id is not None:
             raws = self._run("LIST_CHECKPOINTS", keys(run_id), args)
@@ -412,8 +416,7 @@ class RedisStore(Store):
         return records if count < 0 else records[:count]
 
     @staticmethod
-    def _branch(run_id: str, member: bytes, cols: dict[str, bytes]) -> BranchRecord:
-        ns, branch = _split(member)
+    def _branch(run_id: str, ns: str, branch: str, cols: dict[str, bytes]) -> BranchRecord:
         return BranchRecord(
             run_id=run_id,
             branch=branch,
@@ -432,11 +435,19 @@ class RedisStore(Store):
         if values[4] is None:
             return None
         cols = {c: v for c, v in zip("hqbtc", values, strict=True) if v is not None}
-        return self._branch(run_id, member.encode(), cols)
+        return self._branch(run_id, ns, branch, cols)
+
+    def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
+        prefix = run_prefix(run_id)
+        raw = self._run("GET_HEAD", [prefix + "br", prefix + "ck"], [_join(ns, branch), _esc(ns)])
+        return None if raw is None else self._checkpoint(run_id, raw)
 
     def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:
         rows = self._cmd("HGETALL", run_prefix(run_id) + "br")
-        branches = [self._branch(run_id, m, cols) for m, cols in _columns(rows).items()]
+        branches = []
+        for member, cols in _columns(rows).items():
+            b_ns, branch = _split(member)
+            branches.append(self._branch(run_id, b_ns, branch, cols))
         if ns is not None:
             branches = [b for b in branches if b.ns == ns]
         return sorted(branches, key=lambda b: (b.created_at, b.branch))
@@ -460,7 +471,26 @@ class RedisStore(Store):
                 f"branch name {b.branch!r} is taken by another fork token", run_id=b.run_id
             )
         cols = {c: v for c, v in zip("hqbtc", reply[1:], strict=True) if v is not None}
-        return self._branch(b.run_id, reply[0], cols)
+        ns, name = _split(reply[0])
+        return self._branch(b.run_id, ns, name, cols)
+
+    def move_head(
+        self,
+        run_id: str,
+        ns: str,
+        branch: str,
+        *,
+        expected_head: str | None,
+        new_head: str | None,
+        new_seq: int,
+    ) -> None:
+        args = [_join(ns, branch), _opt(expected_head), _opt(new_head), new_seq]
+        if not self._run("MOVE_HEAD", [run_prefix(run_id) + "br"], args):
+            raise HeadMoved(
+                f"branch {branch!r} no longer has head {expected_head!r}",
+                run_id=run_id,
+                checkpoint_id=expected_head,
+            )
 
     def get_blobs(self, run_id: str, ns: str, keys: Sequence[str]) -> dict[str, bytes]:
         if not keys:
@@ -698,7 +728,7 @@ class RedisStore(Store):
         return int(
             self._run(
                 "DELETE_CHECKPOINTS",
-                [prefix + k for k in ("br", "ck", "cx", "cn", "wr", "wx")],
+                [prefix + k for k in ("br", "ck", "ix", "wr", "wx")],
                 args,
             )
         )
