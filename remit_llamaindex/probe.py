@@ -182,11 +182,14 @@ class _Points(BaseRuntimeDecorator):
 
 
 def _approval(value: Any) -> Approval:
-    """The event a user sends; an invalid value is built unchecked so the backend decides."""
-    try:
+    """The event a user sends. An invalid value is assigned after construction (pydantic
+    does not validate assignment), as a value that slipped past the model, so that the
+    backend, not the event's constructor, decides whether to accept it."""
+    if isinstance(value, str) and value:
         return Approval(response=value)
-    except ValueError:
-        return Approval.model_construct(response=value)
+    event = Approval(response="unset")
+    event.response = value
+    return event
 
 
 async def _settle(handler: WorkflowHandler) -> str:
@@ -204,7 +207,6 @@ async def _settle(handler: WorkflowHandler) -> str:
         watch.cancel()
         result.result()
         return "done"
-    result.cancel()
     return "paused"
 
 
