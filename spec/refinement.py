@@ -119,7 +119,6 @@ class Impl:
 
     def __init__(self, cfg: Config, url: str, run_id: str | None = None) -> None:
         self.cfg = cfg
-        self.model = Model(cfg)
         self.final = final(cfg)
         self.store = open_store(url)
         self.run_id = run_id or f"formal-{uuid.uuid4().hex}"
