@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: How long any worker may take before the harness kills it and records a timeout.
-WORKER_TIMEOUT = 120.0
+WORKER_TIMEOUT = 60.0
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:

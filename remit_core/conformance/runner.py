@@ -253,7 +253,7 @@ def run_matrix(
                 running.remove(job)
                 _kill_group(job.worker.pid)  # no worker outlives its scenario
                 done += 1
-                _collect(raw, matrix.columns.index(job.column), job, outcome)
+                _collect(raw, matrix.columns.index(job.column), job, outcome, set(matrix.cells))
                 if progress is not None:
                     progress(done, total, f"{job.column.label}: {job.scenario}")
             time.sleep(0.02)
@@ -272,9 +272,13 @@ def run_matrix(
 
 
 def _collect(
-    raw: dict[tuple[int, int], list[dict[str, Any]]], col: int, job: _Job, outcome: Any
+    raw: dict[tuple[int, int], list[dict[str, Any]]],
+    col: int,
+    job: _Job,
+    outcome: Any,
+    selected: set[int],
 ) -> None:
-    wanted = [c.id for c in BY_ID.values() if c.scenario == job.scenario]
+    wanted = [c.id for c in BY_ID.values() if c.scenario == job.scenario and c.id in selected]
     if outcome.ok and "na" in outcome.value:
         for cell_id in wanted:
             raw.setdefault((col, cell_id), []).append({"na": outcome.value["na"]})
@@ -287,7 +291,8 @@ def _collect(
             raw.setdefault((col, cell_id), []).append({"error": f"scenario failed: {detail}"})
         return
     for key, verdict in outcome.value["verdicts"].items():
-        raw.setdefault((col, int(key)), []).append(verdict)
+        if int(key) in wanted:
+            raw.setdefault((col, int(key)), []).append(verdict)
 
 
 def _aggregate(cell_id: int, runs: list[dict[str, Any]]) -> CellResult:
