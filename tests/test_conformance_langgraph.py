@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from remit_core.conformance.adapter import Target
 from remit_core.conformance.cells import CELLS, Cell, select
 from remit_core.conformance.runner import Column, discover, run_matrix
 
