@@ -200,6 +200,7 @@ class Remit:
         self._holder = holder
         self._holder_pid = -1
         self._holder_auto = ""
+        self._holder_lock = threading.Lock()
         self._main_seqs: OrderedDict[tuple[str, str, str], int] = OrderedDict()
 
     @property
@@ -207,9 +208,14 @@ class Remit:
         """This process's resumer identity (fresh in a forked child)."""
         if self._holder is not None:
             return self._holder
-        if self._holder_pid != os.getpid():
-            self._holder_pid = os.getpid()
-            self._holder_auto = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        pid = os.getpid()
+        if self._holder_pid != pid:
+            # Threads asking at once must all get the one identity: a claim taken
+            # under one and renewed under another would conflict with itself.
+            with self._holder_lock:
+                if self._holder_pid != pid:
+                    self._holder_auto = f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:8]}"
+                    self._holder_pid = pid
         return self._holder_auto
 
     # -- checkpoints -----------------------------------------------------------

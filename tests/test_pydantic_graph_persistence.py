@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from remit_core import (
     CheckpointInvalid,
     CorruptRecord,
     ForkWithoutIntent,
+    Remit,
     ResumeConflict,
     VersionMismatch,
     arun_effect,
@@ -566,3 +568,22 @@ def test_store_calls_do_not_block_the_event_loop(tmp_path: Path, run_id: str, wo
         return ticks
 
     assert asyncio.run(go()) >= 5
+
+
+def test_threads_of_a_process_share_one_holder_identity(tmp_path: Path) -> None:
+    """Threads resuming through one `Remit` (K8-THREADS) take and keep claims as one
+    process: the identity is made once, however many threads ask for it first."""
+    remit = Remit(engine_url("sqlite", tmp_path))
+    barrier = threading.Barrier(16)
+    seen: list[str] = []
+
+    def ask() -> None:
+        barrier.wait()
+        seen.append(remit.holder)
+
+    threads = [threading.Thread(target=ask) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 16 and len(set(seen)) == 1 and str(os.getpid()) in seen[0]
