@@ -251,6 +251,18 @@ def test_commit_stores_blobs_and_writes_in_the_same_transaction(store: Store, ru
     assert store.get_blobs(run_id, "", ["a", "c"]) == {"a": b"1", "c": b"3"}
 
 
+def test_commit_batches_with_repeated_keys(store: Store, run_id: str) -> None:
+    """Within one commit a blob key keeps its first value and a write slot its last."""
+    store.commit_checkpoint(
+        ckpt(run_id, "c01", None),
+        expected_head=None,
+        blobs=[BlobRecord(run_id, "k", b"first"), BlobRecord(run_id, "k", b"second")],
+        writes=[write(run_id, "c01", "t", 0, b"w-first"), write(run_id, "c01", "t", 0, b"w-last")],
+    )
+    assert store.get_blobs(run_id, "", ["k"]) == {"k": b"first"}
+    assert [w.value for w in store.get_writes(run_id, "", "c01")] == [b"w-last"]
+
+
 def test_list_branches_and_create_branch_by_token(store: Store, run_id: str) -> None:
     chain(store, run_id, 3)
     fork = BranchRecord(run_id, "fork-x", "c01", "", 0, "c01", "tok-x", 2000.0)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from remit_core.errors import StoreUnavailable
-from remit_core.stores._sql import SqlStore, Txn
+from remit_core import codec, failpoints
+from remit_core.errors import Fenced, HeadMoved, StoreUnavailable
+from remit_core.records import BlobRecord, CheckpointRecord, FenceRef, WriteRecord
+from remit_core.stores._sql import _BRANCH_COLS, _CKPT_COLS, _WRITE_COLS, SqlStore, Txn
 
 try:
     import psycopg
@@ -27,6 +29,12 @@ except ImportError as exc:  # pragma: no cover - depends on the extra
 _POOL_OPTS = ("min_size", "max_size")
 
 
+def _columns(records: Iterable[Any], names: Sequence[str]) -> list[list[Any]]:
+    """Records as one list per column, for `unnest`."""
+    rows = list(records)
+    return [[getattr(rec, name) for rec in rows] for name in names]
+
+
 class _PgTxn:
     """Adapts a psycopg cursor to the `?`-placeholder statements of `_sql`."""
 
@@ -35,6 +43,48 @@ class _PgTxn:
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
         return self._cur.execute(sql.replace("?", "%s"), params, prepare=True)
+
+
+#: A commit in one statement, so one round trip: the fence check (the claim row
+#: held `FOR SHARE`), the branch head's compare-and-set, and, only if it moved,
+#: the checkpoint, blobs and writes. A checkpoint id already taken fails the
+#: whole statement on the primary key. `{move}` is the head's compare-and-set.
+_COMMIT = """
+WITH claim AS (
+    SELECT fence FROM remit_claims WHERE run_id = ? AND scope = ? FOR SHARE
+), moved AS (
+    {move}
+), checkpoint AS (
+    INSERT INTO remit_checkpoints ({ckpt_cols})
+    SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM moved
+), blobs AS (
+    INSERT INTO remit_blobs (run_id, ns, key, value)
+    SELECT b.* FROM unnest(?::text[], ?::text[], ?::text[], ?::bytea[]) AS b, moved
+    ON CONFLICT (run_id, ns, key) DO NOTHING
+), writes AS (
+    INSERT INTO remit_writes ({write_cols})
+    SELECT w.* FROM unnest(?::text[], ?::text[], ?::text[], ?::int[], ?::text[], ?::bytea[],
+                           ?::text[], ?::text[]) AS w, moved
+    ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) DO UPDATE SET
+        channel = excluded.channel, value = excluded.value, task_path = excluded.task_path
+)
+SELECT (SELECT count(*) FROM moved), (SELECT fence FROM claim)
+"""
+_FENCE_HOLDS = "(?::bigint IS NULL OR EXISTS (SELECT 1 FROM claim WHERE fence = ?))"
+_MOVE_HEAD = (
+    "UPDATE remit_branches SET head_id = ?, head_seq = ? WHERE run_id = ? AND ns = ? "
+    f"AND branch = ? AND head_id = ? AND {_FENCE_HOLDS} RETURNING 1"
+)
+_CREATE_BRANCH = (
+    f"INSERT INTO remit_branches ({_BRANCH_COLS}) SELECT ?, ?, ?, ?, ?, NULL, NULL, ? "
+    f"WHERE {_FENCE_HOLDS} ON CONFLICT (run_id, ns, branch) DO UPDATE SET "
+    "head_id = excluded.head_id, head_seq = excluded.head_seq "
+    "WHERE remit_branches.head_id IS NULL RETURNING 1"
+)
+_COMMIT_AFTER = _COMMIT.format(move=_MOVE_HEAD, ckpt_cols=_CKPT_COLS, write_cols=_WRITE_COLS)
+_COMMIT_FIRST = _COMMIT.format(
+    move=_CREATE_BRANCH, ckpt_cols=_CKPT_COLS, write_cols=_WRITE_COLS
+)
 
 
 class PostgresStore(SqlStore):
@@ -88,6 +138,72 @@ class PostgresStore(SqlStore):
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
 
     _atomic = _read
+
+    def commit_checkpoint(
+        self,
+        record: CheckpointRecord,
+        *,
+        expected_head: str | None,
+        blobs: Sequence[BlobRecord] = (),
+        writes: Sequence[WriteRecord] = (),
+        fence: FenceRef | None = None,
+    ) -> None:
+        r = record
+        f_run, f_scope, f_fence = (
+            (r.run_id, "", None) if fence is None else (fence.run_id, fence.scope, fence.fence)
+        )
+        if expected_head is None:
+            sql = _COMMIT_FIRST
+            move: list[Any] = [r.run_id, r.branch, r.checkpoint_id, r.ns, r.seq, r.created_at]
+        else:
+            sql = _COMMIT_AFTER
+            move = [r.checkpoint_id, r.seq, r.run_id, r.ns, r.branch, expected_head]
+        first_blobs = {(b.run_id, b.ns, b.key): b for b in reversed(blobs)}.values()
+        last_writes = {(w.run_id, w.ns, w.checkpoint_id, w.task_id, w.idx): w for w in writes}
+        params = [
+            f_run,
+            f_scope,
+            *move,
+            f_fence,
+            f_fence,
+            r.run_id,
+            r.checkpoint_id,
+            r.branch,
+            r.parent_id,
+            r.state,
+            r.ns,
+            r.seq,
+            codec.dumps(r.metadata).decode(),
+            r.schema_version,
+            r.workflow_version,
+            r.created_at,
+            *_columns(first_blobs, ("run_id", "ns", "key", "value")),
+            *_columns(last_writes.values(), _WRITE_COLS.split(", ")),
+        ]
+        failpoints.hit("checkpoint.in_commit")
+        try:
+            with self._atomic() as txn:
+                moved, current = txn.execute(sql, params).fetchone()
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.constraint_name != "remit_checkpoints_pkey":
+                raise
+            raise HeadMoved(
+                "a checkpoint with this id already exists",
+                run_id=r.run_id,
+                checkpoint_id=r.checkpoint_id,
+            ) from exc
+        if fence is not None and current != fence.fence:
+            raise Fenced(
+                f"write carries fence {fence.fence} but the claim's current fence is {current}",
+                run_id=fence.run_id,
+                scope=fence.scope,
+            )
+        if moved != 1:
+            raise HeadMoved(
+                f"branch {r.branch!r} no longer has head {expected_head!r}",
+                run_id=r.run_id,
+                checkpoint_id=r.checkpoint_id,
+            )
 
     def setup(self) -> None:
         with self._txn() as txn:
