@@ -45,8 +45,12 @@ KNOWN_REMIT_GAPS: dict[tuple[str, int], str] = {
     },
     ("postgresql", 9): "with LangGraph's default durability='async' the checkpoint after "
     "approve is still being written when charge starts; recovery re-enters approve",
-    ("postgresql", 39): "a SIGSTOPped holder paused inside a fenced write transaction keeps "
-    "the claim row FOR SHARE; the takeover waits on that lock until the zombie continues",
+    **{
+        (engine, 39): "a holder SIGSTOPped while a background thread is inside a store "
+        "transaction keeps its lock (PostgreSQL: the claim row FOR SHARE; SQLite: the write "
+        "lock), so the takeover waits until the zombie continues"
+        for engine in ("sqlite", "postgresql")
+    },
 }
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ disk or a careless hand would (CORRUPT-RECORD).
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,12 +159,23 @@ def _corrupt_sql(execute: Any, mark: str, run_id: str, ns: str, checkpoint_id: s
 
 
 def discard_copy(dest: Target, run_id: str) -> None:
-    """Remove what a copy left on a server (its schema, or the run's keys); files stay."""
+    """Remove what a copy left on a server (its schema, or the run's keys); files stay.
+
+    Best effort: a catalog race with other sessions' DDL is retried, then left.
+    """
+    for attempt in range(3):
+        try:
+            _discard(dest, run_id)
+            return
+        except Exception:
+            time.sleep(0.2 * (attempt + 1))
+
+
+def _discard(dest: Target, run_id: str) -> None:
     if dest.engine == "postgresql" and dest.schema:
         import psycopg
 
         with psycopg.connect(dest.url.split("?", 1)[0], autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{dest.schema}" CASCADE')
     elif dest.engine == "redis" and dest.kind == "remit":
-        with contextlib.suppress(Exception):
-            open_store(dest.url).delete_run(run_id)
+        open_store(dest.url).delete_run(run_id)
