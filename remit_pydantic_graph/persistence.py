@@ -61,7 +61,7 @@ from remit_core.errors import (
     UnknownRecord,
     VersionMismatch,
 )
-from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, WriteRecord
+from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, FenceRef, WriteRecord
 
 if TYPE_CHECKING:
     from pydantic_graph.graph import Graph
@@ -176,9 +176,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def set_types(self, state_type: type[StateT], run_end_type: type[RunEndT]) -> None:
         """Build the snapshot adapter (called inside the graph's node-type context)."""
-        self._adapter = pydantic.TypeAdapter(
-            Annotated[Snapshot[state_type, run_end_type], pydantic.Discriminator("kind")]  # type: ignore[valid-type]
-        )
+        snapshot = Snapshot[state_type, run_end_type]  # type: ignore[valid-type,misc]
+        self._adapter = pydantic.TypeAdapter(Annotated[snapshot, pydantic.Discriminator("kind")])
 
     def _types(self) -> pydantic.TypeAdapter[Snapshot[StateT, RunEndT]]:
         if self._adapter is None:
@@ -286,7 +285,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if claim is not None:
             claim.release()
 
-    def _fence(self) -> Any:
+    def _fence(self) -> FenceRef:
         assert self._claim is not None, "a write needs the run's claim"
         return self._claim.fence
 
@@ -296,15 +295,18 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._acquire(heartbeat=heartbeat)
 
     # -- writes --------------------------------------------------------------
-    def _set_status(
-        self, stored: _Stored, status: SnapshotStatus, *, duration: float | None = None
-    ) -> None:
+    def _status_write(
+        self, stored: _Stored, status: SnapshotStatus, duration: float | None
+    ) -> tuple[WriteRecord, dict[str, Any]]:
+        """The next entry of a node's status log on this branch, and the entry itself."""
         snapshot = stored.snapshot
         assert isinstance(snapshot, NodeSnapshot)
         start = datetime.now(timezone.utc) if status == "running" else snapshot.start_ts
-        if status == "created":
-            start = None
-        entry = {"status": status, "start_ts": start, "duration": duration}
+        entry = {
+            "status": status,
+            "start_ts": None if status == "created" else start,
+            "duration": duration,
+        }
         write = WriteRecord(
             self.run_id,
             stored.id,
@@ -313,9 +315,17 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             status,
             codec.dumps(entry),
         )
+        return write, entry
+
+    def _set_status(
+        self, stored: _Stored, status: SnapshotStatus, *, duration: float | None = None
+    ) -> None:
+        write, entry = self._status_write(stored, status, duration)
         self.remit.put_writes([write], mode="expect_absent", fence=self._fence())
-        stored.status_idx += 1
-        snapshot.status, snapshot.start_ts, snapshot.duration = status, start, duration
+        snapshot = stored.snapshot
+        assert isinstance(snapshot, NodeSnapshot)
+        stored.status_idx = write.idx
+        snapshot.status, snapshot.start_ts, snapshot.duration = status, entry["start_ts"], duration
 
     def _commit(
         self,
@@ -411,19 +421,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             except CheckpointInvalid:
                 self._set_status(ran.top, "error", duration=duration)
                 raise
-            entry = {
-                "status": "success",
-                "start_ts": ran.top.snapshot.start_ts,  # type: ignore[union-attr]
-                "duration": duration,
-            }
-            done = WriteRecord(
-                self.run_id,
-                ran.top.id,
-                f"status:{self.branch}",
-                ran.top.status_idx + 1,
-                "success",
-                codec.dumps(entry),
-            )
+            done, _ = self._status_write(ran.top, "success", duration)
             self._commit(snapshot, body, ran, writes=[done])
         finally:
             self._drop()

@@ -329,6 +329,7 @@ class FileSession(_Session):
         async def go() -> RunResult:
             p = self._persistence(run)
             p.set_graph_types(GRAPH)
+            start: BaseNode[ProbeState, ProbeEnv, str]
             if snapshot := await p.load_next():
                 node = snapshot.node
                 first = node.first if isinstance(node, AwaitApproval) else None
@@ -350,7 +351,8 @@ class FileSession(_Session):
             p.set_graph_types(GRAPH)
             head = (await p.load_all())[-1]
             assert isinstance(head, NodeSnapshot)
-            await GRAPH.initialize(head.node.deep_copy(), p, state={**head.state, **patch})
+            edited: ProbeState = {**head.state, **patch}  # type: ignore[typeddict-item]
+            await GRAPH.initialize(head.node.deep_copy(), p, state=edited)
 
         asyncio.run(go())
 
