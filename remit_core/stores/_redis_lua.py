@@ -84,10 +84,10 @@ end
 """
 
 #: KEYS: fence claims, checkpoints, checkpoint index, branches, run index, then
-#: blob/write keys. ARGV: fence, expected head (opt), escaped ns, branch and id,
-#: raw id (opt: "" when it equals the escaped one), head seq, created_at, record,
-#: run id, then (absent: none) a blob count, (key index, field, value) per blob,
-#: and the writes.
+#: blob/write keys. ARGV: fence, expected head (opt), ns, branch, id (escaped),
+#: head seq, created_at, record, escaped run id, then (absent: none) a blob
+#: count, (key index, field, value) per blob, and the writes. A branch that had
+#: no head is new to the run, which then enters the run index.
 COMMIT = (
     _PRELUDE
     + r"""
@@ -102,18 +102,19 @@ elseif head ~= string.sub(ARGV[2], 2) then
   return {"head"}
 end
 local field = cid .. NUL .. ns
-if redis.call("HSETNX", KEYS[2], field, ARGV[9]) == 0 then return {"dup"} end
+if redis.call("HSETNX", KEYS[2], field, ARGV[8]) == 0 then return {"dup"} end
 redis.call("ZADD", KEYS[3], 0, "x" .. field, 0, "n" .. ns .. NUL .. cid)
-redis.call("HSETNX", KEYS[4], member .. NUL .. "c", ARGV[8])
-local raw = ARGV[6] == "" and cid or string.sub(ARGV[6], 2)
-redis.call("HSET", KEYS[4], member .. NUL .. "h", raw, member .. NUL .. "q", ARGV[7])
-redis.call("SADD", KEYS[5], ARGV[10])
-local nblobs = tonumber(ARGV[11] or "0")
+if not head then
+  redis.call("HSETNX", KEYS[4], member .. NUL .. "c", ARGV[7])
+  redis.call("SADD", KEYS[5], ARGV[9])
+end
+redis.call("HSET", KEYS[4], member .. NUL .. "h", cid, member .. NUL .. "q", ARGV[6])
+local nblobs = tonumber(ARGV[10] or "0")
 for j = 0, nblobs - 1 do
-  local b = 12 + 3 * j
+  local b = 11 + 3 * j
   redis.call("HSETNX", KEYS[tonumber(ARGV[b])], ARGV[b + 1], ARGV[b + 2])
 end
-put_writes(12 + 3 * nblobs, "overwrite")
+put_writes(11 + 3 * nblobs, "overwrite")
 return {"ok"}
 """
 )
@@ -154,9 +155,6 @@ return hmget(KEYS[1], redis.call("ZRANGEBYLEX", KEYS[2], ARGV[1], ARGV[2]))
 GET_HEAD = r"""
 local head = redis.call("HGET", KEYS[1], ARGV[1] .. "\0h")
 if not head then return nil end
-if string.find(head, "[%z\1]") then
-  head = string.gsub(string.gsub(head, "\1", "\1\2"), "%z", "\1\1")
-end
 return redis.call("HGET", KEYS[2], head .. "\0" .. ARGV[2])
 """
 
@@ -180,9 +178,10 @@ redis.call("HSET", KEYS[1], m .. "\0q", ARGV[4])
 return 1
 """
 
-#: KEYS: branches, fork tokens. ARGV: branch member, token field ("" for none),
-#: head id (opt), head seq, base id (opt), fork token (opt), created_at.
-#: Answers the member and columns (h, q, b, t, c) of the token's branch, or nil.
+#: KEYS: branches, fork tokens, run index. ARGV: branch member, token field ("" for
+#: none), head id (opt), head seq, base id (opt), fork token (opt), created_at,
+#: escaped run id. Answers the member and columns (h, q, b, t, c) of the token's
+#: branch, or nil.
 CREATE_BRANCH = (
     _PRELUDE
     + r"""
@@ -194,6 +193,7 @@ if redis.call("HEXISTS", KEYS[1], m .. NUL .. "c") == 0
   hset_opt(KEYS[1], m .. NUL .. "t", ARGV[6])
   redis.call("HSET", KEYS[1], m .. NUL .. "q", ARGV[4], m .. NUL .. "c", ARGV[7])
   if tf ~= "" then redis.call("HSET", KEYS[2], tf, m) end
+  redis.call("SADD", KEYS[3], ARGV[8])
 end
 if tf == "" then return nil end
 local owner = redis.call("HGET", KEYS[2], tf)
@@ -313,7 +313,7 @@ return {"ok", redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "s",
 )
 
 #: KEYS: branches, checkpoints, checkpoint index, writes, write index.
-#: ARGV: escaped ns, then (raw id, escaped id) per checkpoint. Answers the count.
+#: ARGV: escaped ns, then the escaped ids. Answers the count.
 DELETE_CHECKPOINTS = r"""
 local NUL = "\0"
 local ns = ARGV[1]
@@ -328,9 +328,9 @@ for i = 1, #branches, 2 do
   end
 end
 local deleted = 0
-for b = 2, #ARGV, 2 do
-  if not pinned[ARGV[b]] then
-    local cid = ARGV[b + 1]
+for b = 2, #ARGV do
+  local cid = ARGV[b]
+  if not pinned[cid] then
     local field = cid .. NUL .. ns
     deleted = deleted + redis.call("HDEL", KEYS[2], field)
     redis.call("ZREM", KEYS[3], "x" .. field, "n" .. ns .. NUL .. cid)
@@ -346,7 +346,7 @@ return deleted
 """
 
 #: KEYS: the source run's keys, the target run's keys (both in `RUN_KEYS` order),
-#: the run index. ARGV: target run id. Insert-if-absent, like the SQL copy.
+#: the run index. ARGV: escaped target run id. Insert-if-absent, like the SQL copy.
 COPY_RUN = (
     _PRELUDE
     + r"""
@@ -389,12 +389,12 @@ for i = 1, #rows, 2 do
     redis.call("ZADD", dst(7), 0, rows[i])
   end
 end
-if redis.call("EXISTS", dst(1)) == 1 then redis.call("SADD", KEYS[#KEYS], ARGV[1]) end
+if redis.call("EXISTS", dst(1), dst(3)) > 0 then redis.call("SADD", KEYS[#KEYS], ARGV[1]) end
 return {"ok"}
 """
 )
 
-#: KEYS: every key of the run, then the run index. ARGV: run id.
+#: KEYS: every key of the run, then the run index. ARGV: escaped run id.
 DELETE_RUN = r"""
 redis.call("DEL", unpack(KEYS, 1, #KEYS - 1))
 redis.call("SREM", KEYS[#KEYS], ARGV[1])

@@ -13,11 +13,11 @@ in a run id are percent-escaped (an empty run id is `%`). The kinds are fixed
 (`RUN_KEYS`); ids inside a run are hash fields and sorted-set members, joined
 by NUL (a NUL or \\x01 inside an id is escaped so that byte order is kept):
 
-    ck  hash   cid NUL ns -> checkpoint (JSON header, newline, state bytes)
+    ck  hash   cid NUL ns -> checkpoint (tagged-JSON header, newline, state bytes)
     ix  zset   score 0, two members per checkpoint: "x" cid NUL ns (by id over
                all namespaces) and "n" ns NUL cid (by id within a namespace)
-    br  hash   ns NUL branch NUL col -> h head_id, q head_seq, b base_id,
-               t fork_token, c created_at (a NULL column has no field)
+    br  hash   ns NUL branch NUL col -> h head_id, q head_seq, b base_id (both
+               escaped), t fork_token, c created_at (a NULL column has no field)
     bt  hash   ns NUL fork_token -> ns NUL branch
     bl  hash   ns NUL key -> blob bytes
     wr  hash   ns NUL cid NUL task NUL idx -> step write (JSON header, newline, value)
@@ -28,11 +28,12 @@ by NUL (a NUL or \\x01 inside an id is escaped so that byte order is kept):
     ef  hash   effect NUL col -> k idempotency_key, s status, o outcome,
                c created_at, d done_at
 
-Two keys are global: `remit:runs` (the runs that have checkpoints, for
-listings over every run) and `remit:migrations` (applied layout versions).
-The scripts that add or remove a run (commit, copy_run, delete_run) touch
-`remit:runs` too, and copy_run spans two runs: those three are atomic on one
-Redis server, not across cluster slots.
+Two keys are global: `remit:runs` (escaped ids of the runs that have a
+branch, which every run with a checkpoint has: the listing over every run)
+and `remit:migrations` (applied layout versions). The scripts that add a
+branch or remove a run (commit, create_branch, copy_run, delete_run) touch
+`remit:runs` too, and copy_run spans two runs: those are atomic on one Redis
+server, not across cluster slots.
 
 Failpoints: a script is the atomic step, so the `*.in_*` points of the SQL
 engines (hit inside the transaction, before it commits) are hit just before
@@ -41,7 +42,6 @@ the script is sent: a crash there leaves nothing written, as in SQL.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -51,7 +51,7 @@ from typing import Any
 
 from redis import Redis
 from redis.connection import ConnectionPool
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from remit_core import codec, failpoints
 from remit_core.errors import (
@@ -130,14 +130,20 @@ def _opt(value: str | bytes | None) -> str | bytes:
     return b"=" + value if isinstance(value, bytes) else "=" + value
 
 
+def _opt_id(value: str | None) -> str:
+    """An optional id argument, escaped."""
+    return "" if value is None else "=" + _esc(value)
+
+
 def _pack(header: list[Any], payload: bytes) -> bytes:
-    return json.dumps(header, separators=(",", ":")).encode() + b"\n" + payload
+    """A record: its fields as tagged JSON (one line: JSON escapes newlines), then its bytes."""
+    return codec.dumps(header) + b"\n" + payload
 
 
 def _unpack(raw: bytes, **ids: Any) -> tuple[list[Any], bytes]:
     head, newline, payload = raw.partition(b"\n")
     try:
-        header = json.loads(head)
+        header = codec.loads(head)
     except ValueError:
         header = None
     if not newline or not isinstance(header, list):
@@ -157,15 +163,22 @@ def _str(value: bytes | None) -> str | None:
     return None if value is None else value.decode()
 
 
+def _id(value: bytes | None) -> str | None:
+    return None if value is None else _unesc(value)
+
+
 def _float(value: bytes | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _fence_args(fence: FenceRef | None, run_id: str) -> tuple[str, str]:
-    """KEYS[1] and ARGV[1] of a fenced script."""
-    if fence is None:
-        return run_prefix(run_id) + "cl", ""
-    return run_prefix(fence.run_id) + "cl", f"{fence.fence}:{_esc(fence.scope)}"
+def _fence_key(fence: FenceRef | None, prefix: str) -> str:
+    """KEYS[1] of a fenced script: the fence's claims (any key of the run without one)."""
+    return prefix + "cl" if fence is None else run_prefix(fence.run_id) + "cl"
+
+
+def _fence_arg(fence: FenceRef | None) -> str:
+    """ARGV[1] of a fenced script: "" or the fence number, ":", the escaped scope."""
+    return "" if fence is None else f"{fence.fence}:{_esc(fence.scope)}"
 
 
 def _raise_fenced(fence: FenceRef | None, current: bytes | None) -> None:
@@ -255,9 +268,18 @@ class RedisStore(Store):
         return self._redis
 
     def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """EVALSHA one script (loaded again by redis-py if the server lost it)."""
+        """EVALSHA one script; if the server lost it, its `Script` loads it again and runs it.
+
+        The first try is a bare EVALSHA of the script's digest: `Script.__call__`
+        costs some microseconds per call, a sixth of a local round trip.
+        """
+        script = self._scripts[name]
+        client = self._client()
         try:
-            return self._scripts[name](keys, args, client=self._client())
+            try:
+                return client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return script(keys, args, client=client)
         except RedisError as exc:
             raise StoreUnavailable(f"Redis store failed in {name.lower()}: {exc}") from exc
 
@@ -272,8 +294,8 @@ class RedisStore(Store):
         self, name: str, fence: FenceRef | None, run_id: str, keys: _Keys, args: list[Any]
     ) -> list[Any]:
         """Run a fenced script (KEYS[1], ARGV[1] are its fence) and raise `Fenced`."""
-        keys.keys[0], fence_arg = _fence_args(fence, run_id)
-        reply: list[Any] = self._run(name, keys.keys, [fence_arg, *args])
+        keys.keys[0] = _fence_key(fence, run_prefix(run_id))
+        reply: list[Any] = self._run(name, keys.keys, [_fence_arg(fence), *args])
         if reply[0] == b"fenced":
             _raise_fenced(fence, reply[1])
         return reply
@@ -309,31 +331,35 @@ class RedisStore(Store):
     ) -> None:
         r = record
         prefix = run_prefix(r.run_id)
-        keys = _Keys("", prefix + "ck", prefix + "ix", prefix + "br", RUNS_KEY)
-        cid = _esc(r.checkpoint_id)
+        keys = [
+            _fence_key(fence, prefix), prefix + "ck", prefix + "ix", prefix + "br", RUNS_KEY
+        ]  # fmt: skip
         header = [
-            r.checkpoint_id, r.branch, r.parent_id, r.ns, r.seq,
-            codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version,
-            r.created_at,
+            r.checkpoint_id, r.branch, r.parent_id, r.ns, r.seq, r.metadata,
+            r.schema_version, r.workflow_version, r.created_at,
         ]  # fmt: skip
         args: list[Any] = [
-            _opt(expected_head),
+            _fence_arg(fence),
+            _opt_id(expected_head),
             _esc(r.ns),
             _esc(r.branch),
-            cid,
-            "" if cid == r.checkpoint_id else _opt(r.checkpoint_id),
+            _esc(r.checkpoint_id),
             r.seq,
             repr(r.created_at),
             _pack(header, r.state),
-            r.run_id,
+            _esc(r.run_id),
         ]
         if blobs or writes:
+            extra = _Keys(*keys)
             args.append(len(blobs))
             for b in blobs:
-                args += [keys.index(run_prefix(b.run_id) + "bl"), _join(b.ns, b.key), b.value]
-            args += _write_args(keys, writes)
+                args += [extra.index(run_prefix(b.run_id) + "bl"), _join(b.ns, b.key), b.value]
+            args += _write_args(extra, writes)
+            keys = extra.keys
         failpoints.hit("checkpoint.in_commit")
-        reply = self._fenced_run("COMMIT", fence, r.run_id, keys, args)
+        reply: list[Any] = self._run("COMMIT", keys, args)
+        if reply[0] == b"fenced":
+            _raise_fenced(fence, reply[1])
         if reply[0] == b"head":
             raise HeadMoved(
                 f"branch {r.branch!r} no longer has head {expected_head!r}",
@@ -359,7 +385,7 @@ class RedisStore(Store):
                 state=state,
                 ns=ns,
                 seq=int(seq),
-                metadata=codec.loads(meta.encode()),
+                metadata=meta,
                 schema_version=int(schema_version),
                 workflow_version=wf_version,
                 created_at=float(created),
@@ -398,7 +424,7 @@ class RedisStore(Store):
         if run_id is not None:
             raws = self._run("LIST_CHECKPOINTS", keys(run_id), args)
             return [self._checkpoint(run_id, raw) for raw in raws if raw is not None]
-        runs = [r.decode() for r in self._cmd("SMEMBERS", RUNS_KEY)]
+        runs = [_unesc(r) for r in self._cmd("SMEMBERS", RUNS_KEY)]
         try:
             pipe = self._client().pipeline(transaction=False)
             for run in runs:
@@ -420,10 +446,10 @@ class RedisStore(Store):
         return BranchRecord(
             run_id=run_id,
             branch=branch,
-            head_id=_str(cols.get("h")),
+            head_id=_id(cols.get("h")),
             ns=ns,
             head_seq=int(cols["q"]),
-            base_id=_str(cols.get("b")),
+            base_id=_id(cols.get("b")),
             fork_token=_str(cols.get("t")),
             created_at=float(cols["c"]),
         )
@@ -458,14 +484,15 @@ class RedisStore(Store):
         args = [
             _join(b.ns, b.branch),
             "" if b.fork_token is None else _join(b.ns, b.fork_token),
-            _opt(b.head_id),
+            _opt_id(b.head_id),
             b.head_seq,
-            _opt(b.base_id),
+            _opt_id(b.base_id),
             _opt(b.fork_token),
             repr(b.created_at),
+            _esc(b.run_id),
         ]
         failpoints.hit("fork.in_create")
-        reply = self._run("CREATE_BRANCH", [prefix + "br", prefix + "bt"], args)
+        reply = self._run("CREATE_BRANCH", [prefix + "br", prefix + "bt", RUNS_KEY], args)
         if reply is None:
             raise HeadMoved(
                 f"branch name {b.branch!r} is taken by another fork token", run_id=b.run_id
@@ -484,7 +511,7 @@ class RedisStore(Store):
         new_head: str | None,
         new_seq: int,
     ) -> None:
-        args = [_join(ns, branch), _opt(expected_head), _opt(new_head), new_seq]
+        args = [_join(ns, branch), _opt_id(expected_head), _opt_id(new_head), new_seq]
         if not self._run("MOVE_HEAD", [run_prefix(run_id) + "br"], args):
             raise HeadMoved(
                 f"branch {branch!r} no longer has head {expected_head!r}",
@@ -718,13 +745,11 @@ class RedisStore(Store):
 
     # -- whole runs ----------------------------------------------------------
     def delete_run(self, run_id: str) -> None:
-        self._run("DELETE_RUN", [*run_keys(run_id), RUNS_KEY], [run_id])
+        self._run("DELETE_RUN", [*run_keys(run_id), RUNS_KEY], [_esc(run_id)])
 
     def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
         prefix = run_prefix(run_id)
-        args: list[str] = [_esc(ns)]
-        for cid in checkpoint_ids:
-            args += [cid, _esc(cid)]
+        args = [_esc(ns), *(_esc(cid) for cid in checkpoint_ids)]
         return int(
             self._run(
                 "DELETE_CHECKPOINTS",
@@ -735,4 +760,4 @@ class RedisStore(Store):
 
     def copy_run(self, source_run_id: str, target_run_id: str) -> None:
         keys = [*run_keys(source_run_id), *run_keys(target_run_id), RUNS_KEY]
-        self._run("COPY_RUN", keys, [target_run_id])
+        self._run("COPY_RUN", keys, [_esc(target_run_id)])
