@@ -65,8 +65,9 @@ def to_json(matrix: Matrix) -> str:
     return json.dumps(matrix.to_dict(), indent=2)
 
 
-def _md_escape(s: str) -> str:
-    return s.replace("|", "\\|").replace("\n", " ")
+def _md_escape(s: str, limit: int = 240) -> str:
+    s = s.replace("|", "\\|").replace("\n", " ")
+    return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
 def markdown(matrix: Matrix) -> str:
@@ -74,7 +75,7 @@ def markdown(matrix: Matrix) -> str:
     columns = _ran(matrix)
     out = [
         "| id | scenario | checks | passes when | "
-        + " | ".join(_md_escape(f"{c.label} ({c.framework})") for c in columns)
+        + " | ".join(_md_escape(f"{c.label} [{c.framework}]") for c in columns)
         + " |",
         "|---|---|---|---|" + "---|" * len(columns),
     ]
