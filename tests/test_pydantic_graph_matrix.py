@@ -9,16 +9,13 @@ pydantic-graph.md) must come out FAIL, which shows the harness can fail it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from conftest import PG_URL, REDIS_URL
 
 from remit_core.conformance.cells import CELLS
 from remit_core.conformance.runner import Column, discover, run_matrix
-
-PG_URL = os.environ.get("REMIT_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("REMIT_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 #: FileStatePersistence failures observed in research/pydantic-graph.md.
 KNOWN_VANILLA_FAILURES = {

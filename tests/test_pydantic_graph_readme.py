@@ -22,26 +22,22 @@ def test_the_example_runs_and_answers_once(tmp_path: Path) -> None:
     (code,) = re.findall(r"```python\n(.*?)```", _section(), flags=re.S)
     script = tmp_path / "example.py"
     script.write_text(code)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+
+    def run_example() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            timeout=120,
+        )
+
+    done = run_example()
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "charged 42 Order(amount=42, approved_by='alice')"
     assert (tmp_path / "remit.db").exists()
-    again = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    again = run_example()
     # The same run id again: the run has ended, so starting it over is a fork.
     assert again.returncode != 0 and "ForkWithoutIntent" in again.stderr
 
