@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -178,11 +179,14 @@ async def _drive(run: GraphRun[Any, Any, Any], *, first_step: bool = False) -> R
 
 
 class _Session(ProbeSession):
+    """What both targets share: starting, continuing and replaying the probe."""
+
     def __init__(self, target: Target, env: ProbeEnv) -> None:
         self.target, self.env = target, env
 
+    @abstractmethod
     def _persistence(self, run: str, branch: str | None = None) -> BaseStatePersistence[Any, Any]:
-        raise NotImplementedError
+        """The target's persistence for `run` (on the line `branch` names, if any)."""
 
     async def _continue(self, p: BaseStatePersistence[Any, Any]) -> RunResult:
         """Go on from the stored head: the end, the pause, or the node a crash left behind."""
