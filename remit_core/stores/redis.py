@@ -424,7 +424,10 @@ class RedisStore(Store):
         if run_id is not None:
             raws = self._run("LIST_CHECKPOINTS", keys(run_id), args)
             return [self._checkpoint(run_id, raw) for raw in raws if raw is not None]
-        runs = [_unesc(r) for r in self._cmd("SMEMBERS", RUNS_KEY)]
+        try:
+            runs = [_unesc(r) for r in self._cmd("SMEMBERS", RUNS_KEY)]
+        except UnicodeDecodeError as exc:
+            raise CorruptRecord(f"the run index {RUNS_KEY!r} holds a non-UTF-8 member") from exc
         try:
             pipe = self._client().pipeline(transaction=False)
             for run in runs:
