@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -245,7 +244,6 @@ class RedisStore(Store):
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self._lock = threading.Lock()
         self._pool, self._redis, self._pid = self._connect()
         # Registered once; each call passes the client of its process.
         self._scripts = {name: self._redis.register_script(getattr(lua, name)) for name in _SCRIPTS}
@@ -260,11 +258,14 @@ class RedisStore(Store):
         return pool, Redis(connection_pool=pool), os.getpid()
 
     def _client(self) -> Redis:
-        """This process's client; a forked child builds its own pool on first use."""
+        """This process's client; a forked child builds its own pool on first use.
+
+        No lock: a lock held by another thread at fork time would stay held in
+        the child. Threads of a child that race here each build a pool and one
+        is kept; `_pid` is assigned last, so a matching pid means a usable client.
+        """
         if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._pool, self._redis, self._pid = self._connect()
+            self._pool, self._redis, self._pid = self._connect()
         return self._redis
 
     def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -315,9 +316,8 @@ class RedisStore(Store):
         return sorted(int(v) for v in self._cmd("HKEYS", MIGRATIONS_KEY))
 
     def close(self) -> None:
-        with self._lock:
-            if self._pid == os.getpid():
-                self._pool.disconnect()
+        if self._pid == os.getpid():
+            self._pool.disconnect()
 
     # -- checkpoints and branches -------------------------------------------
     def commit_checkpoint(
