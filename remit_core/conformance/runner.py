@@ -174,6 +174,11 @@ class _Job:
 def _scenario_body(job: _Job, lease: float) -> dict[str, Any]:
     """In the scenario process: run one scenario and return its verdicts as plain data."""
     os.setpgid(0, 0)
+    job.folder.mkdir(parents=True, exist_ok=True)
+    log = os.open(job.folder / "scenario.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in (1, 2):  # what the framework prints stays with the scenario, off the terminal
+        os.dup2(log, fd)
+    os.close(log)
     ctx = Context(job.adapter, job.column.target, job.folder, lease=lease)
     try:
         verdicts = RUNNERS[job.scenario](ctx)
