@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import re
@@ -245,7 +246,7 @@ def run_matrix(
             while queue and len(running) < max(1, jobs):
                 job = queue.pop(0)
                 job.started = time.monotonic()
-                job.worker = fork(lambda job=job: _scenario_body(job, lease))
+                job.worker = fork(functools.partial(_scenario_body, job, lease))
                 running.append(job)
             for job in list(running):
                 assert job.worker is not None

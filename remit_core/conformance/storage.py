@@ -135,7 +135,7 @@ def corrupt_remit_checkpoint(target: Target, run_id: str, checkpoint_id: str, ns
         try:
             key, field = run_prefix(run_id) + "ck", f"{checkpoint_id}\x00{ns}"
             stored = client.hget(key, field)
-            if stored is None:
+            if not isinstance(stored, bytes):
                 raise LookupError(f"no checkpoint {checkpoint_id!r} of run {run_id!r}")
             header, _, state = stored.partition(b"\n")
             client.hset(key, field, header + b"\n" + flip_middle_byte(state))
