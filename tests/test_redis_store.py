@@ -476,6 +476,61 @@ def test_redis_scripts_reload_transparently_after_script_flush(
     assert "c2" in [c.checkpoint_id for c in redis_store.list_checkpoints(None)]
 
 
+def test_redis_each_primitive_is_one_command(redis_store: RedisStore, raw: Redis, run_id: str):
+    """MONITOR the server: every primitive sends one command (its script runs server-side)."""
+    s = redis_store
+    claim = s.acquire_claim(run_id, "main", "h", now=1.0, lease=60.0)
+    fence = FenceRef.of(claim)
+    write = WriteRecord(run_id, "c1", "t", 0, "ch", b"w")
+    primitives: dict[str, Callable[[], Any]] = {
+        "commit": lambda: s.commit_checkpoint(
+            ckpt(run_id, "c1"), expected_head=None, blobs=[BlobRecord(run_id, "k", b"v")],
+            writes=[write], fence=fence,
+        ),
+        "get_head": lambda: s.get_head(run_id, "", "main"),
+        "get_checkpoint": lambda: s.get_checkpoint(run_id, "", "c1"),
+        "list_checkpoints": lambda: s.list_checkpoints(run_id, "", before_id="c9", limit=5),
+        "put_writes": lambda: s.put_writes([write], mode="first", fence=fence),
+        "get_writes": lambda: s.get_writes(run_id, "", "c1"),
+        "open": lambda: s.open_interrupts([InterruptRecord(run_id, "main", "i", "c1")]),
+        "consume": lambda: s.consume_interrupt(
+            run_id, "main", "i", b"yes", consumer="me", now=2.0, fence=fence
+        ),
+        "claim": lambda: s.acquire_claim(run_id, "other", "h", now=1.0, lease=5.0),
+        "renew": lambda: s.renew_claim(claim, now=2.0, lease=60.0),
+        "begin_effect": lambda: s.begin_effect(run_id, "e", "k", now=2.0, fence=fence),
+        "finish_effect": lambda: s.finish_effect(run_id, "e", b"ok", now=3.0, fence=fence),
+        "fork": lambda: s.create_branch(BranchRecord(run_id, "f", "c1", "", 0, "c1", "tok")),
+    }  # fmt: skip
+    client = s._client()
+    sent: dict[str, list[str]] = {}
+    with raw.monitor() as monitor:
+        for name, call in primitives.items():
+            client.echo(f"start {name}")
+            call()
+            client.echo(f"end {name}")
+        client.echo("done")
+        current: list[str] | None = None
+        port = None  # the store's connection: other clients use the server meanwhile
+        while True:
+            event = monitor.next_command()
+            command = str(event["command"])
+            if command.startswith("ECHO start "):
+                port = event["client_port"]
+            if event["client_type"] == "lua" or event["client_port"] != port:
+                continue
+            if command == "ECHO done":
+                break
+            if command.startswith("ECHO start "):
+                current = sent.setdefault(command.split()[-1], [])
+            elif command.startswith("ECHO end "):
+                current = None
+            elif current is not None:
+                current.append(command.split()[0])
+    assert {name: len(commands) for name, commands in sent.items()} == dict.fromkeys(primitives, 1)
+    assert sent["commit"] == ["EVALSHA"] and sent["claim"] == ["EVALSHA"]
+
+
 # -- connection --------------------------------------------------------------------
 
 
