@@ -315,10 +315,24 @@ class CrewAIProbe(ProbeAdapter):
     framework = "crewai"
 
     def preload(self) -> None:
+        """Import everything a worker needs, once: CrewAI, the hooks, the store engines
+        (psycopg alone takes seconds when 16 workers import it at once), and the
+        console tables CrewAI's log lines load."""
         _quiet()
-        import crewai.flow.flow  # noqa: F401 - the slow import, done once before forking
+        import importlib
 
-        import remit_crewai  # noqa: F401
+        for module in ("crewai.flow.flow", "crewai.hooks.contexts", "remit_crewai._hooks"):
+            importlib.import_module(module)
+        for optional in (
+            "remit_core.stores.postgres",
+            "remit_core.stores.redis",
+            "rich._emoji_codes",
+            "rich._unicode_data.unicode17-0-0",
+        ):
+            try:
+                importlib.import_module(optional)
+            except ImportError:  # not installed (or another version): workers import it
+                continue
 
     def describe(self, target: Target) -> str:
         if target.kind == "vanilla":
