@@ -146,7 +146,8 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _validate_json_schema(schema: Mapping[str, Any], value: Any, ids: Mapping[str, Any]) -> None:
-    """A small JSON Schema subset: type, properties, required, items, enum, minimum, maximum."""
+    """A small JSON Schema subset: type, properties, required, items, enum, minimum,
+    maximum, minLength, maxLength."""
 
     def fail(path: str, msg: str) -> None:
         raise CheckpointInvalid(
@@ -173,6 +174,11 @@ def _validate_json_schema(schema: Mapping[str, Any], value: Any, ids: Mapping[st
                 fail(path, f"{v} is less than the minimum {s['minimum']}")
             if "maximum" in s and v > s["maximum"]:
                 fail(path, f"{v} is more than the maximum {s['maximum']}")
+        if isinstance(v, str):
+            if "minLength" in s and len(v) < s["minLength"]:
+                fail(path, f"string is shorter than {s['minLength']} characters")
+            if "maxLength" in s and len(v) > s["maxLength"]:
+                fail(path, f"string is longer than {s['maxLength']} characters")
         if isinstance(v, dict):
             for req in s.get("required", ()):
                 if req not in v:

@@ -1,37 +1,538 @@
-"""Placeholder: the run-loop hooks come next."""
+"""Where RemitSaver meets LangGraph's run loop: claims, resume values, forks, schemas, effects.
+
+LangGraph's checkpointer interface has no event for "a run starts with this
+input" or "the run has ended", and a resume value reaches the saver only as a
+background write that races the node reading it. What it does have: the run
+loop calls `get_tuple` from its `__enter__`, before any node runs, and the
+graph that runs is the frame above. At that call the saver (`Runs.start`):
+
+- takes the thread's claim (leased, heartbeat; `ResumeConflict` if another
+  resumer holds it) and releases it on the loop's exit stack, after the loop's
+  last background write;
+- refuses a continuation from a non-head checkpoint without a fork token
+  (`ForkWithoutIntent`), and turns a fork token seen before into its branch;
+- consumes the interrupt(s) a `Command(resume=...)` answers, after checking
+  the value against the interrupt's `response_schema`: the value is durable
+  before any node runs, and a consumed interrupt refuses a second value;
+- re-delivers values consumed by a resumer that died before its node finished;
+- learns the graph's state schema (P4) and the types its serializer may store.
+
+The run then lives in a context variable, which LangGraph copies into every
+background write and every node: writes carry the claim's fence (L2), writes
+are checked against the schema, and `remit_core.effect` finds its step scope
+(P2) through `effect_scope`. A graph not run by a LangGraph loop (a direct
+saver call, `update_state`) gets plain storage with schema checks.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextvars
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph._internal._constants import CONFIG_KEY_RESUME_MAP, NULL_TASK_ID
+from langgraph._internal._serde import build_serde_allowlist
+from langgraph.checkpoint.serde.types import INTERRUPT, RESUME
+from langgraph.config import get_config
+from langgraph.pregel import Pregel
+from langgraph.pregel._loop import PregelLoop
+from langgraph.types import Command, Interrupt
+
+from remit_core import Remit, codec, policy
+from remit_core.core import ClaimHandle
+from remit_core.effects import StepScope, register_scope_resolver
+from remit_core.errors import (
+    ForkWithoutIntent,
+    RemitError,
+    ResumeConflict,
+    UnknownRecord,
+)
+from remit_core.records import MAIN_BRANCH, CheckpointRecord, FenceRef, InterruptRecord
+from remit_core.schema import StateSchema
+from remit_langgraph._schema import StateCheck
+from remit_langgraph._serde import StrictSerializer
+
+if TYPE_CHECKING:
+    from remit_langgraph.saver import RemitSaver
+
+#: How many frames above a saver call are searched for the graph that made it.
+_GRAPH_FRAME_DEPTH = 4
+
+
+@dataclass
+class Run:
+    """One LangGraph run (`invoke`/`stream`) on one thread, as this process drives it."""
+
+    remit: Remit
+    thread: str
+    branch: str
+    claim: ClaimHandle
+    check: StateCheck | None
+    committed: set[str] = field(default_factory=set)
+    failed: RemitError | None = None
+    inflight: int = 0
+    _settled: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def fence(self) -> FenceRef:
+        return self.claim.fence
+
+    def writing(self) -> _Writing:
+        return _Writing(self)
+
+    def fail(self, error: RemitError) -> RemitError:
+        """Remember the first refusal: the run's later writes are refused with it."""
+        if self.failed is None:
+            self.failed = error
+        return error
+
+    def settle(self, timeout: float = 5.0) -> None:
+        """Wait for this run's writes in flight, then raise if one was refused."""
+        with self._settled:
+            self._settled.wait_for(lambda: self.inflight == 0, timeout=timeout)
+        if self.failed is not None:
+            raise self.failed
+
+
+class _Writing:
+    """Counts a write in flight for `Run.settle`."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __enter__(self) -> None:
+        with self.run._settled:
+            self.run.inflight += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.run._settled:
+            self.run.inflight -= 1
+            self.run._settled.notify_all()
+
+
+_current: contextvars.ContextVar[Run | None] = contextvars.ContextVar(
+    "remit_langgraph_run", default=None
+)
+
+
+def _is_resume_map(resume: Any) -> bool:
+    return (
+        isinstance(resume, dict)
+        and bool(resume)
+        and all(isinstance(k, str) and len(k) == 32 for k in resume)
+        and all(c in "0123456789abcdef" for k in resume for c in k)
+    )
+
+
+def _interrupts_in(value: Any) -> list[Interrupt]:
+    if isinstance(value, Interrupt):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [i for i in value if isinstance(i, Interrupt)]
+    return []
 
 
 class Runs:
-    def __init__(self, saver: Any) -> None:
+    """The run-loop side of one `RemitSaver` (shared by its `with_allowlist` clones)."""
+
+    def __init__(self, saver: RemitSaver, state_schema: Any) -> None:
         self.saver = saver
+        self.remit = saver.remit
+        self.declared = None if state_schema is None else StateCheck.of(state_schema)
+        self._graphs: weakref.WeakKeyDictionary[Any, StateCheck | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
 
-    def calling_loop(self, frame: Any) -> Any:
+    # -- finding LangGraph in the call stack -------------------------------------------
+    def calling_loop(self, frame: FrameType | None) -> PregelLoop | None:
+        """The top-level run loop that called the saver from its `__enter__`, if any."""
+        loop = None if frame is None else frame.f_locals.get("self")
+        if not isinstance(loop, PregelLoop) or frame is None:
+            self.learn(frame)
+            return None
+        if frame.f_code.co_name not in ("__enter__", "__aenter__") or loop.is_nested:
+            return None
+        self.learn(frame.f_back, loop)
+        return loop
+
+    def learn(self, frame: FrameType | None, loop: PregelLoop | None = None) -> StateCheck | None:
+        """Find the graph a few frames up; note its state check and its serializable types."""
+        graph = None
+        for _ in range(_GRAPH_FRAME_DEPTH):
+            if frame is None:
+                break
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Pregel):
+                graph = candidate
+                break
+            frame = frame.f_back
+        if graph is None:
+            return self.declared
+        with self._lock:
+            if graph in self._graphs:
+                return self.declared or self._graphs[graph]
+        check = self._study(graph, loop)
+        with self._lock:
+            self._graphs[graph] = check
+        return self.declared or check
+
+    def _study(self, graph: Pregel, loop: PregelLoop | None) -> StateCheck | None:
+        builder = getattr(graph, "builder", None)
+        state_type = getattr(builder, "state_schema", None)
+        check = self.declared or (None if state_type is None else StateCheck.of(state_type))
+        channels = getattr(builder, "channels", None) or graph.channels
+        if check is not None:
+            check.with_channels(channels)
+        if isinstance(self.saver.serde, StrictSerializer) and builder is not None:
+            schemas = [builder.state_schema, builder.input_schema, builder.output_schema]
+            schemas += [node.input_schema for node in builder.nodes.values()]
+            self.saver.serde.allow(build_serde_allowlist(schemas=schemas, channels=channels))
+        return check
+
+    def active(self, thread: str) -> Run | None:
+        """The run this context belongs to, if it is on `thread`."""
+        run = _current.get()
+        return run if run is not None and run.thread == thread else None
+
+    # -- run start ---------------------------------------------------------------
+    def start(self, loop: PregelLoop, config: RunnableConfig) -> tuple[Run | None, Any]:
+        """Open a run for `loop`: claim, fork rule, resume values. Returns (run, tuple)."""
+        conf = config.get("configurable") or {}
+        thread = str(conf["thread_id"])
+        token = conf.get("fork_token")
+        record, branch = self._where(thread, conf.get("checkpoint_id"), token)
+        if record is None and loop.input is None:
+            return None, None  # nothing to run; LangGraph reports the empty input
+        handle = self.remit.claim(thread, branch, lease=self.saver.lease)
+        run = Run(self.remit, thread, branch, handle, self._graph_check(loop))
+        try:
+            if record is not None:
+                run.committed.add(record.checkpoint_id)
+                self._settle_resume(loop, run, record)
+            found = None if record is None else self.saver._tuple(record)
+        except BaseException:
+            handle.release()
+            raise
+        return run, found
+
+    def _graph_check(self, loop: PregelLoop) -> StateCheck | None:
+        if self.declared is not None:
+            return self.declared.with_channels(loop.specs)
+        with self._lock:
+            known = [c for c in self._graphs.values() if c is not None]
+        for check in known:
+            if check.fields <= set(loop.specs):
+                return check
         return None
 
-    def start(self, loop: Any, config: Any) -> Any:
-        return self.saver.read(config)
+    def _where(
+        self, thread: str, checkpoint_id: str | None, token: str | None
+    ) -> tuple[CheckpointRecord | None, str]:
+        """The checkpoint a run continues from and the branch it writes to."""
+        branches = self.remit.branches(thread, ns="")
+        forked = next((b for b in branches if token and b.fork_token == token), None)
+        if not checkpoint_id:
+            if forked is not None:
+                return self.remit.head(thread, branch=forked.branch), forked.branch
+            return self.remit.head(thread), MAIN_BRANCH
+        record = self.remit.checkpoint(thread, checkpoint_id)
+        if record is None:
+            raise UnknownRecord("no such checkpoint", run_id=thread, checkpoint_id=checkpoint_id)
+        if forked is not None and checkpoint_id in (forked.base_id, forked.head_id):
+            # The same token again: that branch, at its head (P3).
+            return self.remit.head(thread, branch=forked.branch), forked.branch
+        heads = [b for b in branches if b.head_id == checkpoint_id]
+        if heads:
+            return record, heads[0].branch
+        if token is None:
+            raise ForkWithoutIntent(
+                "continuing from a checkpoint that is not the head of its branch is a fork; "
+                'pass config["configurable"]["fork_token"] to create one named branch',
+                run_id=thread,
+                checkpoint_id=checkpoint_id,
+            )
+        if forked is not None:
+            raise ForkWithoutIntent(
+                f"fork token {token!r} already forked from {forked.base_id!r}; use a new token",
+                run_id=thread,
+                checkpoint_id=checkpoint_id,
+            )
+        return record, policy.fork_branch_name(token)
 
-    def active(self, thread: str) -> Any:
+    def _settle_resume(self, loop: PregelLoop, run: Run, record: CheckpointRecord) -> None:
+        """Consume what a `Command(resume=...)` answers; re-deliver what a dead resumer took."""
+        here = [
+            i
+            for i in self.remit.interrupts(run.thread, branch=record.branch)
+            if i.checkpoint_id == record.checkpoint_id
+        ]
+        command = loop.input if isinstance(loop.input, Command) else None
+        if command is not None and command.resume is not None:
+            if record.branch != run.branch:
+                raise ResumeConflict(
+                    "a resume value answers the head of a branch; this checkpoint's interrupts "
+                    "belong to another branch (fork first, then resume the fork)",
+                    run_id=run.thread,
+                    checkpoint_id=record.checkpoint_id,
+                )
+            self._consume(run, here, command.resume)
+        elif loop.input is None:
+            self._redeliver(loop, run, record, here)
+
+    def _consume(self, run: Run, here: Sequence[InterruptRecord], resume: Any) -> None:
+        pending = {i.interrupt_id: i for i in here if i.status == "pending"}
+        if _is_resume_map(resume):
+            answers = dict(resume)
+        elif len(pending) == 1:
+            answers = {next(iter(pending)): resume}
+        elif not pending:
+            raise ResumeConflict(
+                "no interrupt is pending at the head: it was already consumed; the value was "
+                "not stored",
+                run_id=run.thread,
+                interrupt_id=here[-1].interrupt_id if here else None,
+            )
+        else:
+            raise ResumeConflict(
+                f"{len(pending)} interrupts are pending ({', '.join(sorted(pending))}); resume "
+                "with Command(resume={interrupt_id: value, ...})",
+                run_id=run.thread,
+            )
+        known = {i.interrupt_id: i for i in here}
+        for iid, value in answers.items():
+            interrupt = known.get(iid)
+            policy.check_consumable(interrupt, run.thread, iid)
+            assert interrupt is not None
+            if interrupt.prompt is not None:
+                schema = codec.loads(interrupt.prompt).get("response_schema")
+                if isinstance(schema, Mapping):
+                    StateSchema(schema).validate(value, run_id=run.thread, interrupt_id=iid)
+        for iid, value in answers.items():
+            packed = self.saver._dump(value, "resume", run_id=run.thread, interrupt_id=iid)
+            self.remit.consume(run.thread, iid, packed, branch=run.branch, fence=run.fence)
+
+    def _redeliver(
+        self,
+        loop: PregelLoop,
+        run: Run,
+        record: CheckpointRecord,
+        here: Sequence[InterruptRecord],
+    ) -> None:
+        """Give consumed values back to the tasks that did not finish with them (P5 recovery)."""
+        consumed = [i for i in here if i.status == "consumed" and i.value is not None]
+        if not consumed:
+            return
+        writes = self.remit.writes(run.thread, record.checkpoint_id)
+        finished = {w.task_id for w in writes if w.channel not in (INTERRUPT, RESUME, "__error__")}
+        raised_by: dict[str, str] = {}
+        for w in writes:
+            if w.channel == INTERRUPT:
+                value = self.saver._decode(w.value, run_id=run.thread)
+                for item in _interrupts_in(value):
+                    raised_by[item.id] = w.task_id
+        owed = {
+            i.interrupt_id: self.saver._decode(i.value, run_id=run.thread)
+            for i in consumed
+            if raised_by.get(i.interrupt_id) not in finished
+        }
+        if owed:
+            loop.config["configurable"][CONFIG_KEY_RESUME_MAP] = owed
+
+    # -- run end -----------------------------------------------------------------
+    def attach(self, loop: PregelLoop, run: Run, *, is_async: bool) -> None:
+        """Bind `run` to this context and release it when the loop exits (or is dropped)."""
+        token = _current.set(run)
+        released = threading.Event()
+
+        def finish() -> None:
+            if released.is_set():
+                return
+            released.set()
+            run.claim.release()
+
+        def reset() -> None:
+            try:
+                _current.reset(token)
+            except ValueError:  # exited from another context
+                _current.set(None)
+
+        if is_async:
+
+            async def afinish(*_: object) -> None:
+                import asyncio
+
+                reset()
+                await asyncio.to_thread(finish)
+
+            loop.stack.push_async_callback(afinish)
+        else:
+            loop.stack.callback(lambda: (reset(), finish()))
+        # A loop whose __enter__ fails never unwinds its stack: release when it is dropped.
+        weakref.finalize(loop, finish)
+
+    # -- the writes a run makes ------------------------------------------------------
+    def before_put(
+        self,
+        thread: str,
+        checkpoint_id: str,
+        values: Mapping[str, Any],
+        changed: Any,
+        caller: StateCheck | None,
+    ) -> Run | None:
+        """Check a checkpoint about to be committed; returns the run it belongs to.
+
+        `caller` is the check of the graph that called the saver outside a run
+        (`update_state`), found by `learn`.
+        """
+        run = self.active(thread)
+        ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
+        # LangGraph chains its puts: a put after a refused one fails with it. A
+        # put after a refused task write carries the refused value, and fails here.
+        check = run.check if run is not None else caller
+        if check is not None:
+            try:
+                check.values(values, keys=changed, **ids)
+            except RemitError as exc:
+                if run is not None:
+                    run.fail(exc)
+                raise
+        return run
+
+    def before_writes(
+        self,
+        thread: str,
+        ns: str,
+        checkpoint_id: str,
+        task_id: str,
+        writes: Sequence[tuple[str, Any]],
+    ) -> Run | None:
+        """Check a task's writes; refuse them if the run already failed or consume a resume."""
+        run = self.active(thread)
+        ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
+        if run is not None and run.failed is not None and checkpoint_id not in run.committed:
+            raise run.failed
+        check = run.check if run is not None else self.declared
+        if check is not None:
+            try:
+                check.writes(writes, **ids)
+            except RemitError as exc:
+                if run is not None:
+                    run.fail(exc)
+                raise
+        if ns == "" and task_id == NULL_TASK_ID and run is None:
+            for channel, value in writes:
+                if channel == RESUME:
+                    self._consume_direct(thread, checkpoint_id, value)
+        return run
+
+    def _consume_direct(self, thread: str, checkpoint_id: str, value: Any) -> None:
+        """A resume write that no run loop announced: consume the interrupt it answers now."""
+        record = self.remit.checkpoint(thread, checkpoint_id)
+        branch = record.branch if record is not None else MAIN_BRANCH
+        here = [
+            i
+            for i in self.remit.interrupts(thread, branch=branch)
+            if i.checkpoint_id == checkpoint_id
+        ]
+        pending = [i for i in here if i.status == "pending"]
+        if not pending:
+            raise ResumeConflict(
+                "no interrupt is pending on this checkpoint; the resume value was not stored",
+                run_id=thread,
+                checkpoint_id=checkpoint_id,
+            )
+        packed = self.saver._dump(value, "resume", run_id=thread)
+        self.remit.consume(thread, pending[0].interrupt_id, packed, branch=branch)
+
+    def after_writes(
+        self,
+        run: Run | None,
+        thread: str,
+        ns: str,
+        checkpoint_id: str,
+        writes: Sequence[tuple[str, Any]],
+    ) -> None:
+        """Record the interrupts a task raised at the top level, as pending (P5)."""
+        if ns != "":
+            return
+        raised = [
+            i for channel, value in writes if channel == INTERRUPT for i in _interrupts_in(value)
+        ]
+        if not raised:
+            return
+        if run is not None:
+            branch = run.branch
+        else:
+            record = self.remit.checkpoint(thread, checkpoint_id)
+            branch = record.branch if record is not None else MAIN_BRANCH
+        prompts = {
+            i.id: codec.dumps({"response_schema": _json_or_none(i.response_schema)}) for i in raised
+        }
+        self.remit.open_interrupts(
+            thread,
+            prompts,
+            branch=branch,
+            checkpoint_id=checkpoint_id,
+            fence=None if run is None else run.fence,
+        )
+
+    def next_version_guard(self) -> None:
+        """Called by the loop between steps: stop a run whose writes were refused."""
+        run = _current.get()
+        if run is not None and run.failed is not None:
+            raise run.failed
+
+    def upgrade(self, record: CheckpointRecord, values: dict[str, Any]) -> dict[str, Any]:
+        check = self.declared
+        if check is None or record.schema_version == check.version:
+            return values
+        return check.upgrade(
+            values, record.schema_version, run_id=record.run_id, checkpoint_id=record.checkpoint_id
+        )
+
+
+def _json_or_none(schema: Any) -> Any:
+    """A response schema as plain JSON (LangGraph stores it as a JSON Schema dict)."""
+    try:
+        codec.dumps(schema)
+    except TypeError:
         return None
+    return schema
 
-    def validate_state(self, *a: Any, **k: Any) -> None:
+
+# -- effects (P2) -------------------------------------------------------------------
+
+
+def effect_scope() -> StepScope | None:
+    """The step scope of the LangGraph node now running under a Remit run, if any.
+
+    The step key is the task's identity on its branch: namespace (the task's
+    own id dropped, so a replay after a crash in "exit" durability keys the
+    same), step number and task path. Registered with the core at import.
+    """
+    run = _current.get()
+    if run is None:
         return None
-
-    def validate_writes(self, *a: Any, **k: Any) -> None:
+    try:
+        config = get_config()
+    except RuntimeError:
         return None
-
-    def before_writes(self, *a: Any) -> None:
+    conf = config.get("configurable") or {}
+    meta = config.get("metadata") or {}
+    if "langgraph_step" not in meta or str(conf.get("thread_id")) != run.thread:
         return None
+    run.settle()
+    parts = str(conf.get("checkpoint_ns", "")).split("|")
+    parts[-1] = parts[-1].split(":", 1)[0]
+    step = meta["langgraph_step"]
+    step_key = f"{run.branch}/{'|'.join(parts)}/{step}/{meta.get('langgraph_path')}"
+    return StepScope(run.remit, run.thread, step_key, run.fence)
 
-    def after_writes(self, *a: Any) -> None:
-        return None
 
-    def upgrade(self, record: Any, values: Any) -> Any:
-        return values
-
-    def close(self) -> None:
-        return None
+register_scope_resolver(effect_scope)

@@ -73,6 +73,10 @@ class StrictSerializer(SerializerProtocol):
         clone.allowlist = self.allowlist | extra_keys
         return clone
 
+    def allow(self, extra: Iterable[tuple[str, ...] | type]) -> None:
+        """Also allow `extra` on this serializer (the types of a graph the saver met)."""
+        self.allowlist = self.allowlist | frozenset(_key(i) for i in extra)
+
     # -- write -------------------------------------------------------------------
     def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
         return self.dumps_at(obj, "<value>")

@@ -11,6 +11,7 @@ schema, effect scopes) are in `_runs`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import random
 import sys
@@ -34,9 +35,9 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from remit_core import Remit, connect, policy
 from remit_core.errors import RemitError
 from remit_core.records import MAIN_BRANCH, CheckpointRecord, WriteRecord
-from remit_core.schema import StateSchema
 from remit_langgraph import _records as rec
-from remit_langgraph._runs import Runs
+from remit_langgraph._runs import Run, Runs
+from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import StrictSerializer
 
 
@@ -79,12 +80,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             if accept_versions is not None
             else ({workflow_version} if workflow_version else None)
         )
-        self.state_schema = (
-            state_schema
-            if state_schema is None or isinstance(state_schema, StateSchema)
-            else StateSchema(state_schema)
-        )
-        self._runs = Runs(self)
+        self._runs = Runs(self, state_schema)
 
     @classmethod
     def from_conn_string(cls, url: str, **options: Any) -> _Opened:
@@ -97,7 +93,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
             return rec.pack(self.serde.dumps_at(value, field, **ids))
         return rec.pack(self.serde.dumps_typed(value))
 
-    def _tuple(self, record: CheckpointRecord, *, values_only: bool = False) -> CheckpointTuple:
+    def _decode(self, raw: bytes, **ids: Any) -> Any:
+        return rec.decode_value(self.serde, raw, **ids)
+
+    def _tuple(self, record: CheckpointRecord) -> CheckpointTuple:
         """Rebuild a `CheckpointTuple` from a verified checkpoint record."""
         ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
         policy.check_workflow_version(record, self.accept_versions)
@@ -112,7 +111,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         for ch, raw in body["inline"].items():
             values[ch] = rec.decode_value(self.serde, raw, **ids)
         values = self._runs.upgrade(record, values)
-        writes = [] if values_only else self._writes(record)
+        writes = self._writes(record)
         parent = (
             rec.run_config(record.run_id, record.ns, record.parent_id) if record.parent_id else None
         )
@@ -136,15 +135,16 @@ class RemitSaver(BaseCheckpointSaver[str]):
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint `config` names, else the head of its branch (main or its fork token's).
 
-        Called by LangGraph's run loop at the start of a run, it also takes
-        the run's claim and settles its resume value (see `_runs`).
+        Called by LangGraph's run loop at the start of a run, it also opens the
+        run: claim, fork rule, resume values (see `_runs`).
         """
-        return self._get_tuple(config, self._runs.calling_loop(sys._getframe(1)))
-
-    def _get_tuple(self, config: RunnableConfig, loop: Any) -> CheckpointTuple | None:
-        if loop is not None:
-            return self._runs.start(loop, config)
-        return self.read(config)
+        loop = self._runs.calling_loop(sys._getframe(1))
+        if loop is None:
+            return self.read(config)
+        run, found = self._runs.start(loop, config)
+        if run is not None:
+            self._runs.attach(loop, run, is_async=False)
+        return found
 
     def read(self, config: RunnableConfig) -> CheckpointTuple | None:
         """`get_tuple` without the run-start hooks."""
@@ -208,36 +208,50 @@ class RemitSaver(BaseCheckpointSaver[str]):
     ) -> RunnableConfig:
         """Commit `checkpoint` after `config`'s checkpoint id (a compare-and-set of the head).
 
-        Channel values are stored once per (channel, version) in `new_versions`.
+        Channel values are stored once per (channel, version) in `new_versions`;
+        the changed state keys are checked against the state schema first.
         """
+        caller = self._runs.learn(sys._getframe(1))
+        return self._put(config, checkpoint, metadata, new_versions, caller)
+
+    def _put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+        caller: StateCheck | None,
+    ) -> RunnableConfig:
         conf = _conf(config)
         thread, ns = _thread(config), conf.get("checkpoint_ns", "")
         checkpoint_id = checkpoint["id"]
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         values = checkpoint["channel_values"]
-        self._runs.validate_state(thread, ns, values, **ids)
+        run = self._runs.before_put(thread, checkpoint_id, values, new_versions.keys(), caller)
         blobs, inline = {}, {}
         for ch, value in values.items():
             if ch in new_versions:
                 blobs[rec.blob_key(ch, new_versions[ch])] = self._dump(value, ch, **ids)
             else:
                 inline[ch] = self._dump(value, ch, **ids)
-        stored_meta = get_serializable_checkpoint_metadata(config, metadata)
-        run = self._runs.active(thread)
-        self.remit.commit(
-            run_id=thread,
-            checkpoint_id=checkpoint_id,
-            parent_id=conf.get("checkpoint_id"),
-            state=rec.encode_body(checkpoint, inline),
-            ns=ns,
-            metadata=stored_meta,
-            fork_token=conf.get("fork_token"),
-            schema_version=self.state_schema.version if self.state_schema else 1,
-            workflow_version=self.workflow_version,
-            blobs=blobs,
-            fence=None if run is None else run.fence,
-            allow_new_root=True,
-        )
+        declared = self._runs.declared
+        with _writing(run):
+            self.remit.commit(
+                run_id=thread,
+                checkpoint_id=checkpoint_id,
+                parent_id=conf.get("checkpoint_id"),
+                state=rec.encode_body(checkpoint, inline),
+                ns=ns,
+                metadata=get_serializable_checkpoint_metadata(config, metadata),
+                fork_token=conf.get("fork_token"),
+                schema_version=declared.version if declared is not None else 1,
+                workflow_version=self.workflow_version,
+                blobs=blobs,
+                fence=None if run is None else run.fence,
+                allow_new_root=True,
+            )
+            if run is not None:
+                run.committed.add(checkpoint_id)
         return rec.run_config(thread, ns, checkpoint_id)
 
     def put_writes(
@@ -252,7 +266,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         thread, ns = _thread(config), conf.get("checkpoint_ns", "")
         checkpoint_id = conf["checkpoint_id"]
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
-        self._runs.validate_writes(thread, ns, writes, **ids)
+        run = self._runs.before_writes(thread, ns, checkpoint_id, task_id, writes)
         records = [
             WriteRecord(
                 run_id=thread,
@@ -267,14 +281,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
             for idx, (channel, value) in enumerate(writes)
         ]
         special = all(w.channel in WRITES_IDX_MAP for w in records)
-        run = self._runs.active(thread)
-        self._runs.before_writes(thread, ns, checkpoint_id, task_id, writes)
-        self.remit.put_writes(
-            records,
-            mode="overwrite" if special else "first",
-            fence=None if run is None else run.fence,
-        )
-        self._runs.after_writes(thread, ns, checkpoint_id, task_id, writes)
+        with _writing(run):
+            self.remit.put_writes(
+                records,
+                mode="overwrite" if special else "first",
+                fence=None if run is None else run.fence,
+            )
+        self._runs.after_writes(run, thread, ns, checkpoint_id, writes)
 
     # -- whole threads ------------------------------------------------------------
     def delete_thread(self, thread_id: str) -> None:
@@ -311,7 +324,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
             raise ValueError(f"unknown prune strategy {strategy!r}: use 'keep_latest' or 'delete'")
 
     def get_next_version(self, current: str | None, channel: None = None) -> str:
-        """`<counter>.<random>`: monotonic per channel, unique across branches."""
+        """`<counter>.<random>`: monotonic per channel, unique across branches.
+
+        LangGraph calls it between steps of a run: a run whose writes were
+        refused stops here instead of running on.
+        """
+        self._runs.next_version_guard()
         if current is None:
             n = 0
         elif isinstance(current, str):
@@ -334,7 +352,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
     # -- async twins: the same code in a worker thread --------------------------------
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         loop = self._runs.calling_loop(sys._getframe(1))
-        return await asyncio.to_thread(self._get_tuple, config, loop)
+        if loop is None:
+            return await asyncio.to_thread(self.read, config)
+        run, found = await asyncio.to_thread(self._runs.start, loop, config)
+        if run is not None:
+            self._runs.attach(loop, run, is_async=True)
+        return found
 
     async def alist(
         self,
@@ -357,7 +380,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        return await asyncio.to_thread(self.put, config, checkpoint, metadata, new_versions)
+        caller = self._runs.learn(sys._getframe(1))
+        return await asyncio.to_thread(
+            self._put, config, checkpoint, metadata, new_versions, caller
+        )
 
     async def aput_writes(
         self,
@@ -381,6 +407,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
 
 
+def _writing(run: Run | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if run is None else run.writing()
+
+
 class _Opened:
     """What `from_conn_string` returns: a sync and async context manager for one saver."""
 
@@ -396,7 +426,7 @@ class _Opened:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.saver._runs.close()
+        return None
 
     async def __aenter__(self) -> RemitSaver:
         return self.saver
@@ -407,4 +437,4 @@ class _Opened:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.saver._runs.close()
+        return None

@@ -1,0 +1,96 @@
+"""A LangGraph state schema as the core's `StateSchema`, checked key by key (P4).
+
+LangGraph stores state as one channel per key and a checkpoint may hold only
+some of them (keys not yet written), so the check is partial: each present
+key must satisfy its declared type, with its constraints (`Annotated[int,
+Ge(0)]`, `Field(ge=0)`). Reducer metadata in `Annotated` (e.g.
+`operator.add`) is ignored by validation. The field types are gathered from a
+TypedDict, a Pydantic model or a dataclass into a `total=False` TypedDict,
+which the core validates and which names the failing field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from langgraph.channels.last_value import LastValue, LastValueAfterFinish
+from pydantic import BaseModel
+from typing_extensions import TypedDict
+
+from remit_core.schema import StateSchema
+
+#: Channel kinds whose every write is a whole new value of the key (so a write can be checked).
+_PLAIN_CHANNELS = (LastValue, LastValueAfterFinish)
+
+
+def _field_types(state_type: Any) -> dict[str, Any]:
+    if isinstance(state_type, type) and issubclass(state_type, BaseModel):
+        return {
+            name: Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
+            for name, f in state_type.model_fields.items()
+        }
+    if (
+        dataclasses.is_dataclass(state_type)
+        or typing.is_typeddict(state_type)
+        or hasattr(state_type, "__annotations__")
+    ):
+        return typing.get_type_hints(state_type, include_extras=True)
+    raise TypeError(f"cannot read state fields from {state_type!r}")
+
+
+class StateCheck:
+    """Validates checkpoint values and node writes against a graph's state type."""
+
+    def __init__(self, fields: Mapping[str, Any], declared: StateSchema | None = None) -> None:
+        self.declared = declared
+        self.version = declared.version if declared is not None else 1
+        self.fields = frozenset(fields)
+        self._partial = StateSchema(
+            TypedDict("PartialState", dict(fields), total=False),  # type: ignore[operator]
+            version=self.version,
+        )
+        self._plain: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, state: Any) -> StateCheck | None:
+        """From a state type or a `StateSchema`; None for a JSON Schema dict or no fields."""
+        declared = state if isinstance(state, StateSchema) else None
+        state_type = declared.type_ if declared is not None else state
+        if isinstance(state_type, Mapping):
+            return None
+        try:
+            fields = _field_types(state_type)
+        except TypeError:
+            return None
+        return cls(fields, declared) if fields else None
+
+    def with_channels(self, channels: Mapping[str, Any]) -> StateCheck:
+        """Note which keys are plain channels, whose writes are checked one by one."""
+        self._plain = frozenset(
+            k for k, ch in channels.items() if k in self.fields and isinstance(ch, _PLAIN_CHANNELS)
+        )
+        return self
+
+    def values(self, values: Mapping[str, Any], keys: Any = None, **ids: Any) -> None:
+        """Check the state keys among `values` (only `keys` when given); `CheckpointInvalid`."""
+        chosen = self.fields if keys is None else self.fields & set(keys)
+        present = {k: values[k] for k in chosen if k in values}
+        if present:
+            self._partial.validate(present, **ids)
+
+    def writes(self, writes: Any, **ids: Any) -> None:
+        """Check a task's writes to plain state channels (reducer inputs are checked at put)."""
+        present = {ch: v for ch, v in writes if ch in self._plain}
+        if present:
+            self._partial.validate(present, **ids)
+
+    def upgrade(self, values: dict[str, Any], written_version: int, **ids: Any) -> dict[str, Any]:
+        """Migrate a state written with an older schema version (or refuse, `VersionMismatch`)."""
+        if written_version == self.version or self.declared is None:
+            return values
+        state = {k: values[k] for k in self.fields if k in values}
+        upgraded = self.declared.upgrade(state, written_version, **ids)
+        return {**{k: v for k, v in values.items() if k not in self.fields}, **upgraded}

@@ -1,0 +1,305 @@
+"""The Resume Contract for LangGraph: RemitSaver under the real LangGraph, on every engine.
+
+Processes are forked from the test process (LangGraph already imported) and
+race behind a barrier; crashes are real SIGKILLs. The journal and effect sink
+are files shared by all processes (see `test_langgraph_support`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import engine_url
+from langgraph.types import Command
+from test_langgraph_support import INITIAL, World, build
+
+from remit_core import (
+    CheckpointInvalid,
+    Fenced,
+    ForkWithoutIntent,
+    ResumeConflict,
+    failpoints,
+)
+from remit_langgraph import RemitSaver
+
+# Redis joins once its store lands in the core.
+ENGINES = ["sqlite", "postgresql"]
+LEASE = 1.0
+CTX = mp.get_context("fork")
+
+
+@pytest.fixture(params=ENGINES)
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return engine_url(request.param, tmp_path)
+
+
+def thread_config(**extra: Any) -> dict[str, Any]:
+    return {"configurable": {"thread_id": f"lg-{uuid.uuid4().hex}", **extra}}
+
+
+def outcome_of(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as exc:  # the class name is the outcome the contract names
+        return type(exc).__name__
+    return "ok"
+
+
+def run_in_process(fn: Callable[[], Any]) -> int:
+    """Run `fn` in a forked process; return its exit status (negative: killed by a signal)."""
+    proc = CTX.Process(target=fn)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode is not None, "worker hung"
+    return proc.exitcode
+
+
+# -- P5: consume-once, k = 8 processes -------------------------------------------------
+
+
+def test_k8_processes_exactly_one_resumer_proceeds(url: str, tmp_path: Path) -> None:
+    world = World(tmp_path)
+    graph = build(world, RemitSaver(url, lease=LEASE))
+    config = thread_config()
+    graph.invoke(INITIAL, config)
+    barrier, results = CTX.Barrier(8), CTX.Queue()
+    before = len(world.entries())
+
+    def resumer(i: int) -> None:
+        barrier.wait(timeout=30)
+        out = outcome_of(lambda: graph.invoke(Command(resume=f"resumer-{i}"), config))
+        results.put((i, os.getpid(), out))
+
+    procs = [CTX.Process(target=resumer, args=(i,)) for i in range(8)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    outcomes = sorted(out for _, _, out in got)
+    assert outcomes == ["ResumeConflict"] * 7 + ["ok"], got
+    winner_idx, winner_pid = next((i, pid) for i, pid, out in got if out == "ok")
+    after = world.entries()[before:]
+    assert {pid for pid, _ in after} == {winner_pid}, "a losing resumer entered a node"
+    assert [step for _, step in after] == ["approve.top", "approve", "charge", "notify"]
+    assert len(world.applications("charge")) == 1
+    assert graph.get_state(config).values["approved_by"] == f"resumer-{winner_idx}"
+
+
+def test_k8_threads_in_one_process(url: str, tmp_path: Path) -> None:
+    import threading
+
+    world = World(tmp_path)
+    graph = build(world, RemitSaver(url, lease=LEASE))
+    config = thread_config()
+    graph.invoke(INITIAL, config)
+    gate = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def resumer(i: int) -> None:
+        gate.wait()
+        outcomes.append(outcome_of(lambda: graph.invoke(Command(resume=f"t{i}"), config)))
+
+    threads = [threading.Thread(target=resumer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes) == ["ResumeConflict"] * 7 + ["ok"]
+    assert len(world.entries("charge")) == 1
+    assert len(world.applications("charge")) == 1
+
+
+def test_second_value_to_a_consumed_interrupt_is_refused_and_not_stored(
+    url: str, tmp_path: Path
+) -> None:
+    world = World(tmp_path)
+    saver = RemitSaver(url)
+    graph = build(world, saver)
+    config = thread_config()
+    graph.invoke(INITIAL, config)
+    done = graph.invoke(Command(resume="alice"), config)
+    with pytest.raises(ResumeConflict):
+        graph.invoke(Command(resume="mallory"), config)
+    thread = config["configurable"]["thread_id"]
+    stored = [saver._decode(i.value) for i in saver.remit.interrupts(thread) if i.value]
+    assert stored == ["alice"]
+    head = saver.get_tuple(config)
+    assert head is not None and all("mallory" not in repr(w) for w in head.pending_writes or [])
+    assert graph.get_state(config).values == done
+    assert len(world.applications("charge")) == 1
+
+
+def test_invalid_resume_value_leaves_interrupt_pending(url: str, tmp_path: Path) -> None:
+    world = World(tmp_path)
+    graph = build(world, RemitSaver(url))
+    config = thread_config()
+    graph.invoke(INITIAL, config)
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke(Command(resume=12345), config)
+    assert err.value.interrupt_id is not None
+    assert world.entries("approve") == []
+    assert graph.get_state(config).next == ("approve",)
+    assert graph.invoke(Command(resume="bob"), config)["approved_by"] == "bob"
+
+
+def test_multi_interrupt_each_value_reaches_its_interrupt(url: str, tmp_path: Path) -> None:
+    world = World(tmp_path)
+    graph = build(world, RemitSaver(url), asks=2)
+    config = thread_config()
+    first = graph.invoke(INITIAL, config)["__interrupt__"][0]
+    second = graph.invoke(Command(resume="v1"), config)["__interrupt__"][0]
+    assert first.id != second.id
+    with pytest.raises(ResumeConflict):  # a map naming the consumed interrupt
+        graph.invoke(Command(resume={first.id: "again"}), config)
+    final = graph.invoke(Command(resume={second.id: "v2"}), config)
+    assert final["approved_by"] == "v1+v2"
+    assert len(world.entries("approve")) == 1
+
+
+# -- P1 / P2: SIGKILL and recovery ------------------------------------------------------
+
+
+@pytest.mark.parametrize("durability", ["async", "sync", "exit"])
+@pytest.mark.parametrize("point", ["charge.after_effect", "effect.after_apply"])
+def test_sigkill_after_effect_recovery_applies_it_once(
+    url: str, tmp_path: Path, durability: str, point: str
+) -> None:
+    world = World(tmp_path)
+    graph = build(world, RemitSaver(url, lease=LEASE))
+    config = thread_config()
+    graph.invoke(INITIAL, config, durability=durability)
+
+    def doomed() -> None:
+        if point.startswith("effect."):
+            failpoints.arm(point, "kill")
+        else:
+            world.armed[point] = "kill"
+        graph.invoke(Command(resume="alice"), config, durability=durability)
+
+    assert run_in_process(doomed) == -signal.SIGKILL
+    assert len(world.applications("charge")) == 1
+    time.sleep(LEASE + 0.2)  # the dead resumer's claim expires (L1)
+    entered = len(world.entries())
+    final = graph.invoke(None, config, durability=durability)
+    assert final["approved_by"] == "alice"
+    assert final["log"] == ["prepare", "approve", "charge-done", "notify-done"]
+    assert len(world.applications("charge")) == 1
+    assert len(world.applications("notify")) == 1
+    recovered = [step for _, step in world.entries()[entered:]]
+    assert "prepare" not in recovered
+    if durability != "exit":  # "exit" stores nothing until the run ends: approve re-runs
+        assert "approve" not in recovered
+
+
+def test_zombie_resumer_is_fenced(url: str, tmp_path: Path) -> None:
+    world = World(tmp_path)
+    graph = build(world, RemitSaver(url, lease=LEASE))
+    config = thread_config()
+    graph.invoke(INITIAL, config)
+    results = CTX.Queue()
+
+    def zombie() -> None:
+        world.armed["charge.before_effect"] = "stop"
+        resume = Command(resume="zombie")
+        results.put(outcome_of(lambda: graph.invoke(resume, config, durability="sync")))
+
+    proc = CTX.Process(target=zombie)
+    proc.start()
+    deadline = time.time() + 30
+    while not world.entries("charge") and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(LEASE + 0.3)  # its lease lapses while it is stopped
+    final = graph.invoke(None, config)
+    assert final["approved_by"] == "zombie"
+    os.kill(proc.pid, signal.SIGCONT)
+    assert results.get(timeout=30) == Fenced.__name__
+    proc.join(30)
+    assert len(world.applications("charge")) == 1
+    assert graph.get_state(config).values["log"][-1] == "notify-done"
+
+
+# -- P3: forks ------------------------------------------------------------------------
+
+
+def test_fork_needs_a_token_and_one_token_makes_one_branch(url: str, tmp_path: Path) -> None:
+    world = World(tmp_path)
+    saver = RemitSaver(url)
+    graph = build(world, saver)
+    config = thread_config()
+    graph.invoke(INITIAL, config)
+    done = graph.invoke(Command(resume="alice"), config)
+    thread = config["configurable"]["thread_id"]
+    head = graph.get_state(config).config["configurable"]["checkpoint_id"]
+    old = next(s for s in graph.get_state_history(config) if s.next == ("notify",))
+    entered = len(world.entries())
+    with pytest.raises(ForkWithoutIntent) as err:
+        graph.invoke(None, old.config)
+    assert err.value.checkpoint_id == old.config["configurable"]["checkpoint_id"]
+    assert len(world.entries()) == entered, "a node ran before the refusal"
+    with pytest.raises(ForkWithoutIntent):
+        graph.update_state(old.config, {"approved_by": "eve"})
+    assert len(saver.remit.branches(thread)) == 1
+
+    forked = {"configurable": {**old.config["configurable"], "fork_token": "replay-1"}}
+    first = graph.invoke(None, forked)
+    again = CTX.Queue()
+    assert run_in_process(lambda: again.put(graph.invoke(None, forked))) == 0
+    assert first == again.get(timeout=10) == done
+    assert len(saver.remit.branches(thread)) == 2
+    assert graph.get_state(config).config["configurable"]["checkpoint_id"] == head
+    fork_state = graph.get_state({"configurable": {"thread_id": thread, "fork_token": "replay-1"}})
+    assert fork_state.values == done
+    assert len(world.applications("charge")) == 1
+
+
+# -- P4: state validity ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("durability", ["async", "sync", "exit"])
+def test_invalid_node_output_is_refused_and_thread_stays_resumable(
+    url: str, tmp_path: Path, durability: str
+) -> None:
+    world = World(tmp_path)
+    saver = RemitSaver(url)
+    config = thread_config()
+    with pytest.raises(CheckpointInvalid) as err:
+        build(world, saver, amount=-5).invoke(INITIAL, config, durability=durability)
+    assert err.value.field == "amount"
+    assert err.value.run_id == config["configurable"]["thread_id"]
+    history = list(saver.list(config))
+    assert all(t.checkpoint["channel_values"].get("amount", 0) >= 0 for t in history)
+    head = saver.get_tuple(config)
+    graph = build(world, saver)
+    if durability == "exit":  # nothing is stored before the run ends
+        assert head is None
+        graph.invoke(INITIAL, config, durability=durability)
+    else:  # the head is the checkpoint before prepare; prepare's refused write is not on it
+        assert head is not None and graph.get_state(config).next == ("prepare",)
+        assert all(w[1] != "amount" for w in head.pending_writes or [])
+        graph.invoke(None, config, durability=durability)
+    assert graph.get_state(config).next == ("approve",)
+    assert graph.invoke(Command(resume="carol"), config)["approved_by"] == "carol"
+
+
+def test_invalid_update_state_is_refused(url: str, tmp_path: Path) -> None:
+    world = World(tmp_path)
+    saver = RemitSaver(url)
+    graph = build(world, saver)
+    config = thread_config()
+    graph.invoke(INITIAL, config)
+    head = graph.get_state(config)
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.update_state(config, {"amount": -1})
+    assert err.value.field == "amount"
+    assert graph.get_state(config).config == head.config
+    graph.update_state(config, {"amount": 7})
+    assert graph.get_state(config).values["amount"] == 7
