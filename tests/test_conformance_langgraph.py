@@ -43,8 +43,11 @@ KNOWN_REMIT_GAPS: dict[tuple[str, int], str] = {
         "of forking, so the fork has no interrupt of its own (L3)"
         for engine in ("sqlite", "postgresql", "redis")
     },
-    ("postgresql", 9): "with LangGraph's default durability='async' the checkpoint after "
-    "approve is still being written when charge starts; recovery re-enters approve",
+    **{
+        (engine, 9): "with LangGraph's default durability='async' the checkpoint after approve "
+        "can still be in flight when charge starts; recovery then re-enters approve"
+        for engine in ("sqlite", "postgresql", "redis")
+    },
     **{
         (engine, 39): "a holder SIGSTOPped while a background thread is inside a store "
         "transaction keeps its lock (PostgreSQL: the claim row FOR SHARE; SQLite: the write "
