@@ -22,6 +22,8 @@ from remit_core.errors import CorruptRecord, RemitError
 
 #: Marks a checkpoint body as LangGraph's (other shims share the store).
 BODY_FORMAT = 1
+#: The Remit run whose step writes index LangGraph run ids -> threads.
+RUN_INDEX = "remit-langgraph:run-index"
 
 
 def pack(typed: tuple[str, bytes]) -> bytes:

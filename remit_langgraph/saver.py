@@ -81,6 +81,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             else ({workflow_version} if workflow_version else None)
         )
         self._runs = Runs(self, state_schema)
+        self._indexed: set[tuple[str, Any]] = set()
 
     @classmethod
     def from_conn_string(cls, url: str, **options: Any) -> _Opened:
@@ -235,6 +236,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
             else:
                 inline[ch] = self._dump(value, ch, **ids)
         declared = self._runs.declared
+        stored_meta = get_serializable_checkpoint_metadata(config, metadata)
+        self._index_run(thread, stored_meta.get("run_id"))
         with _writing(run):
             self.remit.commit(
                 run_id=thread,
@@ -242,7 +245,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 parent_id=conf.get("checkpoint_id"),
                 state=rec.encode_body(checkpoint, inline),
                 ns=ns,
-                metadata=get_serializable_checkpoint_metadata(config, metadata),
+                metadata=stored_meta,
                 fork_token=conf.get("fork_token"),
                 schema_version=declared.version if declared is not None else 1,
                 workflow_version=self.workflow_version,
@@ -297,21 +300,40 @@ class RemitSaver(BaseCheckpointSaver[str]):
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their writes) that LangGraph runs `run_ids` wrote.
 
-        A deleted branch head moves back to the newest checkpoint that remains.
+        The threads a run wrote to come from the saver's run index (see `_index_run`);
+        a deleted branch head moves back to the newest checkpoint that remains.
         """
-        wanted = {str(r) for r in run_ids}
-        if not wanted:
-            return
-        doomed: dict[tuple[str, str], list[str]] = {}
-        for r in self.remit.history(None, verify=False):
-            if r.metadata.get("run_id") in wanted:
-                doomed.setdefault((r.run_id, r.ns), []).append(r.checkpoint_id)
-        for (thread, ns), checkpoint_ids in doomed.items():
-            self.remit.delete_checkpoints(thread, ns, checkpoint_ids)
+        for lg_run in {str(r) for r in run_ids}:
+            threads = {w.task_id for w in self.remit.writes(rec.RUN_INDEX, lg_run)}
+            for thread in threads:
+                doomed: dict[str, list[str]] = {}
+                for r in self.remit.history(thread, verify=False):
+                    if r.metadata.get("run_id") == lg_run:
+                        doomed.setdefault(r.ns, []).append(r.checkpoint_id)
+                for ns, checkpoint_ids in doomed.items():
+                    self.remit.delete_checkpoints(thread, ns, checkpoint_ids)
+            self.remit.delete_checkpoints(rec.RUN_INDEX, "", [lg_run])
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy a thread's checkpoints, branches, channel values and writes to a new thread id."""
-        self.remit.copy_run(str(source_thread_id), str(target_thread_id))
+        target = str(target_thread_id)
+        self.remit.copy_run(str(source_thread_id), target)
+        for r in self.remit.history(target, verify=False):
+            self._index_run(target, r.metadata.get("run_id"))
+
+    def _index_run(self, thread: str, lg_run: Any) -> None:
+        """Note that LangGraph run `lg_run` writes to `thread`, before it does (once per process).
+
+        `delete_for_runs` names runs, not threads; this index (a Remit run of its
+        own whose step writes map run -> thread) finds them without scanning the store.
+        """
+        if not lg_run or (thread, lg_run) in self._indexed:
+            return
+        entry = WriteRecord(rec.RUN_INDEX, str(lg_run), thread, 0, "thread", b"")
+        self.remit.put_writes([entry], mode="first")
+        if len(self._indexed) > 10_000:
+            self._indexed.clear()
+        self._indexed.add((thread, lg_run))
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """`keep_latest`: keep each branch's head (and fork bases); `delete`: drop the threads."""

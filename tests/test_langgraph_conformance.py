@@ -7,20 +7,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import engine_url
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES
 from langgraph.checkpoint.conformance.test_utils import generate_checkpoint
 
 from remit_langgraph import RemitSaver
-
-# Redis joins once its store lands in the core.
-ENGINES = ["sqlite", "postgresql"]
-
-
-@pytest.fixture(params=ENGINES)
-def store_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
-    return engine_url(request.param, tmp_path)
 
 
 def test_conformance_full(store_url: str) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import engine_url
 from langgraph.types import Command
 from test_langgraph_support import INITIAL, World, build
 
@@ -30,15 +29,8 @@ from remit_core import (
 )
 from remit_langgraph import RemitSaver
 
-# Redis joins once its store lands in the core.
-ENGINES = ["sqlite", "postgresql"]
 LEASE = 1.0
 CTX = mp.get_context("fork")
-
-
-@pytest.fixture(params=ENGINES)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return engine_url(request.param, tmp_path)
 
 
 def thread_config(**extra: Any) -> dict[str, Any]:
@@ -65,9 +57,9 @@ def run_in_process(fn: Callable[[], Any]) -> int:
 # -- P5: consume-once, k = 8 processes -------------------------------------------------
 
 
-def test_k8_processes_exactly_one_resumer_proceeds(url: str, tmp_path: Path) -> None:
+def test_k8_processes_exactly_one_resumer_proceeds(store_url: str, tmp_path: Path) -> None:
     world = World(tmp_path)
-    graph = build(world, RemitSaver(url, lease=LEASE))
+    graph = build(world, RemitSaver(store_url, lease=LEASE))
     config = thread_config()
     graph.invoke(INITIAL, config)
     barrier, results = CTX.Barrier(8), CTX.Queue()
@@ -94,11 +86,11 @@ def test_k8_processes_exactly_one_resumer_proceeds(url: str, tmp_path: Path) -> 
     assert graph.get_state(config).values["approved_by"] == f"resumer-{winner_idx}"
 
 
-def test_k8_threads_in_one_process(url: str, tmp_path: Path) -> None:
+def test_k8_threads_in_one_process(store_url: str, tmp_path: Path) -> None:
     import threading
 
     world = World(tmp_path)
-    graph = build(world, RemitSaver(url, lease=LEASE))
+    graph = build(world, RemitSaver(store_url, lease=LEASE))
     config = thread_config()
     graph.invoke(INITIAL, config)
     gate = threading.Barrier(8)
@@ -119,10 +111,10 @@ def test_k8_threads_in_one_process(url: str, tmp_path: Path) -> None:
 
 
 def test_second_value_to_a_consumed_interrupt_is_refused_and_not_stored(
-    url: str, tmp_path: Path
+    store_url: str, tmp_path: Path
 ) -> None:
     world = World(tmp_path)
-    saver = RemitSaver(url)
+    saver = RemitSaver(store_url)
     graph = build(world, saver)
     config = thread_config()
     graph.invoke(INITIAL, config)
@@ -138,9 +130,9 @@ def test_second_value_to_a_consumed_interrupt_is_refused_and_not_stored(
     assert len(world.applications("charge")) == 1
 
 
-def test_invalid_resume_value_leaves_interrupt_pending(url: str, tmp_path: Path) -> None:
+def test_invalid_resume_value_leaves_interrupt_pending(store_url: str, tmp_path: Path) -> None:
     world = World(tmp_path)
-    graph = build(world, RemitSaver(url))
+    graph = build(world, RemitSaver(store_url))
     config = thread_config()
     graph.invoke(INITIAL, config)
     with pytest.raises(CheckpointInvalid) as err:
@@ -151,9 +143,9 @@ def test_invalid_resume_value_leaves_interrupt_pending(url: str, tmp_path: Path)
     assert graph.invoke(Command(resume="bob"), config)["approved_by"] == "bob"
 
 
-def test_multi_interrupt_each_value_reaches_its_interrupt(url: str, tmp_path: Path) -> None:
+def test_multi_interrupt_each_value_reaches_its_interrupt(store_url: str, tmp_path: Path) -> None:
     world = World(tmp_path)
-    graph = build(world, RemitSaver(url), asks=2)
+    graph = build(world, RemitSaver(store_url), asks=2)
     config = thread_config()
     first = graph.invoke(INITIAL, config)["__interrupt__"][0]
     second = graph.invoke(Command(resume="v1"), config)["__interrupt__"][0]
@@ -171,10 +163,10 @@ def test_multi_interrupt_each_value_reaches_its_interrupt(url: str, tmp_path: Pa
 @pytest.mark.parametrize("durability", ["async", "sync", "exit"])
 @pytest.mark.parametrize("point", ["charge.after_effect", "effect.after_apply"])
 def test_sigkill_after_effect_recovery_applies_it_once(
-    url: str, tmp_path: Path, durability: str, point: str
+    store_url: str, tmp_path: Path, durability: str, point: str
 ) -> None:
     world = World(tmp_path)
-    graph = build(world, RemitSaver(url, lease=LEASE))
+    graph = build(world, RemitSaver(store_url, lease=LEASE))
     config = thread_config()
     graph.invoke(INITIAL, config, durability=durability)
 
@@ -200,9 +192,9 @@ def test_sigkill_after_effect_recovery_applies_it_once(
         assert "approve" not in recovered
 
 
-def test_zombie_resumer_is_fenced(url: str, tmp_path: Path) -> None:
+def test_zombie_resumer_is_fenced(store_url: str, tmp_path: Path) -> None:
     world = World(tmp_path)
-    graph = build(world, RemitSaver(url, lease=LEASE))
+    graph = build(world, RemitSaver(store_url, lease=LEASE))
     config = thread_config()
     graph.invoke(INITIAL, config)
     results = CTX.Queue()
@@ -230,9 +222,9 @@ def test_zombie_resumer_is_fenced(url: str, tmp_path: Path) -> None:
 # -- P3: forks ------------------------------------------------------------------------
 
 
-def test_fork_needs_a_token_and_one_token_makes_one_branch(url: str, tmp_path: Path) -> None:
+def test_fork_needs_a_token_and_one_token_makes_one_branch(store_url: str, tmp_path: Path) -> None:
     world = World(tmp_path)
-    saver = RemitSaver(url)
+    saver = RemitSaver(store_url)
     graph = build(world, saver)
     config = thread_config()
     graph.invoke(INITIAL, config)
@@ -266,10 +258,10 @@ def test_fork_needs_a_token_and_one_token_makes_one_branch(url: str, tmp_path: P
 
 @pytest.mark.parametrize("durability", ["async", "sync", "exit"])
 def test_invalid_node_output_is_refused_and_thread_stays_resumable(
-    url: str, tmp_path: Path, durability: str
+    store_url: str, tmp_path: Path, durability: str
 ) -> None:
     world = World(tmp_path)
-    saver = RemitSaver(url)
+    saver = RemitSaver(store_url)
     config = thread_config()
     with pytest.raises(CheckpointInvalid) as err:
         build(world, saver, amount=-5).invoke(INITIAL, config, durability=durability)
@@ -290,9 +282,9 @@ def test_invalid_node_output_is_refused_and_thread_stays_resumable(
     assert graph.invoke(Command(resume="carol"), config)["approved_by"] == "carol"
 
 
-def test_invalid_update_state_is_refused(url: str, tmp_path: Path) -> None:
+def test_invalid_update_state_is_refused(store_url: str, tmp_path: Path) -> None:
     world = World(tmp_path)
-    saver = RemitSaver(url)
+    saver = RemitSaver(store_url)
     graph = build(world, saver)
     config = thread_config()
     graph.invoke(INITIAL, config)
