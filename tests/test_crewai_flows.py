@@ -1,0 +1,567 @@
+"""Real CrewAI flows on RemitFlowPersistence (no LLM, no network), on every engine.
+
+CrewAI starts threads when a flow is built, so this process only imports it
+and every flow runs in a forked child (`remit_core.conformance.processes.fork`),
+which is also how a test SIGKILLs or SIGSTOPs a real process. Steps journal
+their entries and apply effects to a sink with a payment API's key rule
+(`remit_core.conformance.world`), shared by every process of a test.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.update(  # before CrewAI is imported: the network is closed
+    CREWAI_DISABLE_TELEMETRY="true",
+    CREWAI_DISABLE_TRACKING="true",
+    OTEL_SDK_DISABLED="true",
+    CREWAI_TRACING_ENABLED="false",
+    CREWAI_DISABLE_VERSION_CHECK="true",
+)
+
+import datetime as dt  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from decimal import Decimal  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+from conftest import engine_url  # noqa: E402
+from crewai.flow.persistence.base import _persistence_registry  # noqa: E402
+from crewai.flow.runtime import _resolve_persistence  # noqa: E402
+
+from remit_core import StoreUnavailable, effect  # noqa: E402
+from remit_core.conformance.processes import Barrier, Outcome, Worker, fork  # noqa: E402
+from remit_core.conformance.world import EffectSink, Journal, WorldDB  # noqa: E402
+from remit_crewai import RemitFlowPersistence, fork_token  # noqa: E402
+from remit_crewai.probe import CrewAIProbe  # noqa: E402
+
+ENGINES = ["sqlite", "postgresql", "redis"]
+CrewAIProbe().preload()  # what every child needs, imported once here
+
+
+@pytest.fixture(params=ENGINES)
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return engine_url(request.param, tmp_path)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Path:
+    return tmp_path / "world.db"
+
+
+def child(fn: Callable[[], Any], *, barrier: Barrier | None = None) -> Worker:
+    """Start `fn` in a forked child; `.wait()` gives its JSON result or its error chain."""
+    return fork(fn, barrier=barrier)
+
+
+def run(fn: Callable[[], Any]) -> Outcome:
+    return child(fn).wait(timeout=120)
+
+
+def entered(world: Path) -> dict[str, int]:
+    return dict(Journal(WorldDB(world)).entered())
+
+
+def applied(world: Path) -> dict[str, int]:
+    return dict(EffectSink(WorldDB(world)).counts())
+
+
+def point(points: dict[str, str], name: str) -> None:
+    """A crash point: SIGKILL, SIGSTOP, or wait for a file to appear, as armed."""
+    action = points.get(name)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action is not None and action.startswith("wait:"):
+        while not Path(action[5:]).exists():
+            time.sleep(0.02)
+
+
+def order_flow(
+    url: str, world: Path, *, lease: float = 30.0, points: dict[str, str] | None = None
+) -> type[Any]:
+    """prepare -> adjust -> charge (effect) -> ship, with a model state; built in a child."""
+    from crewai.flow.flow import Flow, listen, start
+    from crewai.flow.persistence import persist
+    from pydantic import BaseModel, Field
+
+    journal, sink, at = Journal(WorldDB(world)), EffectSink(WorldDB(world)), points or {}
+
+    @effect(reconcile=sink.reconcile)
+    def charge_card(amount: int, *, idempotency_key: str) -> str:
+        return sink.apply("charge", idempotency_key)
+
+    class Order(BaseModel):
+        amount: int = Field(default=0, ge=0)
+        note: str = ""
+        receipt: str | None = None
+        shipped: bool = False
+
+    @persist(RemitFlowPersistence(url, lease=lease))
+    class OrderFlow(Flow[Order]):  # type: ignore[misc]
+        _skip_auto_memory = True
+
+        @start()
+        def prepare(self) -> None:
+            journal.record("enter", "prepare")
+            self.state.amount = 100
+
+        @listen(prepare)
+        def adjust(self) -> None:
+            journal.record("enter", "adjust")
+            if self.state.note == "bad":
+                self.state.amount = -5  # the model does not validate assignments
+
+        @listen(adjust)
+        def charge(self) -> None:
+            journal.record("enter", "charge")
+            point(at, "charge.before")
+            self.state.receipt = charge_card(self.state.amount)
+            point(at, "charge.after")
+
+        @listen(charge)
+        def ship(self) -> None:
+            journal.record("enter", "ship")
+            self.state.shipped = True
+
+    return OrderFlow
+
+
+def review_flow(url: str, world: Path, *, lease: float = 30.0) -> type[Any]:
+    """prepare -> ask (human feedback: pauses) -> approve -> ship (effect); built in a child."""
+    from crewai.flow.async_feedback.types import HumanFeedbackPending
+    from crewai.flow.flow import Flow, listen, start
+    from crewai.flow.human_feedback import human_feedback
+    from crewai.flow.persistence import persist
+    from pydantic import BaseModel
+
+    journal, sink = Journal(WorldDB(world)), EffectSink(WorldDB(world))
+
+    class Later:
+        def request_feedback(self, context: Any, flow: Any) -> str:
+            raise HumanFeedbackPending(context=context)
+
+    @effect(reconcile=sink.reconcile)
+    def ship_parcel(*, idempotency_key: str) -> str:
+        return sink.apply("ship", idempotency_key)
+
+    class Review(BaseModel):
+        approved_by: str | None = None
+
+    @persist(RemitFlowPersistence(url, lease=lease, feedback_schema={"type": "string"}))
+    class ReviewFlow(Flow[Review]):  # type: ignore[misc]
+        _skip_auto_memory = True
+
+        @start()
+        def prepare(self) -> None:
+            journal.record("enter", "prepare")
+
+        @listen(prepare)
+        @human_feedback(message="Ship it?", provider=Later())
+        def ask(self) -> str:
+            return "parcel"
+
+        @listen(ask)
+        def approve(self) -> None:
+            journal.record("enter", "approve")
+            self.state.approved_by = self.last_human_feedback.feedback
+
+        @listen(approve)
+        def ship(self) -> None:
+            journal.record("enter", "ship")
+            ship_parcel()
+
+    return ReviewFlow
+
+
+def kickoff(flow_class: type[Any], **kwargs: Any) -> dict[str, Any]:
+    flow = flow_class(suppress_flow_events=True)
+    out = flow.kickoff(**kwargs)
+    state = dict(flow.state) if isinstance(flow.state, dict) else flow.state.model_dump()
+    return {"id": flow.flow_id, "state": state, "out": type(out).__name__}
+
+
+def resume(flow_class: type[Any], flow_id: str, value: Any) -> dict[str, Any]:
+    flow = flow_class.from_pending(flow_id, flow_class.__flow_persistence_config__.persistence)
+    flow.resume(value)
+    return flow.state.model_dump()
+
+
+def paused_review(url: str, world: Path, lease: float = 30.0) -> str:
+    """A review flow paused at its feedback; returns its id."""
+    started = run(lambda: kickoff(review_flow(url, world, lease=lease)))
+    assert started.ok and started.value["out"] == "HumanFeedbackPending", started.summary()
+    return str(started.value["id"])
+
+
+# -- CrewAI's rules for persistence classes ----------------------------------------
+
+
+def test_type_name_plain_fields_and_lazy_connection(tmp_path: Path) -> None:
+    """Registered under its class name, rebuilt from JSON by CrewAI, connects on first use."""
+    missing = tmp_path / "no-such-dir" / "remit.db"
+    p = RemitFlowPersistence(f"sqlite:///{missing}", lease=5, workflow_version="v3")
+    assert p.persistence_type == "RemitFlowPersistence"
+    assert _persistence_registry["RemitFlowPersistence"] is RemitFlowPersistence
+    dumped = json.loads(json.dumps(p.model_dump(mode="json")))
+    rebuilt = _resolve_persistence(dumped)
+    assert isinstance(rebuilt, RemitFlowPersistence)
+    assert rebuilt.model_dump() == p.model_dump()
+    with pytest.raises(StoreUnavailable):  # nothing was opened before this call
+        p.init_db()
+    fine = RemitFlowPersistence(f"sqlite:///{tmp_path / 'lazy.db'}")
+    assert not (tmp_path / "lazy.db").exists()
+    fine.init_db()
+    assert (tmp_path / "lazy.db").exists()
+
+
+def test_parallel_listeners_and_threads_share_one_instance(url: str, world: Path) -> None:
+    """Parallel listeners save one flow from two threads; threads save many flows at once."""
+
+    def body() -> dict[str, Any]:
+        import threading
+
+        from crewai.flow.flow import Flow, and_, listen, start
+        from crewai.flow.persistence import persist
+
+        persistence = RemitFlowPersistence(url)
+
+        @persist(persistence)
+        class FanFlow(Flow[dict]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            def begin(self) -> None:
+                self.state["seen"] = ["begin"]
+
+            @listen(begin)
+            def left(self) -> None:
+                time.sleep(0.05)
+                self.state["left"] = True
+
+            @listen(begin)
+            def right(self) -> None:
+                time.sleep(0.05)
+                self.state["right"] = True
+
+            @listen(and_(left, right))
+            def join(self) -> None:
+                self.state["joined"] = True
+
+        fan = kickoff(FanFlow)
+        errors: list[str] = []
+
+        def saver(i: int) -> None:
+            try:
+                for n in range(5):
+                    persistence.save_state(f"thread-{i}-{uuid.uuid4().hex}", f"m{n}", {"n": n})
+            except Exception as exc:
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=saver, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        saved = persistence.checkpoints(fan["id"])
+        return {"errors": errors, "completed": list(saved[0].completed), "count": len(saved)}
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value["errors"] == []
+    assert sorted(out.value["completed"]) == ["begin", "join", "left", "right"]
+    assert out.value["count"] == 4
+
+
+# -- P4: state validity ------------------------------------------------------------
+
+
+def test_invalid_model_state_is_refused_and_the_flow_stays_loadable(url: str, world: Path) -> None:
+    """A state that no longer validates fails the flow; the head stays; the id still loads."""
+    flow_id = f"order-{uuid.uuid4().hex}"
+    bad = run(lambda: kickoff(order_flow(url, world), inputs={"id": flow_id, "note": "bad"}))
+    assert bad.raised("CheckpointInvalid") and bad.raised("RuntimeError"), bad.summary()
+    assert "amount" in bad.error_text() and flow_id in bad.error_text()
+
+    def head() -> dict[str, Any]:
+        saved = RemitFlowPersistence(url).checkpoints(flow_id)
+        return {"methods": [c.method for c in saved], "amount": saved[0].state["amount"]}
+
+    before = run(head)
+    assert before.value == {"methods": ["prepare"], "amount": 100}, before.summary()
+    again = run(lambda: kickoff(order_flow(url, world), inputs={"id": flow_id, "note": "ok"}))
+    assert again.ok, again.summary()
+    assert again.value["state"]["shipped"] is True and again.value["state"]["amount"] == 100
+    assert entered(world) == {"prepare": 1, "adjust": 2, "charge": 1, "ship": 1}
+
+
+def test_dict_state_keeps_its_types_or_is_refused(url: str, world: Path) -> None:
+    """datetime, UUID, tuple, set and Decimal come back as themselves; an object is refused."""
+    when = dt.datetime(2024, 5, 1, 12, 30, tzinfo=dt.timezone.utc)
+    token = uuid.UUID("12345678-1234-5678-1234-567812345678")
+
+    def body() -> dict[str, Any]:
+        from crewai.flow.flow import Flow, listen, start
+        from crewai.flow.persistence import persist
+
+        @persist(RemitFlowPersistence(url))
+        class TypedFlow(Flow[dict]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            def fill(self) -> None:
+                self.state.update(
+                    when=when, token=token, pair=(1, "a"), tags={"x", "y"}, price=Decimal("9.99")
+                )
+
+            @listen(fill)
+            def spoil(self) -> None:
+                if self.state.get("spoil"):
+                    self.state["handle"] = object()
+
+        good = TypedFlow(suppress_flow_events=True)
+        good.kickoff()
+        loaded = RemitFlowPersistence(url).load_state(good.state["id"]) or {}
+        spoiled = TypedFlow(suppress_flow_events=True)
+        try:
+            spoiled.kickoff(inputs={"spoil": True})
+            refused = ""
+        except RuntimeError as exc:
+            refused = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
+        saved = RemitFlowPersistence(url).checkpoints(spoiled.state["id"])
+        return {
+            "same": loaded["when"] == when
+            and loaded["token"] == token
+            and loaded["pair"] == (1, "a")
+            and loaded["tags"] == {"x", "y"}
+            and loaded["price"] == Decimal("9.99"),
+            "types": sorted(type(loaded[k]).__name__ for k in ("when", "token", "pair", "tags")),
+            "refused": refused,
+            "spoiled_methods": [c.method for c in saved],
+        }
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value["same"] is True
+    assert out.value["types"] == ["UUID", "datetime", "set", "tuple"]
+    assert out.value["refused"].startswith("CheckpointInvalid") and "handle" in out.value["refused"]
+    assert out.value["spoiled_methods"] == ["fill"]
+
+
+# -- P1 / P2: a restarted flow continues after what completed --------------------------
+
+
+def _restart_after_lease(url: str, world: Path, flow_id: str) -> Outcome:
+    time.sleep(1.2)
+    return run(lambda: kickoff(order_flow(url, world, lease=1.0), inputs={"id": flow_id}))
+
+
+def test_restart_after_a_crash_runs_only_what_did_not_complete(url: str, world: Path) -> None:
+    """prepare and adjust ran once; charge re-ran without applying again; ship ran once."""
+    flow_id = f"order-{uuid.uuid4().hex}"
+    crashed = run(
+        lambda: kickoff(
+            order_flow(url, world, lease=1.0, points={"charge.after": "kill"}),
+            inputs={"id": flow_id},
+        )
+    )
+    assert crashed.status == "killed" and applied(world) == {"charge": 1}
+    done = _restart_after_lease(url, world, flow_id)
+    assert done.ok, done.summary()
+    assert done.value["state"]["shipped"] is True
+    assert entered(world) == {"prepare": 1, "adjust": 1, "charge": 2, "ship": 1}
+    assert applied(world) == {"charge": 1}
+    once_more = run(lambda: kickoff(order_flow(url, world), inputs={"id": flow_id}))
+    assert once_more.ok and once_more.value["state"] == done.value["state"]
+    assert entered(world) == {"prepare": 1, "adjust": 1, "charge": 2, "ship": 1}
+
+
+# -- P5 / L1: one resumer claims the pending feedback ----------------------------------------
+
+
+def test_concurrent_resumers_one_claims_the_feedback(url: str, world: Path) -> None:
+    flow_id = paused_review(url, world)
+    k = 4
+    barrier = Barrier(k)
+
+    def resumer(i: int) -> Callable[[], Any]:
+        def body() -> Any:
+            flow_class = review_flow(url, world)
+            barrier.wait()
+            return resume(flow_class, flow_id, f"reviewer-{i}")
+
+        return body
+
+    workers = [child(resumer(i), barrier=barrier) for i in range(k)]
+    barrier.release()
+    outcomes = [w.wait(timeout=120) for w in workers]
+    winners = [i for i, o in enumerate(outcomes) if o.ok]
+    assert len(winners) == 1, [o.summary() for o in outcomes]
+    assert all(o.raised("ResumeConflict") for o in outcomes if not o.ok)
+    assert outcomes[winners[0]].value["approved_by"] == f"reviewer-{winners[0]}"
+    assert entered(world) == {"prepare": 1, "approve": 1, "ship": 1}
+    assert applied(world) == {"ship": 1}
+
+
+def test_a_resumer_that_dies_before_any_listener_loses_nothing(url: str, world: Path) -> None:
+    """Killed after CrewAI cleared the pending feedback: after the lease, resume again."""
+    flow_id = paused_review(url, world, lease=1.0)
+
+    def dying() -> Any:
+        from crewai.hooks.dispatch import InterceptionPoint, get_global_hook_list
+
+        def die_before_approve(ctx: Any) -> None:
+            if ctx.step_name == "approve":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        flow_class = review_flow(url, world, lease=1.0)
+        get_global_hook_list(InterceptionPoint.PRE_STEP).insert(0, die_before_approve)
+        return resume(flow_class, flow_id, "first")
+
+    assert run(dying).status == "killed"
+    early = run(lambda: resume(review_flow(url, world, lease=1.0), flow_id, "early"))
+    assert early.raised("ResumeConflict"), early.summary()  # the dead claim is still leased
+    time.sleep(1.2)
+    later = run(lambda: resume(review_flow(url, world, lease=1.0), flow_id, "second"))
+    assert later.ok, later.summary()
+    assert later.value["approved_by"] == "second"
+    assert entered(world) == {"prepare": 1, "approve": 1, "ship": 1}
+    twice = run(lambda: resume(review_flow(url, world), flow_id, "third"))
+    assert twice.raised("ResumeConflict") and "already given" in twice.error_text()
+
+
+def test_feedback_is_validated_before_it_is_consumed(url: str, world: Path) -> None:
+    """feedback_schema refuses a value; the pause stays pending and takes a valid one."""
+    flow_id = paused_review(url, world)
+
+    def with_schema(value: Any) -> Callable[[], Any]:
+        def body() -> Any:
+            flow_class = review_flow(url, world)
+            flow_class.__flow_persistence_config__.persistence.feedback_schema = {
+                "type": "string",
+                "enum": ["yes"],
+            }
+            return resume(flow_class, flow_id, value)
+
+        return body
+
+    refused = run(with_schema("maybe"))
+    assert refused.raised("CheckpointInvalid"), refused.summary()
+
+    def pending() -> list[str]:
+        remit = RemitFlowPersistence(url).remit
+        return [i.status for i in remit.interrupts(flow_id)]
+
+    assert run(pending).value == ["pending"]
+    accepted = run(with_schema("yes"))
+    assert accepted.ok, accepted.summary()
+    assert accepted.value["approved_by"] == "yes"
+    assert entered(world)["ship"] == 1
+
+
+# -- P3: forks need a token ----------------------------------------------------------------
+
+
+def test_restore_from_state_id_is_a_fork_that_needs_a_token(url: str, world: Path) -> None:
+    source = f"order-{uuid.uuid4().hex}"
+    assert run(lambda: kickoff(order_flow(url, world), inputs={"id": source})).ok
+
+    def branches() -> int:
+        return len(RemitFlowPersistence(url).remit.branches(source))
+
+    refused = run(lambda: kickoff(order_flow(url, world), restore_from_state_id=source))
+    assert refused.raised("ForkWithoutIntent"), refused.summary()
+    assert run(branches).value == 1
+
+    def forked(token: str) -> dict[str, Any]:
+        with fork_token(token):
+            return kickoff(order_flow(url, world), restore_from_state_id=source)
+
+    first, second = run(lambda: forked("retry-1")), run(lambda: forked("retry-1"))
+    assert first.ok and second.ok, (first.summary(), second.summary())
+    assert first.value["id"] == second.value["id"] != source
+    assert first.value["id"].startswith(f"{source}@fork-")
+    assert first.value["state"] == second.value["state"]
+    assert run(branches).value == 2
+    # The fork continued after the source's head: nothing ran again, nothing was re-applied.
+    assert entered(world) == {"prepare": 1, "adjust": 1, "charge": 1, "ship": 1}
+    assert applied(world) == {"charge": 1}
+
+
+def test_fork_from_an_older_checkpoint(url: str, world: Path) -> None:
+    """`fork(checkpoint_id=...)`: refused without a token; with one, runs only what follows."""
+    source = f"order-{uuid.uuid4().hex}"
+    assert run(lambda: kickoff(order_flow(url, world), inputs={"id": source})).ok
+
+    def body() -> dict[str, Any]:
+        from remit_core import ForkWithoutIntent
+
+        persistence = RemitFlowPersistence(url)
+        after_adjust = next(c for c in persistence.checkpoints(source) if c.method == "adjust")
+        try:
+            persistence.fork(source, fork_token=None, checkpoint_id=after_adjust.checkpoint_id)
+            refused = False
+        except ForkWithoutIntent:
+            refused = True
+        forked = persistence.fork(
+            source, fork_token="replay", checkpoint_id=after_adjust.checkpoint_id
+        )
+        again = persistence.fork(
+            source, fork_token="replay", checkpoint_id=after_adjust.checkpoint_id
+        )
+        result = kickoff(order_flow(url, world), inputs={"id": forked})
+        return {"refused": refused, "same": forked == again, "state": result["state"]}
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value["refused"] and out.value["same"]
+    assert out.value["state"]["shipped"] is True
+    assert entered(world) == {"prepare": 1, "adjust": 1, "charge": 2, "ship": 2}
+    assert applied(world) == {"charge": 2}  # the fork's own charge, keyed by its branch
+
+
+# -- fencing: two processes cannot both drive one flow --------------------------------------
+
+
+def test_a_second_driver_is_refused_before_any_step(url: str, world: Path, tmp_path: Path) -> None:
+    """While one process drives a flow, `kickoff(inputs={"id": ...})` elsewhere runs nothing."""
+    flow_id, go = f"order-{uuid.uuid4().hex}", tmp_path / "go"
+    first = child(
+        lambda: kickoff(
+            order_flow(url, world, points={"charge.before": f"wait:{go}"}), inputs={"id": flow_id}
+        )
+    )
+    while entered(world).get("charge") != 1:
+        time.sleep(0.02)
+    rival = run(lambda: kickoff(order_flow(url, world), inputs={"id": flow_id}))
+    assert rival.raised("ResumeConflict"), rival.summary()
+    go.touch()
+    done = first.wait(timeout=60)
+    assert done.ok and done.value["state"]["shipped"] is True, done.summary()
+    assert entered(world) == {"prepare": 1, "adjust": 1, "charge": 1, "ship": 1}
+
+
+def test_a_zombie_whose_lease_was_taken_over_is_fenced(url: str, world: Path) -> None:
+    """SIGSTOPped in charge past its lease; a restart takes over; the zombie's save is refused."""
+    flow_id = f"order-{uuid.uuid4().hex}"
+    zombie = child(
+        lambda: kickoff(
+            order_flow(url, world, lease=1.0, points={"charge.before": "stop"}),
+            inputs={"id": flow_id},
+        )
+    )
+    assert zombie.wait(timeout=60, stopped_counts=True).status == "stopped"
+    taken = _restart_after_lease(url, world, flow_id)
+    assert taken.ok, taken.summary()
+    zombie.cont()
+    end = zombie.wait(timeout=60)
+    assert end.raised("Fenced"), end.summary()
+    head = run(lambda: RemitFlowPersistence(url).load_state(flow_id))
+    assert head.value == {**taken.value["state"], "id": flow_id}
+    assert applied(world) == {"charge": 1}
