@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import os
 import signal
@@ -264,12 +263,3 @@ def reap(workers: list[Worker]) -> None:
         for w in workers:
             if w.outcome is None:
                 os.close(w.fd)
-
-
-def is_gone(pid: int) -> bool:
-    """True if `pid` no longer exists."""
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno == errno.ESRCH
-    return False
