@@ -10,7 +10,9 @@ with the saver's serializer and framed as `type NUL bytes`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
@@ -38,6 +40,16 @@ def unpack(raw: bytes, **ids: Any) -> tuple[str, bytes]:
     if not sep:
         raise CorruptRecord("stored value has no type frame", **ids)
     return type_.decode(), data
+
+
+def own_version(counter: int, salt: float) -> str:
+    """A channel version as `RemitSaver.get_next_version` makes it: counter, dot, salt."""
+    return f"{counter:032}.{salt:016}"
+
+
+def is_own_version(version: str) -> bool:
+    """Whether `version` has the salted form of `own_version` (so names one value only)."""
+    return len(version) > 33 and version[32] == "." and version[:32].isdigit()
 
 
 def blob_key(channel: str, version: Any) -> str:
@@ -106,3 +118,34 @@ def run_config(thread_id: str, ns: str, checkpoint_id: str) -> RunnableConfig:
 
 def decode_value(serde: SerializerProtocol, raw: bytes, **ids: Any) -> Any:
     return serde.loads_typed(unpack(raw, **ids))
+
+
+class BlobCache:
+    """The channel-value blobs this process wrote or read lately, by (thread, ns, key).
+
+    A blob key names one version of one channel and its bytes never change,
+    so a cached blob is always the stored one; the checkpoint record itself is
+    still read (and verified) on every `get_tuple`.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple[str, str, str], bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, thread: str, ns: str, keys: Iterable[str]) -> dict[str, bytes]:
+        found = {}
+        with self._lock:
+            for key in keys:
+                raw = self._items.get((thread, ns, key))
+                if raw is not None:
+                    found[key] = raw
+        return found
+
+    def put(self, thread: str, ns: str, blobs: Mapping[str, bytes]) -> None:
+        with self._lock:
+            for key, raw in blobs.items():
+                self._items[(thread, ns, key)] = raw
+                self._items.move_to_end((thread, ns, key))
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)

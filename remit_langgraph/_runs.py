@@ -235,6 +235,8 @@ class Runs:
         self, thread: str, checkpoint_id: str | None, token: str | None
     ) -> tuple[CheckpointRecord | None, str]:
         """The checkpoint a run continues from and the branch it writes to."""
+        if not checkpoint_id and not token:
+            return self.remit.head(thread), MAIN_BRANCH
         branches = self.remit.branches(thread, ns="")
         forked = next((b for b in branches if token and b.fork_token == token), None)
         if not checkpoint_id:

@@ -82,6 +82,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         )
         self._runs = Runs(self, state_schema)
         self._indexed: set[tuple[str, Any]] = set()
+        self._blobs = rec.BlobCache()
 
     @classmethod
     def from_conn_string(cls, url: str, **options: Any) -> _Opened:
@@ -103,7 +104,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
         policy.check_workflow_version(record, self.accept_versions)
         body = rec.decode_body(record.state, **ids)
         keys = {ch: rec.blob_key(ch, v) for ch, v in body["channel_versions"].items()}
-        blobs = self.remit.blobs(record.run_id, list(keys.values()), ns=record.ns)
+        blobs = self._blobs.get(record.run_id, record.ns, keys.values())
+        missing = [k for k in keys.values() if k not in blobs]
+        if missing:
+            fetched = self.remit.blobs(record.run_id, missing, ns=record.ns)
+            self._blobs.put(record.run_id, record.ns, fetched)
+            blobs.update(fetched)
         values = {
             ch: rec.decode_value(self.serde, blobs[key], **ids)
             for ch, key in keys.items()
@@ -255,6 +261,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
             )
             if run is not None:
                 run.committed.add(checkpoint_id)
+        # Only versions this saver made are unique to one value; a caller reusing a
+        # version keeps the first value stored, which the cache must not contradict.
+        self._blobs.put(
+            thread,
+            ns,
+            {k: v for k, v in blobs.items() if rec.is_own_version(k.split(":", 1)[0])},
+        )
         return rec.run_config(thread, ns, checkpoint_id)
 
     def put_writes(
@@ -346,7 +359,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             raise ValueError(f"unknown prune strategy {strategy!r}: use 'keep_latest' or 'delete'")
 
     def get_next_version(self, current: str | None, channel: None = None) -> str:
-        """`<counter>.<random>`: monotonic per channel, unique across branches.
+        """`<counter>.<random>`: monotonic per channel, unique across branches (and values).
 
         LangGraph calls it between steps of a run: a run whose writes were
         refused stops here instead of running on.
@@ -358,7 +371,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             n = int(current.split(".", 1)[0])
         else:
             n = int(current)
-        return f"{n + 1:032}.{random.random():016}"
+        return rec.own_version(n + 1, random.random())
 
     def with_allowlist(self, extra_allowlist: Any) -> RemitSaver:
         """A shallow clone whose serializer also allows `extra_allowlist`."""
