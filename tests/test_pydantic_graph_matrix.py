@@ -5,6 +5,8 @@ racy cells repeated 5 times and must pass every cell. pydantic-graph's own
 durable backend, `FileStatePersistence`, runs once and is reported as
 measured; the cells that exercise its documented failures (research/
 pydantic-graph.md) must come out FAIL, which shows the harness can fail it.
+Its racing cells are printed, not asserted: its lock file times out under
+load, so how many of its resumers proceed varies from run to run.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ KNOWN_VANILLA_FAILURES = {
     13: "CRASH-AFTER-STEP: only success is stored, the next node is lost",
     19: "INVALID-STEP-WRITE: an invalid state is written with a warning",
     24: "REPLAY-NO-TOKEN: re-running an old node appends to the same history",
-    30: "K2-PROC: the loser's answer starts a fresh run",
-    33: "K8-PROC: every resumer proceeds",
 }
 
 pytestmark = pytest.mark.slow
@@ -71,4 +71,3 @@ def test_file_persistence_is_measured(pydantic_graph: object, tmp_path: Path) ->
     assert {i: statuses[i] for i in KNOWN_VANILLA_FAILURES} == dict.fromkeys(
         KNOWN_VANILLA_FAILURES, "FAIL"
     )
-    assert column.cells[33].saturation is not None and column.cells[33].saturation > 0
