@@ -162,14 +162,14 @@ class RemitSaver(BaseCheckpointSaver[str]):
         conf = _conf(config)
         thread, ns = _thread(config), conf.get("checkpoint_ns", "")
         checkpoint_id = conf.get("checkpoint_id")
+        token = conf.get("fork_token")
+        forked = self.remit.fork_branch(thread, token, ns=ns) if token else None
+        if forked is not None and (not checkpoint_id or checkpoint_id == forked.base_id):
+            # A fork token names its branch: read its head, as a run with it continues there.
+            return self.remit.head(thread, ns=ns, branch=forked.branch)
         if checkpoint_id:
             return self.remit.checkpoint(thread, checkpoint_id, ns=ns)
-        token = conf.get("fork_token")
-        branch = policy.fork_branch_name(token) if token else MAIN_BRANCH
-        record = self.remit.head(thread, ns=ns, branch=branch)
-        if record is None and token:
-            record = self.remit.head(thread, ns=ns)
-        return record
+        return self.remit.head(thread, ns=ns)
 
     def list(
         self,
