@@ -323,8 +323,10 @@ class Session:
         """Deliver an event from outside, consuming the interrupt it resolves (P5)."""
         async with self.lock():
             newly: list[snap.Waiter] = []
+            value = b""
             if isinstance(tick, TickAddEvent):
                 newly = await self._resolved_by(tick)
+                value = self.serializer.serialize(tick.event).encode()
             took = self.claim is None
             if took:
                 try:
@@ -333,7 +335,7 @@ class Session:
                     await asyncio.to_thread(self._refuse_consumed, newly)
                     raise
             try:
-                await asyncio.to_thread(self._consume, newly, tick)
+                await asyncio.to_thread(self._consume, newly, value)
             except BaseException:
                 if took:
                     await asyncio.to_thread(self.release_claim)
@@ -393,8 +395,7 @@ class Session:
             raise ResumeConflict("the run has ended; the event was not delivered", **ids)
         return []
 
-    def _consume(self, waiters: list[snap.Waiter], tick: TickAddEvent) -> None:
-        value = self.serializer.serialize(tick.event).encode()
+    def _consume(self, waiters: list[snap.Waiter], value: bytes) -> None:
         for w in waiters:
             existing = self.remit.interrupt(self.run_id, w.interrupt_id, branch=self.branch)
             if existing is None:

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
 from workflows.context.context_types import SerializedContext
 from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
 from workflows.errors import WorkflowCancelledByUser
@@ -22,7 +21,7 @@ from workflows.runtime.types.internal_state import BrokerState
 from workflows.workflow import Workflow
 
 from remit_core import codec
-from remit_core.errors import RemitError
+from remit_core.errors import CorruptRecord, RemitError
 
 #: Store-type tag of the state payload a Remit-backed context serializes to.
 HANDLE_TYPE = "remit"
@@ -137,8 +136,6 @@ def encode(state: BrokerState, state_payload: dict[str, Any], serializer: BaseSe
 
 def decode(body: bytes, **ids: Any) -> dict[str, Any]:
     """The serialized context a checkpoint body holds (a plain dict)."""
-    from remit_core.errors import CorruptRecord
-
     try:
         data = codec.loads(body)
         ctx = data["ctx"]
@@ -173,14 +170,3 @@ def state_fields(payload: dict[str, Any]) -> dict[str, Any] | None:
             value = parsed["value"]
             return value if isinstance(value, dict) else None
     return None
-
-
-def with_state_fields(payload: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-    """A typed-state payload whose model fields are replaced by `fields`."""
-    parsed = json.loads(payload["state_data"])
-    parsed["value"] = fields
-    return {**payload, "state_data": json.dumps(parsed)}
-
-
-def model_fields(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(mode="json")

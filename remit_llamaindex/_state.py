@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from workflows.context.serializers import BaseSerializer
-from workflows.context.state_store import MODEL_T, InMemoryStateStore, StateRecord
+from workflows.context.state_store import MODEL_T, InMemoryStateStore
 
 from remit_core.schema import StateSchema
 
@@ -54,10 +54,6 @@ class RemitStateStore(InMemoryStateStore[MODEL_T]):
     def payload(self, serializer: BaseSerializer) -> dict[str, Any]:
         """The in-memory payload of the current state (what a checkpoint stores)."""
         return super().to_dict(serializer)
-
-    def current(self) -> BaseModel:
-        record: StateRecord | None = self._memory_storage.load_sync()
-        return record.data if record is not None else self.state_type()
 
     def to_dict(self, serializer: BaseSerializer) -> dict[str, Any]:
         return self._handle()

@@ -164,7 +164,7 @@ class RemitRuntime(BaseRuntimeDecorator):
 
         return step
 
-    def get_serializer(self, workflow: Workflow) -> BaseSerializer:
+    def get_serializer(self, workflow: Workflow) -> JsonSerializer:
         return snap.require_json(self._decorated.get_serializer(workflow))
 
     def run_workflow(
@@ -233,17 +233,19 @@ class RemitRuntime(BaseRuntimeDecorator):
         run_id, base_id = handle["run_id"], handle["checkpoint_id"]
         token = handle.get("fork_token")
         remit = self.remit
-        if token is not None:
-            branch = remit.fork(run_id, base_id, token)
-        else:
-            branch = remit.branch(run_id, branch=handle.get("branch", MAIN_BRANCH))
-            if branch is None or branch.head_id != base_id:
-                raise ForkWithoutIntent(
-                    f"checkpoint {base_id!r} is not the head of run {run_id!r}; restoring it "
-                    "again is a fork: pass a fork token to RemitRuntime.context(...)",
-                    run_id=run_id,
-                    checkpoint_id=base_id,
-                )
+        found = (
+            remit.fork(run_id, base_id, token)
+            if token is not None
+            else remit.branch(run_id, branch=handle.get("branch", MAIN_BRANCH))
+        )
+        if found is None or (token is None and found.head_id != base_id):
+            raise ForkWithoutIntent(
+                f"checkpoint {base_id!r} is not the head of run {run_id!r}; restoring it "
+                "again is a fork: pass a fork token to RemitRuntime.context(...)",
+                run_id=run_id,
+                checkpoint_id=base_id,
+            )
+        branch = found
         assert branch.head_id is not None
         record = self._checkpoint(run_id, branch.head_id)
         ctx = snap.decode(record.state, run_id=run_id, checkpoint_id=record.checkpoint_id)

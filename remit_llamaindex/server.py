@@ -183,8 +183,12 @@ class RemitWorkflowStore(AbstractWorkflowStore):
 
     async def delete(self, query: HandlerQuery) -> int:
         doomed = await self.query(query)
-        if doomed:
-            await asyncio.to_thread(lambda: [self._put_handler(h, "deleted", None) for h in doomed])
+
+        def tombstone() -> None:
+            for h in doomed:
+                self._put_handler(h, "deleted", None)
+
+        await asyncio.to_thread(tombstone)
         return len(doomed)
 
     # -- ticks and events: expected-sequence appends --------------------------------------
