@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import threading
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -43,6 +44,8 @@ _LANGGRAPH_TYPES = frozenset(
     }
 )
 _PLAIN = (str, int, float, bool, type(None), bytes, bytearray)
+#: The ext hook's refusal, kept per thread because msgpack re-raises it without a cause.
+_refusals = threading.local()
 _CONTAINERS = (list, tuple, set, frozenset)
 _OPTIONS = ormsgpack.OPT_NON_STR_KEYS
 
@@ -151,6 +154,10 @@ class StrictSerializer(SerializerProtocol):
             except CorruptRecord:
                 raise
             except Exception as exc:
+                refusal = getattr(_refusals, "last", None)
+                _refusals.last = None
+                if refusal is not None:  # raised in the ext hook; msgpack drops the cause
+                    raise refusal from None
                 raise CorruptRecord(f"stored value does not decode: {exc}") from exc
         raise CorruptRecord(
             f"stored value has serialization type {type_!r}; Remit reads only null, bytes, "
@@ -165,6 +172,13 @@ class StrictSerializer(SerializerProtocol):
             )
 
     def _ext_hook(self, code: int, data: bytes) -> Any:
+        try:
+            return self._rebuild(code, data)
+        except CorruptRecord as exc:
+            _refusals.last = exc
+            raise
+
+    def _rebuild(self, code: int, data: bytes) -> Any:
         if code == jsonplus.EXT_DELTA_SNAPSHOT:
             value = ormsgpack.unpackb(data, ext_hook=self._ext_hook, option=_OPTIONS)
             return jsonplus._DeltaSnapshot(value)

@@ -34,7 +34,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from remit_core import Remit, connect, policy
 from remit_core.errors import RemitError
-from remit_core.records import MAIN_BRANCH, CheckpointRecord, WriteRecord
+from remit_core.records import CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
 from remit_langgraph._runs import Run, Runs
 from remit_langgraph._schema import StateCheck

@@ -1,4 +1,4 @@
-"""README.md's LangGraph examples run as written (each in a forked child, in a scratch directory)."""
+"""README.md's LangGraph examples run as written (each in a forked child, in a scratch dir)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,242 @@
+"""RemitSaver beyond the conformance suite: async, serialization, corruption, versions, schemas."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+import pytest
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command, interrupt
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
+
+from remit_core import (
+    CheckpointInvalid,
+    CorruptRecord,
+    ResumeConflict,
+    VersionMismatch,
+    WriteRecord,
+    effect,
+    failpoints,
+)
+from remit_langgraph import RemitSaver
+
+
+def config() -> dict[str, Any]:
+    return {"configurable": {"thread_id": f"lg-{uuid.uuid4().hex}"}}
+
+
+def one_node(state_type: Any, node: Any, saver: RemitSaver) -> Any:
+    builder = StateGraph(state_type)
+    builder.add_node("node", node)
+    builder.add_edge(START, "node")
+    builder.add_edge("node", END)
+    return builder.compile(checkpointer=saver)
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+class Free(TypedDict, total=False):
+    value: Any
+    n: int
+
+
+class Located(TypedDict, total=False):
+    at: Point
+
+
+# -- async --------------------------------------------------------------------------
+
+
+def test_async_run_keeps_the_contract_and_never_blocks_the_loop(store_url: str) -> None:
+    applied: list[str] = []
+
+    @effect(idempotent=True)
+    async def send(*, idempotency_key: str) -> str:
+        applied.append(idempotency_key)
+        return "sent"
+
+    async def ask(state: Free) -> dict[str, Any]:
+        answer = interrupt("go?")
+        return {"value": [answer, await send()]}
+
+    saver = RemitSaver(store_url)
+    graph = one_node(Free, ask, saver)
+    cfg = config()
+
+    async def main() -> tuple[list[float], list[str]]:
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        failpoints.arm("checkpoint.before_commit", "sleep:0.15")
+        try:
+            await graph.ainvoke({"n": 1}, cfg)
+            outcomes = await asyncio.gather(
+                graph.ainvoke(Command(resume="yes"), cfg),
+                graph.ainvoke(Command(resume="no"), cfg),
+                return_exceptions=True,
+            )
+        finally:
+            failpoints.disarm()
+            stop.set()
+            await tick
+        return gaps, [type(o).__name__ for o in outcomes]
+
+    gaps, outcomes = asyncio.run(main())
+    assert sorted(outcomes) == ["ResumeConflict", "dict"]
+    assert len(applied) == 1
+    # Each commit slept 150 ms in a worker thread; the loop kept ticking meanwhile.
+    assert len(gaps) > 20 and max(gaps) < 0.1, max(gaps)
+    assert asyncio.run(graph.aget_state(cfg)).values["value"][1] == "sent"
+
+
+# -- serialization ------------------------------------------------------------------
+
+
+def test_an_unknown_type_is_refused_at_write_time(store_url: str) -> None:
+    saver = RemitSaver(store_url)
+    graph = one_node(Free, lambda s: {"value": Point(1, 2)}, saver)
+    cfg = config()
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke({"n": 1}, cfg)
+    assert err.value.field == "value"
+    assert "Point" in str(err.value)
+    assert graph.get_state(cfg).values.get("value") is None
+
+    allowed = one_node(
+        Free, lambda s: {"value": Point(1, 2)}, RemitSaver(store_url, allowlist=[Point])
+    )
+    assert allowed.invoke({"n": 1}, config())["value"] == Point(1, 2)
+
+
+def test_the_graphs_schema_types_are_allowed_and_read_back_typed(store_url: str) -> None:
+    saver = RemitSaver(store_url)
+    graph = one_node(Located, lambda s: {"at": Point(3, 4)}, saver)
+    cfg = config()
+    graph.invoke({}, cfg)
+    assert graph.get_state(cfg).values["at"] == Point(3, 4)
+    stranger = RemitSaver(store_url)  # knows no graph: the type is not allowed to load
+    with pytest.raises(CorruptRecord) as err:
+        stranger.get_tuple(cfg)
+    assert "Point" in str(err.value)
+
+
+def test_pickle_is_never_loaded(store_url: str) -> None:
+    saver = RemitSaver(store_url)
+    graph = one_node(Free, lambda s: {"n": 2}, saver)
+    cfg = config()
+    graph.invoke({"n": 1}, cfg)
+    head = saver.get_tuple(cfg)
+    assert head is not None
+    thread = cfg["configurable"]["thread_id"]
+    saver.remit.put_writes(
+        [WriteRecord(thread, head.checkpoint["id"], "task", 0, "n", b"pickle\x00\x80\x04K\x07.")]
+    )
+    with pytest.raises(CorruptRecord) as err:
+        saver.get_tuple(cfg)
+    assert "pickle" in str(err.value)
+
+
+# -- records that do not verify ----------------------------------------------------------
+
+
+def corrupt(saver: RemitSaver, thread: str, checkpoint_id: str) -> None:
+    """Flip the last byte of a stored checkpoint, below the core (test only)."""
+    store: Any = saver.remit.store
+    raw = store.get_checkpoint(thread, "", checkpoint_id).state
+    altered = raw[:-1] + bytes([raw[-1] ^ 0xFF])
+    if store.url.startswith("redis"):
+        from remit_core.stores.redis import _join, run_prefix
+
+        key, field = run_prefix(thread) + "ck", _join(checkpoint_id, "")
+        stored = store._client().hget(key, field)
+        store._client().hset(key, field, stored[:-1] + bytes([stored[-1] ^ 0xFF]))
+        return
+    with store._txn() as txn:
+        txn.execute(
+            "UPDATE remit_checkpoints SET state = ? WHERE run_id = ? AND checkpoint_id = ?",
+            (altered, thread, checkpoint_id),
+        )
+
+
+def test_a_corrupt_checkpoint_is_a_clear_error(store_url: str) -> None:
+    saver = RemitSaver(store_url)
+    graph = one_node(Free, lambda s: {"n": s["n"] + 1}, saver)
+    cfg = config()
+    graph.invoke({"n": 1}, cfg)
+    thread = cfg["configurable"]["thread_id"]
+    head = graph.get_state(cfg).config["configurable"]["checkpoint_id"]
+    corrupt(saver, thread, head)
+    for attempt in (lambda: graph.get_state(cfg), lambda: graph.invoke(None, cfg)):
+        with pytest.raises(CorruptRecord) as err:
+            attempt()
+        assert (err.value.run_id, err.value.checkpoint_id) == (thread, head)
+
+
+def test_another_workflow_version_is_refused(store_url: str) -> None:
+    node = lambda s: {"n": s["n"] + 1}  # noqa: E731
+    cfg = config()
+    one_node(Free, node, RemitSaver(store_url, workflow_version="v1")).invoke({"n": 1}, cfg)
+    v2 = one_node(Free, node, RemitSaver(store_url, workflow_version="v2"))
+    with pytest.raises(VersionMismatch) as err:
+        v2.invoke(None, cfg)
+    assert err.value.run_id == cfg["configurable"]["thread_id"]
+    both = RemitSaver(store_url, workflow_version="v2", accept_versions=["v1", "v2"])
+    assert one_node(Free, node, both).get_state(cfg).values["n"] == 2
+
+
+# -- schemas --------------------------------------------------------------------------
+
+
+class Priced(BaseModel):
+    amount: int = Field(default=0, ge=0)
+    note: str = ""
+
+
+def test_a_pydantic_state_is_checked_with_its_constraints(store_url: str) -> None:
+    saver = RemitSaver(store_url)
+    cfg = config()
+    bad = one_node(Priced, lambda s: {"amount": -3}, saver)
+    with pytest.raises(CheckpointInvalid) as err:
+        bad.invoke({"amount": 1}, cfg)
+    assert err.value.field == "amount"
+    good = one_node(Priced, lambda s: {"amount": s.amount + 1}, saver)
+    assert good.invoke(None, cfg)["amount"] == 2
+
+
+def test_an_explicit_state_schema_applies_to_any_graph(store_url: str) -> None:
+    class Strict(TypedDict):
+        n: int
+        value: str
+
+    saver = RemitSaver(store_url, state_schema=Strict)
+    graph = one_node(Free, lambda s: {"value": 12}, saver)
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke({"n": 1}, config())
+    assert err.value.field == "value"
+
+
+def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
+    graph = one_node(Free, lambda s: {"value": interrupt("?")}, RemitSaver(store_url))
+    cfg = config()
+    graph.invoke({"n": 1}, cfg)
+    assert graph.invoke(Command(resume="a"), cfg)["value"] == "a"
+    with pytest.raises(ResumeConflict):
+        graph.invoke(Command(resume="b"), cfg)
