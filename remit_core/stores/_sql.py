@@ -560,17 +560,22 @@ class SqlStore(Store):
         return Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
 
     def renew_claim(self, claim: Claim, *, now: float, lease: float) -> Claim:
+        # No RETURNING: SQLite keeps the write lock of a row-returning write until
+        # the row is fetched, so a holder stopped (SIGSTOP) between the two, as a
+        # heartbeat thread can be, would stall every writer. A plain UPDATE takes
+        # and releases the lock within one call.
+        expires_at = now + lease
         with self._atomic() as txn:
-            row = txn.execute(
+            renewed = txn.execute(
                 "UPDATE remit_claims SET expires_at = ? WHERE run_id = ? AND scope = ? "
-                "AND fence = ? AND holder = ? RETURNING expires_at",
-                (now + lease, claim.run_id, claim.scope, claim.fence, claim.holder),
-            ).fetchone()
-        if row is None:
+                "AND fence = ? AND holder = ?",
+                (expires_at, claim.run_id, claim.scope, claim.fence, claim.holder),
+            ).rowcount
+        if renewed != 1:
             raise Fenced(
                 "claim was taken over or released", run_id=claim.run_id, scope=claim.scope
             )
-        return Claim(claim.run_id, claim.scope, claim.holder, claim.fence, float(row[0]))
+        return Claim(claim.run_id, claim.scope, claim.holder, claim.fence, expires_at)
 
     def release_claim(self, claim: Claim) -> None:
         with self._atomic() as txn:
