@@ -508,7 +508,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         The event's interrupt is claimed and consumed before any step runs;
         of k concurrent resumers one proceeds and the others get `ResumeConflict`.
         """
-        ctx = self.context(workflow, run_id)
+        ctx = await asyncio.to_thread(self.context, workflow, run_id)
         try:
             handler = workflow.run(ctx=ctx)
         except ForkWithoutIntent as exc:
