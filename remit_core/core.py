@@ -265,7 +265,7 @@ class Remit:
             # A first checkpoint usually starts a new run: try to create main
             # straight away; if main exists, plan from the branches.
             guess = policy.CommitPlan(MAIN_BRANCH, None, 1)
-        elif plan is None and fork_token is None:
+        elif plan is None and fork_token is None and parent_id is not None:
             # The parent was main's head when this process last saw it: try the
             # compare-and-set straight away; if it lost, plan from the branches.
             seq = self._main_seqs.get((run_id, ns, parent_id))

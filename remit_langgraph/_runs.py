@@ -26,21 +26,23 @@ saver call, `update_state`) gets plain storage with schema checks.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from langchain_core.runnables import RunnableConfig
 from langgraph._internal._constants import CONFIG_KEY_RESUME_MAP, NULL_TASK_ID
 from langgraph._internal._serde import build_serde_allowlist
+from langgraph.checkpoint.base import CheckpointTuple
 from langgraph.checkpoint.serde.types import INTERRUPT, RESUME
 from langgraph.config import get_config
 from langgraph.pregel import Pregel
-from langgraph.pregel._loop import PregelLoop
+from langgraph.pregel._loop import AsyncPregelLoop, PregelLoop, SyncPregelLoop
 from langgraph.types import Command, Interrupt
 
 from remit_core import Remit, codec, policy
@@ -115,6 +117,13 @@ class _Writing:
             self.run._settled.notify_all()
 
 
+class LoopCall(NamedTuple):
+    """A call from LangGraph's run loop: the loop, and the state check of its graph."""
+
+    loop: PregelLoop
+    check: StateCheck | None
+
+
 _current: contextvars.ContextVar[Run | None] = contextvars.ContextVar(
     "remit_langgraph_run", default=None
 )
@@ -150,18 +159,21 @@ class Runs:
         self._lock = threading.Lock()
 
     # -- finding LangGraph in the call stack -------------------------------------------
-    def calling_loop(self, frame: FrameType | None) -> PregelLoop | None:
-        """The top-level run loop that called the saver from its `__enter__`, if any."""
+    def calling_loop(self, frame: FrameType | None) -> LoopCall | None:
+        """The top-level run loop that called the saver from its `__enter__`, if any,
+        with the state check of the graph it runs."""
         loop = None if frame is None else frame.f_locals.get("self")
         if not isinstance(loop, PregelLoop) or frame is None:
             self.learn(frame)
             return None
         if frame.f_code.co_name not in ("__enter__", "__aenter__") or loop.is_nested:
             return None
-        self.learn(frame.f_back, loop)
-        return loop
+        check = self.learn(frame.f_back)
+        if check is not None:
+            check.with_channels(loop.specs)
+        return LoopCall(loop, check)
 
-    def learn(self, frame: FrameType | None, loop: PregelLoop | None = None) -> StateCheck | None:
+    def learn(self, frame: FrameType | None) -> StateCheck | None:
         """Find the graph a few frames up; note its state check and its serializable types."""
         graph = None
         for _ in range(_GRAPH_FRAME_DEPTH):
@@ -177,12 +189,12 @@ class Runs:
         with self._lock:
             if graph in self._graphs:
                 return self.declared or self._graphs[graph]
-        check = self._study(graph, loop)
+        check = self._study(graph)
         with self._lock:
             self._graphs[graph] = check
         return self.declared or check
 
-    def _study(self, graph: Pregel, loop: PregelLoop | None) -> StateCheck | None:
+    def _study(self, graph: Pregel[Any, Any, Any, Any]) -> StateCheck | None:
         builder = getattr(graph, "builder", None)
         state_type = getattr(builder, "state_schema", None)
         check = self.declared or (None if state_type is None else StateCheck.of(state_type))
@@ -201,8 +213,11 @@ class Runs:
         return run if run is not None and run.thread == thread else None
 
     # -- run start ---------------------------------------------------------------
-    def start(self, loop: PregelLoop, config: RunnableConfig) -> tuple[Run | None, Any]:
-        """Open a run for `loop`: claim, fork rule, resume values. Returns (run, tuple)."""
+    def start(
+        self, call: LoopCall, config: RunnableConfig
+    ) -> tuple[Run | None, CheckpointTuple | None]:
+        """Open a run for `call.loop`: claim, fork rule, resume values. Returns (run, tuple)."""
+        loop = call.loop
         conf = config.get("configurable") or {}
         thread = str(conf["thread_id"])
         token = conf.get("fork_token")
@@ -210,7 +225,7 @@ class Runs:
         if record is None and loop.input is None:
             return None, None  # nothing to run; LangGraph reports the empty input
         handle = self.remit.claim(thread, branch, lease=self.saver.lease)
-        run = Run(self.remit, thread, branch, handle, self._graph_check(loop))
+        run = Run(self.remit, thread, branch, handle, call.check)
         try:
             if record is not None:
                 run.committed.add(record.checkpoint_id)
@@ -220,16 +235,6 @@ class Runs:
             handle.release()
             raise
         return run, found
-
-    def _graph_check(self, loop: PregelLoop) -> StateCheck | None:
-        if self.declared is not None:
-            return self.declared.with_channels(loop.specs)
-        with self._lock:
-            known = [c for c in self._graphs.values() if c is not None]
-        for check in known:
-            if check.fields <= set(loop.specs):
-                return check
-        return None
 
     def _where(
         self, thread: str, checkpoint_id: str | None, token: str | None
@@ -341,13 +346,13 @@ class Runs:
         owed = {
             i.interrupt_id: self.saver._decode(i.value, run_id=run.thread)
             for i in consumed
-            if raised_by.get(i.interrupt_id) not in finished
+            if i.value is not None and raised_by.get(i.interrupt_id) not in finished
         }
         if owed:
             loop.config["configurable"][CONFIG_KEY_RESUME_MAP] = owed
 
     # -- run end -----------------------------------------------------------------
-    def attach(self, loop: PregelLoop, run: Run, *, is_async: bool) -> None:
+    def attach(self, loop: PregelLoop, run: Run) -> None:
         """Bind `run` to this context and release it when the loop exits (or is dropped)."""
         token = _current.set(run)
         released = threading.Event()
@@ -364,17 +369,20 @@ class Runs:
             except ValueError:  # exited from another context
                 _current.set(None)
 
-        if is_async:
+        if isinstance(loop, AsyncPregelLoop):
 
-            async def afinish(*_: object) -> None:
-                import asyncio
-
+            async def afinish() -> None:
                 reset()
                 await asyncio.to_thread(finish)
 
             loop.stack.push_async_callback(afinish)
-        else:
-            loop.stack.callback(lambda: (reset(), finish()))
+        elif isinstance(loop, SyncPregelLoop):
+
+            def sync_finish() -> None:
+                reset()
+                finish()
+
+            loop.stack.callback(sync_finish)
         # A loop whose __enter__ fails never unwinds its stack: release when it is dropped.
         weakref.finalize(loop, finish)
 
@@ -382,6 +390,7 @@ class Runs:
     def before_put(
         self,
         thread: str,
+        ns: str,
         checkpoint_id: str,
         values: Mapping[str, Any],
         changed: Any,
@@ -396,8 +405,9 @@ class Runs:
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         # LangGraph chains its puts: a put after a refused one fails with it. A
         # put after a refused task write carries the refused value, and fails here.
+        # The schema is the top graph's: a subgraph's namespace has its own keys.
         check = run.check if run is not None else caller
-        if check is not None:
+        if check is not None and ns == "":
             try:
                 check.values(values, keys=changed, **ids)
             except RemitError as exc:
@@ -420,7 +430,7 @@ class Runs:
         if run is not None and run.failed is not None and checkpoint_id not in run.committed:
             raise run.failed
         check = run.check if run is not None else self.declared
-        if check is not None:
+        if check is not None and ns == "":
             try:
                 check.writes(writes, **ids)
             except RemitError as exc:

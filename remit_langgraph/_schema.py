@@ -28,10 +28,11 @@ _PLAIN_CHANNELS = (LastValue, LastValueAfterFinish)
 
 def _field_types(state_type: Any) -> dict[str, Any]:
     if isinstance(state_type, type) and issubclass(state_type, BaseModel):
-        return {
-            name: Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
-            for name, f in state_type.model_fields.items()
-        }
+        fields: dict[str, Any] = {}
+        for name, f in state_type.model_fields.items():
+            args = (f.annotation, *f.metadata)
+            fields[name] = Annotated[args] if f.metadata else f.annotation
+        return fields
     if (
         dataclasses.is_dataclass(state_type)
         or typing.is_typeddict(state_type)

@@ -181,7 +181,7 @@ class StrictSerializer(SerializerProtocol):
     def _rebuild(self, code: int, data: bytes) -> Any:
         if code == jsonplus.EXT_DELTA_SNAPSHOT:
             value = ormsgpack.unpackb(data, ext_hook=self._ext_hook, option=_OPTIONS)
-            return jsonplus._DeltaSnapshot(value)
+            return jsonplus._DeltaSnapshot(value)  # type: ignore[attr-defined]
         if code == jsonplus.EXT_NUMPY_ARRAY:
             self._allowed("numpy", "ndarray")
             return jsonplus._create_msgpack_ext_hook(True)(code, data)

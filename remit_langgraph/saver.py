@@ -145,12 +145,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
         Called by LangGraph's run loop at the start of a run, it also opens the
         run: claim, fork rule, resume values (see `_runs`).
         """
-        loop = self._runs.calling_loop(sys._getframe(1))
-        if loop is None:
+        call = self._runs.calling_loop(sys._getframe(1))
+        if call is None:
             return self.read(config)
-        run, found = self._runs.start(loop, config)
+        run, found = self._runs.start(call, config)
         if run is not None:
-            self._runs.attach(loop, run, is_async=False)
+            self._runs.attach(call.loop, run)
         return found
 
     def read(self, config: RunnableConfig) -> CheckpointTuple | None:
@@ -234,7 +234,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         checkpoint_id = checkpoint["id"]
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         values = checkpoint["channel_values"]
-        run = self._runs.before_put(thread, checkpoint_id, values, new_versions.keys(), caller)
+        run = self._runs.before_put(thread, ns, checkpoint_id, values, new_versions.keys(), caller)
         blobs, inline = {}, {}
         for ch, value in values.items():
             if ch in new_versions:
@@ -386,12 +386,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     # -- async twins: the same code in a worker thread --------------------------------
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        loop = self._runs.calling_loop(sys._getframe(1))
-        if loop is None:
+        call = self._runs.calling_loop(sys._getframe(1))
+        if call is None:
             return await asyncio.to_thread(self.read, config)
-        run, found = await asyncio.to_thread(self._runs.start, loop, config)
+        run, found = await asyncio.to_thread(self._runs.start, call, config)
         if run is not None:
-            self._runs.attach(loop, run, is_async=True)
+            self._runs.attach(call.loop, run)
         return found
 
     async def alist(
