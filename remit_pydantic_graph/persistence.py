@@ -380,9 +380,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         return head
 
-    def _start_reason(self, head: _Head | None) -> str | None:
-        if head is None:
-            return None
+    def _start_reason(self, head: _Head) -> str:
         return (
             f"the run already has a head on branch {self.branch!r} ({head.top.describe()}) "
             "and starting a new node there"
@@ -394,14 +392,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         try:
             # Refuse from a read first: a refused writer never holds the claim.
             head = self._read_head()
-            why = self._start_reason(head)
-            if head is not None and why is not None and self.fork_token is None:
-                raise self._refuse_fork(head.top.id, why)
+            if head is not None and self.fork_token is None:
+                raise self._refuse_fork(head.top.id, self._start_reason(head))
             self._acquire(heartbeat=False)
             head = self._read_head()
-            why = self._start_reason(head)
-            if head is not None and why is not None:
-                head = self._fork(head.top.id, heartbeat=False, why=why)
+            if head is not None:
+                head = self._fork(head.top.id, heartbeat=False, why=self._start_reason(head))
             self._commit(snapshot, body, head)
         except BaseException:
             self._drop()
