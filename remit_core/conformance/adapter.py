@@ -39,8 +39,8 @@ adapter decides whether a cell passes.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -265,7 +265,12 @@ class ProbeEnv:
         action, nth = armed
         self._hits[name] = self._hits.get(name, 0) + 1
         if self._hits[name] == nth:
-            os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+            # Directed at this thread: a process-wide SIGSTOP is taken up by the
+            # main thread, and until it runs this thread goes on (into a store
+            # transaction, say, whose lock the stopped process would then hold).
+            signal.pthread_kill(
+                threading.get_ident(), signal.SIGKILL if action == "kill" else signal.SIGSTOP
+            )
 
     def effect(self, name: str) -> Any:
         """Apply effect `name` as a user of this target would.
