@@ -77,7 +77,8 @@ def _on_start(ctx: Any) -> Any:
     if backend is None:
         return None
     token = current_fork_token.get()
-    inputs, replaced = ctx.payload, None
+    inputs: Any = ctx.payload
+    replaced: dict[str, Any] | None = None
     if token is not None and inputs is None:
         # A fork names its run through inputs["id"]: give CrewAI a dict to read it from.
         inputs = replaced = {}

@@ -623,6 +623,7 @@ class RemitFlowPersistence(FlowPersistence):
             )
         forked = self.fork(source_id, fork_token=ex.fork_token)
         flow = ex.flow()
+        assert flow is not None, "the kickoff that forks holds its flow"
         self._begin_restart(ex, flow, forked)
         if ex.refusal is not None:
             raise ex.refusal

@@ -93,23 +93,23 @@ def _probe_flow(env: ProbeEnv, persistence: Any) -> tuple[type[Any], type[Any]]:
 
         @listen(prepare)
         @human_feedback(message="Approve this order?", provider=Pause())
-        def ask(self) -> dict[str, Any]:
+        def review(self) -> dict[str, Any]:
             return {"order_id": self.state.order_id, "amount": self.state.amount}
 
         if multi:
 
-            @listen(ask)
+            @listen(review)
             def note_first(self) -> None:
-                self.state.approved_by = self.last_human_feedback.feedback
+                self.state.approved_by = self.feedback()
 
             @listen(note_first)
             @human_feedback(message="Approve it once more?", provider=Pause())
-            def ask_again(self) -> dict[str, Any]:
+            def review_again(self) -> dict[str, Any]:
                 return {"order_id": self.state.order_id, "amount": self.state.amount}
 
-        @listen("ask_again" if multi else "ask")
+        @listen("review_again" if multi else "review")
         def approve(self) -> None:
-            value = self.last_human_feedback.feedback
+            value = self.feedback()
             env.enter("approve")
             env.point("resume.after_accept")
             self.state.approved_by = f"{self.state.approved_by}+{value}" if multi else value
@@ -134,7 +134,13 @@ def _probe_flow(env: ProbeEnv, persistence: Any) -> tuple[type[Any], type[Any]]:
             env.effect("notify")
             self.state.log.append("notify")
 
-    return persist(persistence)(ProbeFlow), ProbeFlowState
+        def feedback(self) -> str:
+            """The reviewer's answer (restored by Remit after a restart)."""
+            if self.last_human_feedback is None:
+                raise RuntimeError("approve ran without a reviewer's answer")
+            return self.last_human_feedback.feedback
+
+    return persist(persistence)(ProbeFlow), ProbeFlowState  # type: ignore[return-value]
 
 
 def _result(flow: Any, out: Any) -> RunResult:

@@ -134,7 +134,7 @@ def order_flow(
 
 
 def review_flow(url: str, world: Path, *, lease: float = 30.0) -> type[Any]:
-    """prepare -> ask (human feedback: pauses) -> approve -> ship (effect); built in a child."""
+    """prepare -> review (human feedback: pauses) -> approve -> ship (effect); built in a child."""
     from crewai.flow.async_feedback.types import HumanFeedbackPending
     from crewai.flow.flow import Flow, listen, start
     from crewai.flow.human_feedback import human_feedback
@@ -164,12 +164,13 @@ def review_flow(url: str, world: Path, *, lease: float = 30.0) -> type[Any]:
 
         @listen(prepare)
         @human_feedback(message="Ship it?", provider=Later())
-        def ask(self) -> str:
+        def review(self) -> str:
             return "parcel"
 
-        @listen(ask)
+        @listen(review)
         def approve(self) -> None:
             journal.record("enter", "approve")
+            assert self.last_human_feedback is not None
             self.state.approved_by = self.last_human_feedback.feedback
 
         @listen(approve)
