@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from langchain_core.runnables import RunnableConfig
 from langgraph._internal._constants import CONFIG_KEY_RESUME_MAP, NULL_TASK_ID
 from langgraph._internal._serde import build_serde_allowlist
-from langgraph.checkpoint.base import CheckpointTuple
+from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 from langgraph.checkpoint.serde.types import INTERRUPT, RESUME
 from langgraph.config import get_config
 from langgraph.pregel import Pregel
@@ -161,7 +161,10 @@ class Runs:
     # -- finding LangGraph in the call stack -------------------------------------------
     def calling_loop(self, frame: FrameType | None) -> LoopCall | None:
         """The top-level run loop that called the saver from its `__enter__`, if any,
-        with the state check of the graph it runs."""
+        with the state check of the graph it runs. A subclass's override that calls
+        `super()` is looked through."""
+        while frame is not None and isinstance(frame.f_locals.get("self"), BaseCheckpointSaver):
+            frame = frame.f_back
         loop = None if frame is None else frame.f_locals.get("self")
         if not isinstance(loop, PregelLoop) or frame is None:
             self.learn(frame)
@@ -254,10 +257,13 @@ class Runs:
         if forked is not None and checkpoint_id in (forked.base_id, forked.head_id):
             # The same token again: that branch, at its head (P3).
             return self.remit.head(thread, branch=forked.branch), forked.branch
-        heads = [b for b in branches if b.head_id == checkpoint_id]
-        if heads:
-            return record, heads[0].branch
         if token is None:
+            heads = sorted(
+                (b for b in branches if b.head_id == checkpoint_id),
+                key=lambda b: b.fork_token is not None,
+            )
+            if heads:
+                return record, heads[0].branch
             raise ForkWithoutIntent(
                 "continuing from a checkpoint that is not the head of its branch is a fork; "
                 'pass config["configurable"]["fork_token"] to create one named branch',
@@ -270,7 +276,9 @@ class Runs:
                 run_id=thread,
                 checkpoint_id=checkpoint_id,
             )
-        return record, policy.fork_branch_name(token)
+        # A token with an explicit checkpoint is the intent to fork, from a head too:
+        # one named branch, the same one from any process (P3).
+        return record, self.remit.fork(thread, checkpoint_id, token).branch
 
     def _settle_resume(self, loop: PregelLoop, run: Run, record: CheckpointRecord) -> None:
         """Consume what a `Command(resume=...)` answers; re-deliver what a dead resumer took."""
@@ -289,7 +297,8 @@ class Runs:
                     checkpoint_id=record.checkpoint_id,
                 )
             self._consume(run, here, command.resume)
-        elif loop.input is None:
+        elif loop.input is None and record.branch == run.branch:
+            # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
             self._redeliver(loop, run, record, here)
 
     def _consume(self, run: Run, here: Sequence[InterruptRecord], resume: Any) -> None:

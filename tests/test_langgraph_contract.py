@@ -45,6 +45,18 @@ def outcome_of(fn: Callable[[], Any]) -> str:
     return "ok"
 
 
+def paused(
+    store_url: str, tmp_path: Path, *, durability: str = "async", **options: Any
+) -> tuple[World, RemitSaver, Any, dict[str, Any]]:
+    """The probe graph on a fresh thread, run to approve's pause."""
+    world = World(tmp_path)
+    saver = RemitSaver(store_url, lease=LEASE)
+    graph = build(world, saver, **options)
+    config = thread_config()
+    graph.invoke(INITIAL, config, durability=durability)
+    return world, saver, graph, config
+
+
 def run_in_process(fn: Callable[[], Any]) -> int:
     """Run `fn` in a forked process; return its exit status (negative: killed by a signal)."""
     proc = CTX.Process(target=fn)
@@ -58,10 +70,7 @@ def run_in_process(fn: Callable[[], Any]) -> int:
 
 
 def test_k8_processes_exactly_one_resumer_proceeds(store_url: str, tmp_path: Path) -> None:
-    world = World(tmp_path)
-    graph = build(world, RemitSaver(store_url, lease=LEASE))
-    config = thread_config()
-    graph.invoke(INITIAL, config)
+    world, saver, graph, config = paused(store_url, tmp_path)
     barrier, results = CTX.Barrier(8), CTX.Queue()
     before = len(world.entries())
 
@@ -89,10 +98,7 @@ def test_k8_processes_exactly_one_resumer_proceeds(store_url: str, tmp_path: Pat
 def test_k8_threads_in_one_process(store_url: str, tmp_path: Path) -> None:
     import threading
 
-    world = World(tmp_path)
-    graph = build(world, RemitSaver(store_url, lease=LEASE))
-    config = thread_config()
-    graph.invoke(INITIAL, config)
+    world, saver, graph, config = paused(store_url, tmp_path)
     gate = threading.Barrier(8)
     outcomes: list[str] = []
 
@@ -113,11 +119,7 @@ def test_k8_threads_in_one_process(store_url: str, tmp_path: Path) -> None:
 def test_second_value_to_a_consumed_interrupt_is_refused_and_not_stored(
     store_url: str, tmp_path: Path
 ) -> None:
-    world = World(tmp_path)
-    saver = RemitSaver(store_url)
-    graph = build(world, saver)
-    config = thread_config()
-    graph.invoke(INITIAL, config)
+    world, saver, graph, config = paused(store_url, tmp_path)
     done = graph.invoke(Command(resume="alice"), config)
     with pytest.raises(ResumeConflict):
         graph.invoke(Command(resume="mallory"), config)
@@ -131,10 +133,7 @@ def test_second_value_to_a_consumed_interrupt_is_refused_and_not_stored(
 
 
 def test_invalid_resume_value_leaves_interrupt_pending(store_url: str, tmp_path: Path) -> None:
-    world = World(tmp_path)
-    graph = build(world, RemitSaver(store_url))
-    config = thread_config()
-    graph.invoke(INITIAL, config)
+    world, saver, graph, config = paused(store_url, tmp_path)
     with pytest.raises(CheckpointInvalid) as err:
         graph.invoke(Command(resume=12345), config)
     assert err.value.interrupt_id is not None
@@ -165,10 +164,7 @@ def test_multi_interrupt_each_value_reaches_its_interrupt(store_url: str, tmp_pa
 def test_sigkill_after_effect_recovery_applies_it_once(
     store_url: str, tmp_path: Path, durability: str, point: str
 ) -> None:
-    world = World(tmp_path)
-    graph = build(world, RemitSaver(store_url, lease=LEASE))
-    config = thread_config()
-    graph.invoke(INITIAL, config, durability=durability)
+    world, saver, graph, config = paused(store_url, tmp_path, durability=durability)
 
     def doomed() -> None:
         if point.startswith("effect."):
@@ -193,10 +189,7 @@ def test_sigkill_after_effect_recovery_applies_it_once(
 
 
 def test_zombie_resumer_is_fenced(store_url: str, tmp_path: Path) -> None:
-    world = World(tmp_path)
-    graph = build(world, RemitSaver(store_url, lease=LEASE))
-    config = thread_config()
-    graph.invoke(INITIAL, config)
+    world, saver, graph, config = paused(store_url, tmp_path)
     results = CTX.Queue()
 
     def zombie() -> None:
@@ -223,11 +216,7 @@ def test_zombie_resumer_is_fenced(store_url: str, tmp_path: Path) -> None:
 
 
 def test_fork_needs_a_token_and_one_token_makes_one_branch(store_url: str, tmp_path: Path) -> None:
-    world = World(tmp_path)
-    saver = RemitSaver(store_url)
-    graph = build(world, saver)
-    config = thread_config()
-    graph.invoke(INITIAL, config)
+    world, saver, graph, config = paused(store_url, tmp_path)
     done = graph.invoke(Command(resume="alice"), config)
     thread = config["configurable"]["thread_id"]
     head = graph.get_state(config).config["configurable"]["checkpoint_id"]
@@ -251,6 +240,20 @@ def test_fork_needs_a_token_and_one_token_makes_one_branch(store_url: str, tmp_p
     fork_state = graph.get_state({"configurable": {"thread_id": thread, "fork_token": "replay-1"}})
     assert fork_state.values == done
     assert len(world.applications("charge")) == 1
+
+
+def test_a_fork_of_a_paused_run_has_its_own_interrupt(store_url: str, tmp_path: Path) -> None:
+    world, saver, graph, config = paused(store_url, tmp_path)
+    head = graph.get_state(config).config["configurable"]
+    fork = {"configurable": {**head, "fork_token": "fork-of-pause"}}
+    asked = graph.invoke(None, fork)["__interrupt__"][0]
+    main_done = graph.invoke(Command(resume="alice"), config)
+    fork_only = {"configurable": {"thread_id": head["thread_id"], "fork_token": "fork-of-pause"}}
+    assert graph.get_state(fork_only).next == ("approve",)  # L3: main's consume left it
+    fork_done = graph.invoke(Command(resume={asked.id: "bob"}), fork_only)
+    assert (main_done["approved_by"], fork_done["approved_by"]) == ("alice", "bob")
+    assert len(world.entries("approve")) == 2
+    assert len(saver.remit.branches(head["thread_id"])) == 2
 
 
 # -- P4: state validity ----------------------------------------------------------------
@@ -283,11 +286,7 @@ def test_invalid_node_output_is_refused_and_thread_stays_resumable(
 
 
 def test_invalid_update_state_is_refused(store_url: str, tmp_path: Path) -> None:
-    world = World(tmp_path)
-    saver = RemitSaver(store_url)
-    graph = build(world, saver)
-    config = thread_config()
-    graph.invoke(INITIAL, config)
+    world, saver, graph, config = paused(store_url, tmp_path)
     head = graph.get_state(config)
     with pytest.raises(CheckpointInvalid) as err:
         graph.update_state(config, {"amount": -1})
