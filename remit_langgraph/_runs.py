@@ -276,9 +276,15 @@ class Runs:
                 run_id=thread,
                 checkpoint_id=checkpoint_id,
             )
-        # A token with an explicit checkpoint is the intent to fork, from a head too:
-        # one named branch, the same one from any process (P3).
-        return record, self.remit.fork(thread, checkpoint_id, token).branch
+        return record, self.fork(thread, checkpoint_id, token)
+
+    def fork(self, thread: str, checkpoint_id: str, token: str) -> str:
+        """A token with an explicit checkpoint is the intent to fork, from a head too:
+        one named branch, the same one from any process (P3). Returns its name."""
+        existing = self.remit.fork_branch(thread, token)
+        if existing is not None and checkpoint_id in (existing.base_id, existing.head_id):
+            return existing.branch
+        return self.remit.fork(thread, checkpoint_id, token).branch
 
     def _settle_resume(self, loop: PregelLoop, run: Run, record: CheckpointRecord) -> None:
         """Consume what a `Command(resume=...)` answers; re-deliver what a dead resumer took."""

@@ -241,6 +241,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 blobs[rec.blob_key(ch, new_versions[ch])] = self._dump(value, ch, **ids)
             else:
                 inline[ch] = self._dump(value, ch, **ids)
+        token, parent = conf.get("fork_token"), conf.get("checkpoint_id")
+        if run is None and token and parent and ns == "":
+            # Outside a run (`update_state`), a token with a checkpoint forks as a run does.
+            self._runs.fork(thread, parent, token)
         declared = self._runs.declared
         stored_meta = get_serializable_checkpoint_metadata(config, metadata)
         self._index_run(thread, stored_meta.get("run_id"))
@@ -248,11 +252,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
             self.remit.commit(
                 run_id=thread,
                 checkpoint_id=checkpoint_id,
-                parent_id=conf.get("checkpoint_id"),
+                parent_id=parent,
                 state=rec.encode_body(checkpoint, inline),
                 ns=ns,
                 metadata=stored_meta,
-                fork_token=conf.get("fork_token"),
+                fork_token=token,
                 schema_version=declared.version if declared is not None else 1,
                 workflow_version=self.workflow_version,
                 blobs=blobs,

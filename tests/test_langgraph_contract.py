@@ -241,6 +241,13 @@ def test_fork_needs_a_token_and_one_token_makes_one_branch(store_url: str, tmp_p
     assert fork_state.values == done
     assert len(world.applications("charge")) == 1
 
+    edit = {"configurable": {**old.config["configurable"], "fork_token": "edit-1"}}
+    graph.update_state(edit, {"approved_by": "eve"})
+    edited = graph.get_state({"configurable": {"thread_id": thread, "fork_token": "edit-1"}})
+    assert edited.values["approved_by"] == "eve"
+    assert len(saver.remit.branches(thread)) == 3
+    assert graph.get_state(config).config["configurable"]["checkpoint_id"] == head
+
 
 def test_a_fork_of_a_paused_run_has_its_own_interrupt(store_url: str, tmp_path: Path) -> None:
     world, saver, graph, config = paused(store_url, tmp_path)
