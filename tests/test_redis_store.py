@@ -52,6 +52,14 @@ def redis_store() -> Iterator[RedisStore]:
 
 
 @pytest.fixture
+def run_id(redis_store: RedisStore) -> Iterator[str]:
+    """A fresh run, deleted afterwards: listings over every run read the shared server."""
+    run = f"run-{uuid.uuid4().hex}"
+    yield run
+    redis_store.delete_run(run)
+
+
+@pytest.fixture
 def raw() -> Redis:
     return Redis.from_url(REDIS_URL)
 
@@ -463,17 +471,19 @@ def test_redis_commit_fills_a_branch_with_no_head_as_sql(redis_store: RedisStore
 def test_redis_scripts_reload_transparently_after_script_flush(
     redis_store: RedisStore, raw: Redis, run_id: str
 ) -> None:
-    redis_store.commit_checkpoint(ckpt(run_id, "c1"), expected_head=None)
+    redis_store.commit_checkpoint(ckpt(run_id, " 1"), expected_head=None)
     sha = redis_store._scripts["COMMIT"].sha
     assert raw.script_exists(sha) == [True]
     raw.script_flush()
     assert raw.script_exists(sha) == [False]
-    redis_store.commit_checkpoint(ckpt(run_id, "c2", "c1"), expected_head="c1")
+    redis_store.commit_checkpoint(ckpt(run_id, " 2", " 1"), expected_head=" 1")
     assert raw.script_exists(sha) == [True]
-    assert redis_store.get_branch(run_id, "", "main").head_id == "c2"  # type: ignore[union-attr]
+    assert redis_store.get_branch(run_id, "", "main").head_id == " 2"  # type: ignore[union-attr]
     raw.script_flush()
     # The listing of every run goes through a pipeline, which loads scripts its own way.
-    assert "c2" in [c.checkpoint_id for c in redis_store.list_checkpoints(None)]
+    # Ids below "!" keep the shared server's other runs out of the answer.
+    listed = redis_store.list_checkpoints(None, before_id=" 3")
+    assert (run_id, " 2") in [(c.run_id, c.checkpoint_id) for c in listed]
 
 
 def test_redis_each_primitive_is_one_command(redis_store: RedisStore, raw: Redis, run_id: str):
@@ -645,15 +655,18 @@ def test_redis_listing_every_run_merges_runs_by_checkpoint_id(
 ) -> None:
     other = run_id + "-other"
     try:
-        redis_store.commit_checkpoint(ckpt(run_id, "zz-1"), expected_head=None)
-        redis_store.commit_checkpoint(ckpt(other, "zz-3"), expected_head=None)
-        redis_store.commit_checkpoint(ckpt(run_id, "zz-2", "zz-1"), expected_head="zz-1")
-        listed = redis_store.list_checkpoints(None, before_id="zz-4")
+        # Ids below "!" keep the shared server's other runs out of the answer.
+        c1, c2, c3, c4 = (f" {run_id}-{i}" for i in range(1, 5))
+        redis_store.commit_checkpoint(ckpt(run_id, c1), expected_head=None)
+        redis_store.commit_checkpoint(ckpt(other, c3), expected_head=None)
+        redis_store.commit_checkpoint(ckpt(run_id, c2, c1), expected_head=c1)
+        listed = redis_store.list_checkpoints(None, before_id=c4)
         ours = [(c.run_id, c.checkpoint_id) for c in listed if c.run_id in (run_id, other)]
-        assert ours == [(other, "zz-3"), (run_id, "zz-2"), (run_id, "zz-1")]
+        assert ours == [(other, c3), (run_id, c2), (run_id, c1)]
         ids = [c.checkpoint_id for c in listed]
         assert ids == sorted(ids, reverse=True)
-        assert len(redis_store.list_checkpoints(None, before_id="zz-4", limit=2)) == 2
+        top = redis_store.list_checkpoints(None, before_id=c4, limit=2)
+        assert [(c.run_id, c.checkpoint_id) for c in top] == ours[:2]
     finally:
         redis_store.delete_run(other)
 
