@@ -44,6 +44,7 @@ _LANGGRAPH_TYPES = frozenset(
     }
 )
 _PLAIN = (str, int, float, bool, type(None), bytes, bytearray)
+_PLAIN_TYPES = frozenset(_PLAIN)
 #: The ext hook's refusal, kept per thread because msgpack re-raises it without a cause.
 _refusals = threading.local()
 _CONTAINERS = (list, tuple, set, frozenset)
@@ -92,7 +93,17 @@ class StrictSerializer(SerializerProtocol):
             return "bytes", obj
         if isinstance(obj, bytearray):
             return "bytearray", bytes(obj)
-        self._check(obj, path, ids)
+        bad = self._refused(obj)
+        if bad is not None:
+            steps, cls = bad
+            where = path + "".join(reversed(steps))
+            raise CheckpointInvalid(
+                f"value of type {cls.__module__}.{cls.__qualname__} at {where} is not in the "
+                "serializer allowlist; declare it in the graph's state schema or pass "
+                "RemitSaver(..., allowlist=[...])",
+                field=where,
+                **ids,
+            )
         try:
             return "msgpack", jsonplus._msgpack_enc(obj)
         except (TypeError, ormsgpack.MsgpackEncodeError) as exc:
@@ -103,41 +114,44 @@ class StrictSerializer(SerializerProtocol):
                 **ids,
             ) from exc
 
-    def _check(self, obj: Any, path: str, ids: dict[str, Any]) -> None:
-        """Refuse any object whose type is not plain data or allowlisted (walks containers)."""
-        if isinstance(obj, _PLAIN):
-            return
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                self._check(k, f"{path}.<key>", ids)
-                self._check(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]", ids)
-            return
-        if type(obj) in _CONTAINERS:
-            for i, v in enumerate(obj):
-                self._check(v, f"{path}[{i}]", ids)
-            return
-        if isinstance(obj, BaseException):
-            return  # LangGraph stores errors as their repr string
+    def _refused(self, obj: Any) -> tuple[list[str], type] | None:
+        """The first object (walking containers and fields) whose type is neither plain
+        data nor allowlisted: its path steps, innermost first, and its type."""
         cls = type(obj)
-        if (cls.__module__, cls.__name__) not in self.allowlist:
-            raise CheckpointInvalid(
-                f"value of type {cls.__module__}.{cls.__qualname__} at {path} is not in the "
-                "serializer allowlist; declare it in the graph's state schema or pass "
-                "RemitSaver(..., allowlist=[...])",
-                field=path,
-                **ids,
-            )
-        if isinstance(obj, BaseModel):
-            for name in type(obj).model_fields:
-                self._check(getattr(obj, name, None), f"{path}.{name}", ids)
+        if cls in _PLAIN_TYPES:
+            return None
+        items: Any
+        if cls is dict:
+            for k, v in obj.items():
+                bad = None if type(k) in _PLAIN_TYPES else self._refused(k)
+                if bad is None:
+                    bad = self._refused(v)
+                if bad is not None:
+                    bad[0].append(f".{k}" if type(k) is str else f"[{k!r}]")
+                    return bad
+            return None
+        if cls in _CONTAINERS:
+            items = enumerate(obj)
+        elif isinstance(obj, (*_PLAIN, dict)) or isinstance(obj, BaseException):
+            return None  # subclasses of plain types; errors are stored as their repr
+        elif (cls.__module__, cls.__name__) not in self.allowlist:
+            return [], cls
+        elif isinstance(obj, BaseModel):
+            items = vars(obj).items()
         elif dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                self._check(getattr(obj, f.name), f"{path}.{f.name}", ids)
+            items = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
         elif isinstance(obj, (tuple, deque)):  # a namedtuple or a deque
-            for i, v in enumerate(obj):
-                self._check(v, f"{path}[{i}]", ids)
+            items = enumerate(obj)
         elif hasattr(obj, "arg") and hasattr(obj, "node"):  # Send
-            self._check(obj.arg, f"{path}.arg", ids)
+            items = (("arg", obj.arg),)
+        else:
+            return None
+        for step, value in items:
+            bad = self._refused(value)
+            if bad is not None:
+                bad[0].append(f"[{step}]" if isinstance(step, int) else f".{step}")
+                return bad
+        return None
 
     # -- read --------------------------------------------------------------------
     def loads_typed(self, data: tuple[str, bytes]) -> Any:
