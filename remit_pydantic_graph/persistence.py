@@ -160,6 +160,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._edges: dict[str, tuple[frozenset[str], bool]] = {}
         self._instance = uuid.uuid4().hex[:8]
         self._claim: ClaimHandle | None = None
+        self._started: _Head | None = None  # the node `record_run` marked running
         self._ran: tuple[_Head, float] | None = None
 
     # -- types (the graph's own adapters) ---------------------------------------
@@ -429,9 +430,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     async def snapshot_node_if_new(
         self, snapshot_id: str, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]
     ) -> None:
-        await anyio.to_thread.run_sync(
-            self._snapshot_if_new, snapshot_id, NodeSnapshot(state=state, node=next_node)
-        )
+        snapshot = NodeSnapshot(state=state, node=next_node)
+        try:
+            await anyio.to_thread.run_sync(self._snapshot_if_new, snapshot_id, snapshot)
+        except BaseException:
+            self._drop()  # cut short (cancelled): the node will not run now
+            raise
 
     def _snapshot_if_new(self, snapshot_id: str, snapshot: NodeSnapshot[StateT, RunEndT]) -> None:
         if self.remit.checkpoint(self.run_id, snapshot_id) is None:
@@ -443,7 +447,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     @asynccontextmanager
     async def record_run(self, snapshot_id: str) -> AsyncIterator[None]:
         """Run the head node under the claim and `step_scope` (effects keyed by its id)."""
-        head = await anyio.to_thread.run_sync(self._begin_run, snapshot_id)
+        self._started = None
+        try:
+            head = await anyio.to_thread.run_sync(self._begin_run, snapshot_id)
+        except BaseException:
+            if self._started is not None:  # cancelled while the node was being marked running
+                self._end_run(self._started, "created", None)
+            raise
         claim = self._claim
         assert claim is not None
         start = perf_counter()
@@ -484,6 +494,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 raise GraphNodeStatusError(head.top.status)
             GraphNodeStatusError.check(head.top.status)
             self._set_status(head.top, "running")
+            self._started = head
         except BaseException:
             self._drop()
             raise
@@ -498,7 +509,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             self._drop()
 
     async def load_next(self) -> NodeSnapshot[StateT, RunEndT] | None:
-        return await anyio.to_thread.run_sync(self._load_next)
+        try:
+            return await anyio.to_thread.run_sync(self._load_next)
+        except BaseException:
+            self._drop()  # cut short (cancelled): the node stays free to load
+            raise
 
     def _load_next(self) -> NodeSnapshot[StateT, RunEndT] | None:
         """Claim the head node: new, pending, or left running by a dead process (L1)."""

@@ -317,19 +317,24 @@ def test_success_is_committed_with_the_next_snapshot(
 
 def test_cancellation_gives_the_node_back(url: str, run_id: str, world: World) -> None:
     """A cancelled node is not left running: another resumer takes it at once, same id."""
+    started = asyncio.Event()
 
     @dataclass
     class Slow(BaseNode[Order, World, str]):
         async def run(self, ctx: GraphRunContext[Order, World]) -> End[str]:
-            await asyncio.sleep(30)
+            started.set()
+            await asyncio.sleep(60)
             return End("slow")
 
     slow_graph = Graph(nodes=(Slow,), name="slow")
 
     async def go() -> None:
         p = RemitStatePersistence(url, run_id, lease=30.0)
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(slow_graph.run(Slow(), state=fresh(), persistence=p), 0.5)
+        task = asyncio.create_task(slow_graph.run(Slow(), state=fresh(), persistence=p))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
         other = RemitStatePersistence(url, run_id, lease=30.0)
         other.set_graph_types(slow_graph)
         (first,) = await other.load_all()
