@@ -29,10 +29,12 @@ Config keys (`config["configurable"]`):
 - `checkpoint_id`: continue from this checkpoint. If it is not the head of its
   branch, the run is a fork and needs `fork_token` (else `ForkWithoutIntent`
   before any node runs). Applies to time travel and to `update_state`.
-- `fork_token`: the fork-intent token (P3). The first use forks one named
-  branch; the same token again, from any process, returns that branch (its
-  head) instead of growing another. Without `checkpoint_id`, a token selects
-  its branch's head for reads and runs.
+- `fork_token`: the fork-intent token (P3). With `checkpoint_id` (a head
+  included) its first use forks one named branch from that checkpoint; the
+  same token again, from any process, returns that branch at its head instead
+  of growing another. Without `checkpoint_id`, a token selects its branch's
+  head for reads and runs (`{"thread_id": t, "fork_token": tok}`). A fork has
+  its own interrupts and re-asks them (L3).
 
 A run (`invoke`/`stream`, sync or async) takes the thread's claim before any
 node runs, holds it with a heartbeat and releases it when the run returns;
