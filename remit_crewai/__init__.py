@@ -9,6 +9,7 @@ Flow code stays as it is; effects that must happen once are declared with
 `remit_core.effect`. `fork_token` lets `kickoff(restore_from_state_id=...)` fork.
 """
 
-from remit_crewai.persistence import RemitFlowPersistence, SavedCheckpoint, fork_token
+from remit_crewai._session import fork_token
+from remit_crewai.persistence import RemitFlowPersistence, SavedCheckpoint
 
 __all__ = ["RemitFlowPersistence", "SavedCheckpoint", "fork_token"]

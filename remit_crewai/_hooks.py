@@ -28,12 +28,8 @@ from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
 
 from remit_core.effects import StepScope, bind_step_scope
 from remit_core.errors import RemitError
-from remit_crewai.persistence import (
-    Execution,
-    RemitFlowPersistence,
-    current_execution,
-    current_fork_token,
-)
+from remit_crewai._session import Execution, current_execution, current_fork_token
+from remit_crewai.persistence import RemitFlowPersistence
 
 _installed = False
 _install_lock = threading.Lock()

@@ -11,23 +11,18 @@ The checkpoint body carries the completion ledger (`remit_crewai._ledger`),
 which the interception hooks (`remit_crewai._hooks`) hand back to a
 restarted flow so that it skips what already completed.
 
-While a process drives a flow it holds a `_Session` for it: the claim (with
-its heartbeat), the head it continues from and the ledger. Sessions live in a
-per-process registry keyed by store URL and flow id, so every persistence
-instance on one store shares them, and a forked child starts with none.
+While a process drives a flow it holds a `Session` for it (`remit_crewai._session`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import os
 import threading
 import uuid
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from crewai.flow.async_feedback.types import PendingFeedbackContext
@@ -45,7 +40,7 @@ from remit_core.errors import (
     ResumeConflict,
     UnknownRecord,
 )
-from remit_core.records import MAIN_BRANCH, CheckpointRecord, FenceRef, InterruptRecord
+from remit_core.records import MAIN_BRANCH, CheckpointRecord
 from remit_core.schema import StateSchema
 from remit_core.stores import open_store
 from remit_crewai._ledger import (
@@ -57,116 +52,18 @@ from remit_crewai._ledger import (
     flow_id_of,
     locate,
 )
+from remit_crewai._session import (
+    Execution,
+    Session,
+    current_execution,
+    current_resumer,
+    sessions,
+)
 
 if TYPE_CHECKING:
     from crewai.flow.flow import Flow
 
 
-#: The fork token `kickoff(restore_from_state_id=...)` forks under (see `fork_token`).
-current_fork_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "remit_crewai_fork_token", default=None
-)
-
-
-@contextlib.contextmanager
-def fork_token(token: str) -> Iterator[None]:
-    """Let `kickoff(restore_from_state_id=S)` inside the block fork S under `token`.
-
-    The fork's flow id follows from S and the token, so presenting the same
-    token again (from any process) continues the same fork instead of making
-    a second one. Without a token such a kickoff is refused (`ForkWithoutIntent`).
-    """
-    if not token:
-        raise ValueError("a fork token must be a non-empty string")
-    reset = current_fork_token.set(token)
-    try:
-        yield
-    finally:
-        current_fork_token.reset(reset)
-
-
-@dataclass(eq=False)
-class Execution:
-    """One kickoff of a Remit-backed flow, as the interception hooks saw it begin.
-
-    `restart`: the flow id `inputs["id"]` asks to continue; `refusal`: why it
-    may not (raised by `load_state`, since CrewAI swallows errors of hooks);
-    `stepping`: a step began, so later `load_state` calls are plain reads.
-    """
-
-    flow: weakref.ref[Any]
-    inputs: dict[str, Any] | None
-    fork_token: str | None
-    restart: str | None = None
-    refusal: BaseException | None = None
-    stepping: bool = False
-
-
-#: The kickoff now running in this context (set by the EXECUTION_START hook).
-current_execution: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
-    "remit_crewai_execution", default=None
-)
-
-
-@dataclass(eq=False)
-class _Session:
-    """This process's hold on one flow id while it drives it."""
-
-    store_url: str
-    flow_id: str
-    run_id: str
-    branch: str
-    handle: ClaimHandle
-    head: str | None
-    ledger: Ledger
-    state: dict[str, Any]
-    beating: bool
-    owner: weakref.ref[Any] | None = None
-    #: The interrupt a `from_pending` resume consumes once its value is known.
-    pending: InterruptRecord | None = None
-    state_type: type[BaseModel] | None = None
-    lock: threading.RLock = field(default_factory=threading.RLock)
-
-    @property
-    def fence(self) -> FenceRef:
-        return self.handle.fence
-
-
-#: The session `load_pending_feedback` opened in this context, for the resume that follows.
-current_resumer: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
-    "remit_crewai_resumer", default=None
-)
-
-
-class _Registry:
-    """Sessions of this process by (store URL, flow id); a forked child starts empty."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self._items: dict[tuple[str, str], _Session] = {}
-        self._pid = os.getpid()
-
-    def _here(self) -> dict[tuple[str, str], _Session]:
-        if self._pid != os.getpid():
-            self._items, self._pid = {}, os.getpid()
-        return self._items
-
-    def get(self, store_url: str, flow_id: str) -> _Session | None:
-        with self.lock:
-            return self._here().get((store_url, flow_id))
-
-    def add(self, session: _Session) -> None:
-        with self.lock:
-            self._here()[(session.store_url, session.flow_id)] = session
-
-    def discard(self, session: _Session) -> None:
-        with self.lock:
-            items = self._here()
-            if items.get((session.store_url, session.flow_id)) is session:
-                del items[(session.store_url, session.flow_id)]
-
-
-_sessions = _Registry()
 _cores: dict[tuple[str, float, int], Remit] = {}
 _cores_lock = threading.Lock()
 
@@ -292,7 +189,7 @@ class RemitFlowPersistence(FlowPersistence):
             if ex.restart == flow_uuid:
                 if ex.refusal is not None:
                     raise ex.refusal
-                session = _sessions.get(self.url, flow_uuid)
+                session = sessions.get(self.url, flow_uuid)
                 if session is not None:
                     return {**session.state, "id": flow_uuid} if session.head else None
             else:
@@ -354,7 +251,7 @@ class RemitFlowPersistence(FlowPersistence):
             session.handle.release()
             raise
         session.pending = pending[-1]
-        _sessions.add(session)
+        sessions.add(session)
         current_resumer.set(session)
         assert session.pending.prompt is not None
         context = PendingFeedbackContext.from_dict(codec.loads(session.pending.prompt))
@@ -458,7 +355,7 @@ class RemitFlowPersistence(FlowPersistence):
         policy.check_workflow_version(record, self._accepted())
         return record, decode(record.state, run_id=run_id, checkpoint_id=record.checkpoint_id)
 
-    def _open(self, flow_id: str, *, heartbeat: bool) -> _Session:
+    def _open(self, flow_id: str, *, heartbeat: bool) -> Session:
         """Claim `flow_id` (`ResumeConflict` while another holder's lease lives); read its head."""
         run_id, branch = locate(flow_id)
         handle = self.remit.claim(run_id, branch, lease=self.lease, heartbeat=heartbeat)
@@ -472,7 +369,7 @@ class RemitFlowPersistence(FlowPersistence):
         except BaseException:
             handle.release()
             raise
-        return _Session(
+        return Session(
             store_url=self.url,
             flow_id=flow_id,
             run_id=run_id,
@@ -484,14 +381,14 @@ class RemitFlowPersistence(FlowPersistence):
             beating=heartbeat,
         )
 
-    def _writer(self, flow_id: str) -> tuple[_Session, bool]:
+    def _writer(self, flow_id: str) -> tuple[Session, bool]:
         """The session a save goes through, and whether it is a one-shot (release after).
 
         A save outside any kickoff (an operator's edit) claims, writes and
         releases; inside a kickoff the session lives until the run ends or pauses.
         """
-        with _sessions.lock:
-            session = _sessions.get(self.url, flow_id)
+        with sessions.lock:
+            session = sessions.get(self.url, flow_id)
             if session is not None:
                 self._activate(session)
                 return session, False
@@ -500,10 +397,10 @@ class RemitFlowPersistence(FlowPersistence):
             if ex is None:
                 return session, True
             session.owner = ex.flow
-            _sessions.add(session)
+            sessions.add(session)
             return session, False
 
-    def _activate(self, session: _Session) -> None:
+    def _activate(self, session: Session) -> None:
         """Start the heartbeat of a claim taken without one (by `load_pending_feedback`)."""
         with session.lock:
             if session.beating:
@@ -514,11 +411,11 @@ class RemitFlowPersistence(FlowPersistence):
             session.handle = ClaimHandle(self.remit, claim, self.lease, heartbeat=True)
             session.beating = True
 
-    def _release(self, session: _Session) -> None:
-        _sessions.discard(session)
+    def _release(self, session: Session) -> None:
+        sessions.discard(session)
         session.handle.release()
 
-    def _plain_state(self, session: _Session, state_data: Any) -> dict[str, Any]:
+    def _plain_state(self, session: Session, state_data: Any) -> dict[str, Any]:
         """The state as plain data the codec stores exactly, or `CheckpointInvalid`."""
         ids = {"run_id": session.run_id, "checkpoint_id": session.head}
         model = type(state_data) if isinstance(state_data, BaseModel) else session.state_type
@@ -563,7 +460,7 @@ class RemitFlowPersistence(FlowPersistence):
             ) from exc
 
     def _commit(
-        self, session: _Session, plain: dict[str, Any], method: str, kind: str, ledger: Ledger
+        self, session: Session, plain: dict[str, Any], method: str, kind: str, ledger: Ledger
     ) -> CheckpointRecord:
         remit = self.remit
         try:
@@ -601,10 +498,10 @@ class RemitFlowPersistence(FlowPersistence):
         """`kickoff(inputs={"id": flow_id})`: claim it and hand its ledger to `flow`."""
         ex.restart = flow_id
         try:
-            with _sessions.lock:
+            with sessions.lock:
                 session = self._open(flow_id, heartbeat=True)
                 session.owner = ex.flow
-                _sessions.add(session)
+                sessions.add(session)
             self._restore_into(flow, session)
         except Exception as exc:  # raised again by load_state: CrewAI swallows hook errors
             ex.refusal = exc
@@ -631,11 +528,11 @@ class RemitFlowPersistence(FlowPersistence):
         ex.inputs["id"] = forked
         if flow._completed_methods:
             flow._is_execution_resuming = True
-        session = _sessions.get(self.url, forked)
+        session = sessions.get(self.url, forked)
         assert session is not None
         return {**session.state, "id": forked}
 
-    def _restore_into(self, flow: Flow[Any], session: _Session) -> None:
+    def _restore_into(self, flow: Flow[Any], session: Session) -> None:
         """Give a restarted flow its past: completed methods and accepted feedback.
 
         Feedback consumed after the head was written (its resumer died before
@@ -666,14 +563,14 @@ class RemitFlowPersistence(FlowPersistence):
         flow.human_feedback_history = history
         flow.last_human_feedback = history[-1] if history else None
 
-    def _step_session(self, flow: Flow[Any]) -> _Session:
+    def _step_session(self, flow: Flow[Any]) -> Session:
         """The session a step of `flow` runs under: its own, a resumer's it adopts, or new."""
-        with _sessions.lock:
-            session = _sessions.get(self.url, flow.flow_id)
+        with sessions.lock:
+            session = sessions.get(self.url, flow.flow_id)
             if session is None:
                 session = self._open(flow.flow_id, heartbeat=True)
                 session.owner = weakref.ref(flow)
-                _sessions.add(session)
+                sessions.add(session)
             elif not self._owns(session, flow):
                 raise ResumeConflict(
                     "another flow instance in this process is driving this flow",
@@ -684,7 +581,7 @@ class RemitFlowPersistence(FlowPersistence):
             session.state_type = type(flow.state)
         return session
 
-    def _owns(self, session: _Session, flow: Flow[Any]) -> bool:
+    def _owns(self, session: Session, flow: Flow[Any]) -> bool:
         """Whether `flow` drives `session`; a resumed flow adopts the session of its resume."""
         if session.owner is not None:
             return session.owner() is flow
@@ -700,7 +597,7 @@ class RemitFlowPersistence(FlowPersistence):
             session.owner = weakref.ref(flow)
         return resuming
 
-    def _accept(self, session: _Session, flow: Flow[Any]) -> None:
+    def _accept(self, session: Session, flow: Flow[Any]) -> None:
         """Consume the pending interrupt with the feedback the resumed flow now holds."""
         with session.lock:
             pending, feedback = session.pending, flow.last_human_feedback
@@ -734,7 +631,7 @@ class RemitFlowPersistence(FlowPersistence):
 
     def _finish(self, flow: Flow[Any], *, completed: bool) -> None:
         """The run of `flow` ended (or failed): consume what it still owes and release it."""
-        session = _sessions.get(self.url, flow.flow_id)
+        session = sessions.get(self.url, flow.flow_id)
         if session is None or not self._owns(session, flow):
             return
         try:

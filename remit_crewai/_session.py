@@ -1,0 +1,132 @@
+"""Which flow this process drives, and in which kickoff: sessions and execution context.
+
+A `Session` is one process's hold on one flow id while it drives it: the
+claim (with its heartbeat), the head it continues from and the ledger. The
+`Registry` keeps them per process, keyed by store URL and flow id, so every
+persistence instance on one store shares them, and a forked child starts with
+none. `Execution` is what the EXECUTION_START hook learned about a kickoff,
+for the persistence calls CrewAI makes later in the same context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from remit_core.core import ClaimHandle
+from remit_core.records import FenceRef, InterruptRecord
+from remit_crewai._ledger import Ledger
+
+#: The fork token `kickoff(restore_from_state_id=...)` forks under (see `fork_token`).
+current_fork_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "remit_crewai_fork_token", default=None
+)
+
+
+@contextlib.contextmanager
+def fork_token(token: str) -> Iterator[None]:
+    """Let `kickoff(restore_from_state_id=S)` inside the block fork S under `token`.
+
+    The fork's flow id follows from S and the token, so presenting the same
+    token again (from any process) continues the same fork instead of making
+    a second one. Without a token such a kickoff is refused (`ForkWithoutIntent`).
+    """
+    if not token:
+        raise ValueError("a fork token must be a non-empty string")
+    reset = current_fork_token.set(token)
+    try:
+        yield
+    finally:
+        current_fork_token.reset(reset)
+
+
+@dataclass(eq=False)
+class Execution:
+    """One kickoff of a Remit-backed flow, as the interception hooks saw it begin.
+
+    `restart`: the flow id `inputs["id"]` asks to continue; `refusal`: why it
+    may not (raised by `load_state`, since CrewAI swallows errors of hooks);
+    `stepping`: a step began, so later `load_state` calls are plain reads.
+    """
+
+    flow: weakref.ref[Any]
+    inputs: dict[str, Any] | None
+    fork_token: str | None
+    restart: str | None = None
+    refusal: BaseException | None = None
+    stepping: bool = False
+
+
+#: The kickoff now running in this context (set by the EXECUTION_START hook).
+current_execution: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
+    "remit_crewai_execution", default=None
+)
+
+
+@dataclass(eq=False)
+class Session:
+    """This process's hold on one flow id while it drives it."""
+
+    store_url: str
+    flow_id: str
+    run_id: str
+    branch: str
+    handle: ClaimHandle
+    head: str | None
+    ledger: Ledger
+    state: dict[str, Any]
+    beating: bool
+    owner: weakref.ref[Any] | None = None
+    #: The interrupt a `from_pending` resume consumes once its value is known.
+    pending: InterruptRecord | None = None
+    state_type: type[BaseModel] | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def fence(self) -> FenceRef:
+        return self.handle.fence
+
+
+#: The session `load_pending_feedback` opened in this context, for the resume that follows.
+current_resumer: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
+    "remit_crewai_resumer", default=None
+)
+
+
+class Registry:
+    """Sessions of this process by (store URL, flow id); a forked child starts empty."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._items: dict[tuple[str, str], Session] = {}
+        self._pid = os.getpid()
+
+    def _here(self) -> dict[tuple[str, str], Session]:
+        if self._pid != os.getpid():
+            self._items, self._pid = {}, os.getpid()
+        return self._items
+
+    def get(self, store_url: str, flow_id: str) -> Session | None:
+        with self.lock:
+            return self._here().get((store_url, flow_id))
+
+    def add(self, session: Session) -> None:
+        with self.lock:
+            self._here()[(session.store_url, session.flow_id)] = session
+
+    def discard(self, session: Session) -> None:
+        with self.lock:
+            items = self._here()
+            if items.get((session.store_url, session.flow_id)) is session:
+                del items[(session.store_url, session.flow_id)]
+
+
+sessions = Registry()
