@@ -159,6 +159,8 @@ def test_pause_persists_and_another_runtime_resumes(store_url: str) -> None:
         assert await handler == "charged"
         state = rt.get_state(wf, run)
         assert (state.approved_by, state.charged) == ("alice", True)
+        assert RemitRuntime(store_url).result(run) == "charged"
+        assert rt.status(run) == "completed" and rt.recover(wf, run) is None
 
     asyncio.run(go())
     assert ENTERED == Counter(prepare=1, approve=1, charge=1)
