@@ -1,7 +1,8 @@
 """PostgreSQL engine (psycopg 3 and a connection pool), for many processes or hosts.
 
 `postgresql://user@host:port/db`. Query options `min_size`/`max_size` size
-the pool; other options go to libpq. Each primitive is one transaction (a
+the pool, `idle_txn_timeout_ms` (default 10000) bounds how long a paused
+client may hold a transaction open; other options go to libpq. Each primitive is one transaction (a
 single statement runs in autocommit mode, one round trip); the fence check
 holds the claim row `FOR SHARE` until commit.
 """
@@ -13,7 +14,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from remit_core import codec, failpoints
 from remit_core.errors import Fenced, HeadMoved, StoreUnavailable
@@ -82,9 +83,7 @@ _CREATE_BRANCH = (
     "WHERE remit_branches.head_id IS NULL RETURNING 1"
 )
 _COMMIT_AFTER = _COMMIT.format(move=_MOVE_HEAD, ckpt_cols=_CKPT_COLS, write_cols=_WRITE_COLS)
-_COMMIT_FIRST = _COMMIT.format(
-    move=_CREATE_BRANCH, ckpt_cols=_CKPT_COLS, write_cols=_WRITE_COLS
-)
+_COMMIT_FIRST = _COMMIT.format(move=_CREATE_BRANCH, ckpt_cols=_CKPT_COLS, write_cols=_WRITE_COLS)
 
 
 class PostgresStore(SqlStore):
@@ -99,8 +98,21 @@ class PostgresStore(SqlStore):
         query = dict(parse_qsl(parts.query))
         self._min = int(query.pop("min_size", "1"))
         self._max = int(query.pop("max_size", "4"))
+        # A client paused inside a transaction (a SIGSTOPped "zombie") would keep its
+        # row locks and block the takeover that L1 promises; the server ends such a
+        # transaction after this long. Remit's own transactions are never idle.
+        idle_ms = int(query.pop("idle_txn_timeout_ms", "10000"))
+        query["options"] = (
+            query.get("options", "") + f" -c idle_in_transaction_session_timeout={idle_ms}"
+        ).strip()
         self._conninfo = urlunsplit(
-            ("postgresql", parts.netloc, parts.path, urlencode(query), parts.fragment)
+            (
+                "postgresql",
+                parts.netloc,
+                parts.path,
+                urlencode(query, quote_via=quote),
+                parts.fragment,
+            )
         )
         self._pool: ConnectionPool[Any] | None = None
         self._pid = -1
@@ -111,8 +123,12 @@ class PostgresStore(SqlStore):
             if self._pool is None or self._pid != os.getpid():
                 try:
                     self._pool = ConnectionPool(
-                        self._conninfo, min_size=self._min, max_size=self._max, open=True,
-                        kwargs={"autocommit": True}, timeout=30,
+                        self._conninfo,
+                        min_size=self._min,
+                        max_size=self._max,
+                        open=True,
+                        kwargs={"autocommit": True},
+                        timeout=30,
                     )
                     self._pool.wait(timeout=30)
                 except Exception as exc:
