@@ -466,6 +466,82 @@ def test_feedback_is_validated_before_it_is_consumed(url: str, world: Path) -> N
     assert entered(world)["ship"] == 1
 
 
+def test_async_steps_kickoff_async_and_resume_async(url: str, world: Path) -> None:
+    """Async methods and an async effect under `kickoff_async` / `resume_async`."""
+
+    def body() -> dict[str, Any]:
+        import asyncio
+
+        from crewai.flow.async_feedback.types import HumanFeedbackPending
+        from crewai.flow.flow import Flow, listen, start
+        from crewai.flow.human_feedback import human_feedback
+        from crewai.flow.persistence import persist
+        from pydantic import BaseModel
+
+        from remit_core import current_scope
+
+        sink = EffectSink(WorldDB(world))
+        persistence = RemitFlowPersistence(url)
+
+        @effect(reconcile=sink.reconcile)
+        async def pay(*, idempotency_key: str) -> str:
+            return sink.apply("pay", idempotency_key)
+
+        class Later:
+            def request_feedback(self, context: Any, flow: Any) -> str:
+                raise HumanFeedbackPending(context=context)
+
+        class Tab(BaseModel):
+            who: str | None = None
+            steps: list[str] = []
+
+        @persist(persistence)
+        class TabFlow(Flow[Tab]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            async def open_tab(self) -> None:
+                scope = current_scope()
+                self.state.steps.append(scope.step_key if scope else "")
+
+            @listen(open_tab)
+            @human_feedback(message="Settle?", provider=Later())
+            async def review(self) -> str:
+                return "tab"
+
+            @listen(review)
+            async def settle(self) -> None:
+                assert self.last_human_feedback is not None
+                self.state.who = self.last_human_feedback.feedback
+                await pay()
+                scope = current_scope()
+                self.state.steps.append(scope.step_key if scope else "")
+
+        async def main() -> dict[str, Any]:
+            flow = TabFlow(suppress_flow_events=True)
+            paused = await flow.kickoff_async()
+            resumed = TabFlow.from_pending(flow.flow_id, persistence)
+            await resumed.resume_async("carol")
+            again = TabFlow(suppress_flow_events=True)
+            await again.kickoff_async(inputs={"id": flow.flow_id})
+            return {
+                "paused": type(paused).__name__,
+                "state": resumed.state.model_dump(exclude={"id"}),
+                "restarted": again.state.model_dump(exclude={"id"}),
+                "open_scope": current_scope() is not None,
+            }
+
+        return asyncio.run(main())
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value["paused"] == "HumanFeedbackPending"
+    assert out.value["state"] == {"who": "carol", "steps": ["main/open_tab#0", "main/settle#0"]}
+    assert out.value["restarted"] == out.value["state"]
+    assert out.value["open_scope"] is False
+    assert applied(world) == {"pay": 1}
+
+
 # -- P3: forks need a token ----------------------------------------------------------------
 
 
