@@ -175,29 +175,36 @@ class _Session(ProbeSession):
         status = "paused" if paused else ("done" if done else "other")
         return RunResult(status, values, branch)
 
+    def _invoke(self, value: Any, config: Any) -> Any:
+        # Every target runs with durability="sync": under LangGraph's default "async",
+        # a step's writes may still be in flight when the next step starts, for any
+        # saver, so a crash there re-runs a step that looked complete. "sync" is the
+        # mode a user who needs prefix continuation chooses; vanilla gets it too.
+        return self.graph.invoke(value, config, durability="sync")
+
     # -- operations ----------------------------------------------------------------
     def start(self, run: str) -> RunResult:
         if self.target.kind == "vanilla" and self.target.engine == "postgresql":
             self._setup_postgres(self.saver)
-        return self._result(self.graph.invoke(initial_state(), self._config(run)))
+        return self._result(self._invoke(initial_state(), self._config(run)))
 
     def resume(self, run: str, value: Any, *, branch: str | None = None) -> RunResult:
         from langgraph.types import Command
 
-        out = self.graph.invoke(Command(resume=value), self._config(run, branch))
+        out = self._invoke(Command(resume=value), self._config(run, branch))
         return self._result(out, branch)
 
     def recover(self, run: str, *, branch: str | None = None) -> RunResult:
-        return self._result(self.graph.invoke(None, self._config(run, branch)), branch)
+        return self._result(self._invoke(None, self._config(run, branch)), branch)
 
     def fork(self, run: str, checkpoint: str, token: str | None) -> RunResult:
         conf: dict[str, Any] = {"thread_id": run, "checkpoint_id": checkpoint}
         if self.target.kind == "remit":
             if token is not None:
                 conf["fork_token"] = token
-            return self._result(self.graph.invoke(None, {"configurable": conf}), token)
+            return self._result(self._invoke(None, {"configurable": conf}), token)
         before = set(self._tree(run))
-        out = self.graph.invoke(None, {"configurable": conf})
+        out = self._invoke(None, {"configurable": conf})
         created = sorted(set(self._tree(run)) - before)
         return self._result(out, created[0] if created else checkpoint)
 

@@ -35,27 +35,6 @@ KNOWN_VANILLA_FAILURES = {
     34: "K8-PROC: the effect fires once per resumer",
 }
 
-#: Remit cells measured failing on this shim today: (engine, cell) -> why. The test
-#: tolerates these as FAIL (never as ERROR); delete an entry once its fix lands.
-KNOWN_REMIT_GAPS: dict[tuple[str, int], str] = {
-    **{
-        (engine, 28): "RemitSaver: a fork token at the head checkpoint continues main instead "
-        "of forking, so the fork has no interrupt of its own (L3)"
-        for engine in ("sqlite", "postgresql", "redis")
-    },
-    **{
-        (engine, 9): "with LangGraph's default durability='async' the checkpoint after approve "
-        "can still be in flight when charge starts; recovery then re-enters approve"
-        for engine in ("sqlite", "postgresql", "redis")
-    },
-    **{
-        (engine, 39): "a holder SIGSTOPped while a background thread is inside a store "
-        "transaction keeps its lock (PostgreSQL: the claim row FOR SHARE; SQLite: the write "
-        "lock), so the takeover waits until the zombie continues"
-        for engine in ("sqlite", "postgresql")
-    },
-}
-
 pytestmark = pytest.mark.slow
 
 
@@ -78,16 +57,13 @@ def _column(adapter: object, spec: str, folder: Path, repeat: int, cells: list[C
 def test_remit_passes_every_cell(langgraph: object, spec: str, tmp_path: Path) -> None:
     column = _column(langgraph, spec, tmp_path, repeat=5, cells=list(CELLS))
     engine = Target.parse(spec, tmp_path, "t").engine
-    gaps = {cell: why for (where, cell), why in KNOWN_REMIT_GAPS.items() if where == engine}
     failing = {
-        i: f"{r.status}: {r.measured}"
-        for i, r in column.cells.items()
-        if r.status != "PASS" and not (i in gaps and r.status == "FAIL")
+        i: f"{r.status}: {r.measured}" for i, r in column.cells.items() if r.status != "PASS"
     }
-    assert failing == {}
+    assert failing == {}, engine
     saturations = {i: r.saturation for i, r in column.cells.items() if r.saturation is not None}
     assert set(saturations) == {c.id for c in CELLS if c.concurrent}
-    assert {s for i, s in saturations.items() if i not in gaps} == {0.0}
+    assert set(saturations.values()) == {0.0}
     assert all(column.cells[c.id].runs == 5 for c in CELLS if c.concurrent)
 
 
