@@ -57,4 +57,8 @@ namespace, step, task path), so a re-run node gets the recorded outcome.
 
 from remit_langgraph.saver import RemitSaver
 
-__all__ = ["RemitSaver"]
+#: The same class under the name LangGraph's async savers use (`AsyncSqliteSaver`):
+#: `async with AsyncRemitSaver.from_conn_string(url) as saver` works as with `RemitSaver`.
+AsyncRemitSaver = RemitSaver
+
+__all__ = ["AsyncRemitSaver", "RemitSaver"]
