@@ -3,51 +3,17 @@ scratch directory)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import re
-import sys
-import traceback
-import types
 from pathlib import Path
 
 import pytest
-
-README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def llamaindex_examples() -> list[str]:
-    section = README.read_text().split("\n## LlamaIndex Workflows\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+from readme_examples import examples, run_example
 
 
 def test_the_section_has_examples() -> None:
-    assert len(llamaindex_examples()) == 2
+    assert len(examples("LlamaIndex Workflows")) == 2
 
 
 @pytest.mark.parametrize("index", range(2))
 def test_readme_example_runs(tmp_path: Path, index: int) -> None:
-    code = llamaindex_examples()[index]
-    errors = mp.get_context("fork").Queue()
-
-    def body() -> None:
-        os.chdir(tmp_path)
-        try:
-            # dont_inherit: this file's `from __future__ import annotations` must not leak in.
-            program = compile(code, f"README.md#llamaindex-{index}", "exec", dont_inherit=True)
-            # As `python example.py` would: the example is the importable `__main__` module,
-            # so the framework's serializer finds its event classes by qualified name.
-            main = types.ModuleType("__main__")
-            sys.modules["__main__"] = main
-            exec(program, main.__dict__)
-        except BaseException:
-            errors.put(traceback.format_exc())
-            raise
-        errors.put("")
-
-    proc = mp.get_context("fork").Process(target=body)
-    proc.start()
-    proc.join(120)
-    assert errors.get(timeout=5) == ""
-    assert proc.exitcode == 0
+    run_example(examples("LlamaIndex Workflows")[index], f"llamaindex-{index}", tmp_path)
     assert any(p.suffix == ".db" for p in tmp_path.iterdir())
