@@ -37,6 +37,7 @@ from remit_core.errors import (
 )
 from remit_llamaindex import RemitRuntime
 from remit_llamaindex._run import JOURNAL_TASK
+from remit_llamaindex.probe import _settle as settle
 
 ENTERED: Counter[str] = Counter()
 CHARGED: dict[str, int] = {}
@@ -101,24 +102,6 @@ class OrderFlow(Workflow):
         charge_card(await ctx.store.get("amount"))
         await ctx.store.set("charged", True)
         return StopEvent(result="charged")
-
-
-async def settle(handler: WorkflowHandler) -> str:
-    """Run until the workflow asks for input ("paused") or ends ("done")."""
-
-    async def paused() -> None:
-        async for ev in handler.stream_events():
-            if isinstance(ev, InputRequiredEvent):
-                return
-
-    watch = asyncio.ensure_future(paused())
-    result = asyncio.ensure_future(handler.stop_event_result())
-    done, _ = await asyncio.wait({watch, result}, return_when=asyncio.FIRST_COMPLETED)
-    if result in done:
-        watch.cancel()
-        result.result()
-        return "done"
-    return "paused"
 
 
 @pytest.fixture(autouse=True)
