@@ -1,8 +1,11 @@
 """Records that cannot lie: a sealed envelope, and a JSON codec that runs no code.
 
-`seal` frames a payload with a record-format version and a keyed BLAKE2b
-checksum over the record's identity and bytes, so altered bytes, a payload
-moved to another row, or an unknown format all fail loudly in `unseal`.
+`seal` frames a payload with a record-format version and a CRC-32 over the
+record's identity and bytes, so altered bytes, a payload moved to another
+row, or an unknown format all fail loudly in `unseal`. The checksum guards
+against corruption, not against someone who can write the store: such a
+writer could recompute any unkeyed digest. Records of format 1 (a 16-byte
+BLAKE2b instead of the CRC) are still read.
 
 `dumps` / `loads` encode plain Python values as JSON with explicit tags for
 the types JSON lacks (datetime, date, time, timedelta, UUID, Decimal, bytes,
@@ -16,21 +19,26 @@ import base64
 import datetime as dt
 import hashlib
 import json
+import zlib
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
 from remit_core.errors import CorruptRecord, VersionMismatch
 
-#: Record format version, part of the 4-byte magic.
-RECORD_FORMAT = 1
+#: Record format version written, part of the 4-byte magic.
+RECORD_FORMAT = 2
 _MAGIC = b"RMT" + bytes([RECORD_FORMAT])
-_DIGEST_SIZE = 16
-_HEADER = len(_MAGIC) + _DIGEST_SIZE
+_CRC_HEADER = len(_MAGIC) + 4
+_V1_HEADER = len(_MAGIC) + 16
 
 
-def _digest(identity: str, body: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=_DIGEST_SIZE, person=b"remit-record")
+def _crc(identity: str, body: bytes) -> bytes:
+    return zlib.crc32(body, zlib.crc32(identity.encode() + b"\x00")).to_bytes(4, "big")
+
+
+def _v1_digest(identity: str, body: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16, person=b"remit-record")
     h.update(identity.encode())
     h.update(b"\x00")
     h.update(body)
@@ -39,20 +47,27 @@ def _digest(identity: str, body: bytes) -> bytes:
 
 def seal(body: bytes, identity: str) -> bytes:
     """Frame `body` for storage; `identity` names the row it belongs to."""
-    return _MAGIC + _digest(identity, body) + body
+    return _MAGIC + _crc(identity, body) + body
 
 
 def unseal(blob: bytes, identity: str, /, **ids: Any) -> bytes:
     """Check and strip the frame; `ids` name the record in the error."""
-    blob = bytes(blob)
-    if len(blob) < _HEADER or blob[:3] != _MAGIC[:3]:
+    if len(blob) < _CRC_HEADER or blob[:3] != b"RMT":
         raise CorruptRecord("stored record has no Remit frame", **ids)
-    if blob[3] != RECORD_FORMAT:
+    fmt = blob[3]
+    if fmt == RECORD_FORMAT:
+        body = bytes(blob[_CRC_HEADER:])
+        ok = blob[4:_CRC_HEADER] == _crc(identity, body)
+    elif fmt == 1:
+        if len(blob) < _V1_HEADER:
+            raise CorruptRecord("stored record has no Remit frame", **ids)
+        body = bytes(blob[_V1_HEADER:])
+        ok = blob[4:_V1_HEADER] == _v1_digest(identity, body)
+    else:
         raise VersionMismatch(
-            f"stored record has format {blob[3]}, this Remit reads {RECORD_FORMAT}", **ids
+            f"stored record has format {fmt}, this Remit reads 1 and {RECORD_FORMAT}", **ids
         )
-    body = blob[_HEADER:]
-    if blob[len(_MAGIC) : _HEADER] != _digest(identity, body):
+    if not ok:
         raise CorruptRecord("stored record failed its checksum", **ids)
     return body
 
@@ -144,9 +159,13 @@ def _decode(value: Any) -> Any:
 
 def dumps(value: Any) -> bytes:
     """Encode plain data as tagged JSON bytes; `TypeError` names an unsupported type."""
+    if type(value) is dict and not value:  # empty metadata, the common case
+        return b"{}"
     return json.dumps(_encode(value), separators=(",", ":"), allow_nan=False).encode()
 
 
 def loads(data: bytes) -> Any:
     """Decode bytes made by `dumps`. Raises `ValueError` on malformed input."""
+    if data == b"{}":
+        return {}
     return _decode(json.loads(data))

@@ -7,16 +7,17 @@ failpoints. Payloads stay bytes here: shims own their framework's encoding.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import heapq
 import itertools
+import math
 import os
 import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -71,6 +72,9 @@ class _LeaseKeeper:
     every `lease / 3`, instead of one thread per claim: starting a thread costs
     more than taking the claim. A forked child starts with no renewals (its
     parent's claims are not its own) and a thread of its own on first use.
+
+    `add` appends to an inbox without the lock and wakes the thread only when
+    the new claim is due before the thread's next wake-up.
     """
 
     def __init__(self) -> None:
@@ -78,40 +82,47 @@ class _LeaseKeeper:
 
     def _reset(self) -> None:
         self._wake = threading.Condition(threading.Lock())
+        self._inbox: collections.deque[tuple[float, ClaimHandle]] = collections.deque()
         self._due: list[tuple[float, int, ClaimHandle]] = []
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
+        # When the thread next looks at the inbox; +inf while it is between looks.
+        self._wake_at = math.inf
 
     def add(self, handle: ClaimHandle) -> None:
         """Renew `handle` every `handle.lease / 3` seconds until it stops."""
-        with self._wake:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="remit-leases", daemon=True)
-                self._thread.start()
-            due = time.monotonic() + handle.lease / 3
-            heapq.heappush(self._due, (due, next(self._order), handle))
-            if self._due[0][2] is handle:
+        due = time.monotonic() + handle.lease / 3
+        self._inbox.append((due, handle))
+        # Read after the append: if the thread set its wake-up before draining
+        # this entry, the wake-up is +inf (we notify) or early enough.
+        if due < self._wake_at or self._thread is None:
+            with self._wake:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="remit-leases", daemon=True
+                    )
+                    self._thread.start()
                 self._wake.notify()
 
     def _next(self) -> ClaimHandle:
         with self._wake:
             while True:
-                if not self._due:
-                    self._wake.wait()
-                    continue
-                delay = self._due[0][0] - time.monotonic()
-                if delay > 0:
-                    self._wake.wait(delay)
-                    continue
-                return heapq.heappop(self._due)[2]
+                self._wake_at = math.inf
+                inbox, due = self._inbox, self._due
+                while inbox:
+                    at, handle = inbox.popleft()
+                    heapq.heappush(due, (at, next(self._order), handle))
+                delay = due[0][0] - time.monotonic() if due else math.inf
+                if delay <= 0:
+                    return heapq.heappop(due)[2]
+                self._wake_at = time.monotonic() + delay
+                self._wake.wait(None if delay == math.inf else delay)
 
     def _run(self) -> None:
         while True:
             handle = self._next()
             if handle._renew():
-                with self._wake:
-                    due = time.monotonic() + handle.lease / 3
-                    heapq.heappush(self._due, (due, next(self._order), handle))
+                self._inbox.append((time.monotonic() + handle.lease / 3, handle))
 
 
 _keeper = _LeaseKeeper()
@@ -201,7 +212,10 @@ class Remit:
         self._holder_pid = -1
         self._holder_auto = ""
         self._holder_lock = threading.Lock()
-        self._main_seqs: OrderedDict[tuple[str, str, str], int] = OrderedDict()
+        self._main_seqs: dict[tuple[str, str, str], int] = {}
+        # The last record sealed or verified here, and its opened form: a store
+        # that hands the same (immutable) record back needs no second check.
+        self._opened: tuple[CheckpointRecord | None, CheckpointRecord | None] = (None, None)
 
     @property
     def holder(self) -> str:
@@ -319,21 +333,29 @@ class Remit:
                 guess = None
                 plan = self.plan(run_id, parent_id, ns=ns, allow_new_root=allow_new_root)
                 record = dataclasses.replace(record, branch=plan.branch, seq=plan.seq)
-        self._seen(record)
+        self._seen(record, parent_id)
+        opened = _with_state(record, state)
+        self._opened = (record, opened)
         failpoints.hit("checkpoint.after_commit")
-        return _with_state(record, state)
+        return opened
 
-    def _seen(self, record: CheckpointRecord) -> None:
-        """Remember a checkpoint of main and its seq, for the next commit after it."""
+    def _seen(self, record: CheckpointRecord, parent_id: str | None = None) -> None:
+        """Remember a checkpoint of main and its seq, for the next commit after it
+        (and forget its parent, which it replaced as head)."""
         if record.branch != MAIN_BRANCH:
             return
         seqs = self._main_seqs
+        if parent_id is not None:
+            seqs.pop((record.run_id, record.ns, parent_id), None)
         if len(seqs) >= _SEEN_MAX:
-            with contextlib.suppress(KeyError):
-                seqs.popitem(last=False)
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                del seqs[next(iter(seqs))]
         seqs[record.run_id, record.ns, record.checkpoint_id] = record.seq
 
     def _open_ckpt(self, record: CheckpointRecord) -> CheckpointRecord:
+        sealed, opened = self._opened
+        if record is sealed and opened is not None:
+            return opened
         body = codec.unseal(
             record.state,
             _ckpt_identity(record.ns, record.checkpoint_id),
@@ -341,7 +363,9 @@ class Remit:
             checkpoint_id=record.checkpoint_id,
         )
         self._seen(record)
-        return _with_state(record, body)
+        opened = _with_state(record, body)
+        self._opened = (record, opened)
+        return opened
 
     def checkpoint(
         self, run_id: str, checkpoint_id: str, *, ns: str = ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import math
 from decimal import Decimal
@@ -150,6 +151,19 @@ def test_unknown_record_format_is_version_mismatch() -> None:
     with pytest.raises(VersionMismatch) as err:
         codec.unseal(future, "id", run_id="r", checkpoint_id="c")
     assert err.value.checkpoint_id == "c"
+
+
+def test_format_1_records_still_read() -> None:
+    """Format 1 framed records with a 16-byte BLAKE2b; they stay readable."""
+    body = codec.dumps({"amount": 5})
+    h = hashlib.blake2b(digest_size=16, person=b"remit-record")
+    h.update(b"ckpt\x00\x00c1\x00" + body)
+    v1 = b"RMT\x01" + h.digest() + body
+    assert codec.unseal(v1, "ckpt\x00\x00c1") == body
+    with pytest.raises(CorruptRecord):
+        codec.unseal(v1, "ckpt\x00\x00c2")
+    with pytest.raises(CorruptRecord):
+        codec.unseal(v1[:-1] + bytes([v1[-1] ^ 1]), "ckpt\x00\x00c1")
 
 
 @settings(max_examples=300, deadline=None)

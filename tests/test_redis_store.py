@@ -35,7 +35,14 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores.base import Store
-from remit_core.stores.redis import RUN_KEYS, RUNS_KEY, RedisStore, run_keys, run_prefix
+from remit_core.stores.redis import (
+    MIGRATIONS,
+    RUN_KEYS,
+    RUNS_KEY,
+    RedisStore,
+    run_keys,
+    run_prefix,
+)
 from remit_core.stores.sqlite import SQLiteStore
 
 REDIS_URL = os.environ.get("REMIT_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -692,5 +699,5 @@ def test_redis_setup_records_each_migration_once(redis_store: RedisStore, raw: R
     before = raw.hgetall("remit:migrations")
     redis_store.setup()
     assert raw.hgetall("remit:migrations") == before
-    assert redis_store.applied_migrations() == [1]
+    assert redis_store.applied_migrations() == sorted(MIGRATIONS)
     assert set(RUN_KEYS) == {k.rsplit(":", 1)[1] for k in run_keys("r")}

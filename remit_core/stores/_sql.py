@@ -65,6 +65,8 @@ MIGRATIONS: dict[int, list[str]] = {
             status TEXT NOT NULL, outcome {blob}, created_at DOUBLE PRECISION NOT NULL,
             done_at DOUBLE PRECISION, PRIMARY KEY (run_id, effect_key))""",
     ],
+    # Engine-specific only: SQLite's one-statement commit (`stores.sqlite`).
+    2: [],
 }
 
 _CKPT_COLS = (
@@ -76,6 +78,24 @@ _BRANCH_COLS = "run_id, branch, head_id, ns, head_seq, base_id, fork_token, crea
 _INTR_COLS = (
     "run_id, branch, interrupt_id, checkpoint_id, status, prompt, value, consumed_by, "
     "created_at, consumed_at"
+)
+_START_BRANCH = (
+    f"INSERT INTO remit_branches ({_BRANCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (run_id, ns, branch) DO UPDATE SET head_id = excluded.head_id, "
+    "head_seq = excluded.head_seq WHERE remit_branches.head_id IS NULL"
+)
+_MOVE_HEAD = (
+    "UPDATE remit_branches SET head_id = ?, head_seq = ? "
+    "WHERE run_id = ? AND ns = ? AND branch = ? AND head_id = ?"
+)
+_INSERT_CHECKPOINT = (
+    f"INSERT INTO remit_checkpoints ({_CKPT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (run_id, ns, checkpoint_id) DO NOTHING"
+)
+_SELECT_HEAD = (
+    f"SELECT {_CKPT_COLS_OF_C} FROM remit_branches b JOIN remit_checkpoints c "
+    "ON c.run_id = b.run_id AND c.ns = b.ns AND c.checkpoint_id = b.head_id "
+    "WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?"
 )
 _EFFECT_COLS = "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at"
 _WRITE_COLS = "run_id, checkpoint_id, task_id, idx, channel, value, ns, task_path"
@@ -183,6 +203,8 @@ class SqlStore(Store):
     _lock_suffix = ""
     #: Column type for byte payloads.
     _blob_type = "BLOB"
+    #: Statements of this engine only, by migration number (run after the shared ones).
+    _engine_migrations: dict[int, list[str]] = {}
 
     # -- engine hooks ------------------------------------------------------
     def _txn(self) -> contextlib.AbstractContextManager[Txn]:
@@ -204,10 +226,10 @@ class SqlStore(Store):
             "version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
         )
         done = {r[0] for r in txn.execute("SELECT version FROM remit_migrations").fetchall()}
-        for version in sorted(MIGRATIONS):
+        for version in sorted(MIGRATIONS.keys() | self._engine_migrations.keys()):
             if version in done:
                 continue
-            for stmt in MIGRATIONS[version]:
+            for stmt in MIGRATIONS.get(version, []) + self._engine_migrations.get(version, []):
                 txn.execute(stmt.format(blob=self._blob_type))
             txn.execute(
                 "INSERT INTO remit_migrations (version, applied_at) VALUES (?, ?) "
@@ -236,7 +258,17 @@ class SqlStore(Store):
                 scope=fence.scope,
             )
 
+    def _insert_blobs(self, txn: Txn, blobs: Sequence[BlobRecord]) -> None:
+        for b in blobs:
+            txn.execute(
+                "INSERT INTO remit_blobs (run_id, ns, key, value) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (run_id, ns, key) DO NOTHING",
+                (b.run_id, b.ns, b.key, b.value),
+            )
+
     def _upsert_writes(self, txn: Txn, writes: Sequence[WriteRecord], mode: WriteMode) -> None:
+        if not writes:
+            return
         conflict = {
             "first": "DO NOTHING",
             "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
@@ -272,16 +304,12 @@ class SqlStore(Store):
             self._check_fence(txn, fence)
             if expected_head is None:
                 cur = txn.execute(
-                    f"INSERT INTO remit_branches ({_BRANCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                    "ON CONFLICT (run_id, ns, branch) DO UPDATE SET head_id = excluded.head_id, "
-                    "head_seq = excluded.head_seq WHERE remit_branches.head_id IS NULL",
+                    _START_BRANCH,
                     (r.run_id, r.branch, r.checkpoint_id, r.ns, r.seq, None, None, r.created_at),
                 )
             else:
                 cur = txn.execute(
-                    "UPDATE remit_branches SET head_id = ?, head_seq = ? "
-                    "WHERE run_id = ? AND ns = ? AND branch = ? AND head_id = ?",
-                    (r.checkpoint_id, r.seq, r.run_id, r.ns, r.branch, expected_head),
+                    _MOVE_HEAD, (r.checkpoint_id, r.seq, r.run_id, r.ns, r.branch, expected_head)
                 )
             if cur.rowcount != 1:
                 raise HeadMoved(
@@ -290,9 +318,7 @@ class SqlStore(Store):
                     checkpoint_id=r.checkpoint_id,
                 )
             cur = txn.execute(
-                f"INSERT INTO remit_checkpoints ({_CKPT_COLS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (run_id, ns, checkpoint_id) DO NOTHING",
+                _INSERT_CHECKPOINT,
                 (r.run_id, r.checkpoint_id, r.branch, r.parent_id, r.state, r.ns, r.seq,
                  codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version,
                  r.created_at),
@@ -303,12 +329,7 @@ class SqlStore(Store):
                     run_id=r.run_id,
                     checkpoint_id=r.checkpoint_id,
                 )
-            for b in blobs:
-                txn.execute(
-                    "INSERT INTO remit_blobs (run_id, ns, key, value) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT (run_id, ns, key) DO NOTHING",
-                    (b.run_id, b.ns, b.key, b.value),
-                )
+            self._insert_blobs(txn, blobs)
             self._upsert_writes(txn, writes, "overwrite")
             failpoints.hit("checkpoint.in_commit")
 
@@ -358,12 +379,7 @@ class SqlStore(Store):
 
     def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
         with self._read() as txn:
-            row = txn.execute(
-                f"SELECT {_CKPT_COLS_OF_C} FROM remit_branches b JOIN remit_checkpoints c "
-                "ON c.run_id = b.run_id AND c.ns = b.ns AND c.checkpoint_id = b.head_id "
-                "WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?",
-                (run_id, ns, branch),
-            ).fetchone()
+            row = txn.execute(_SELECT_HEAD, (run_id, ns, branch)).fetchone()
         return None if row is None else _ckpt(row)
 
     def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:

@@ -78,7 +78,10 @@ from remit_core.stores.base import Store
 
 #: Numbered layout versions recorded by `setup()`. Keys are created on first
 #: write, so version 1 creates nothing; a later version would convert keys here.
-MIGRATIONS: dict[int, str] = {1: "per-run keys remit:{run}:<kind>, see the module docstring"}
+MIGRATIONS: dict[int, str] = {
+    1: "per-run keys remit:{run}:<kind>, see the module docstring",
+    2: "no change here (SQLite's one-statement commit)",
+}
 
 #: Every per-run key kind, in the order the copy and delete scripts expect.
 RUN_KEYS = ("ck", "ix", "br", "bt", "bl", "wr", "wx", "in", "cl", "ef")

@@ -11,11 +11,14 @@ import contextlib
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from remit_core.errors import StoreUnavailable
+from remit_core import codec, failpoints
+from remit_core.errors import Fenced, HeadMoved, StoreUnavailable
+from remit_core.records import BlobRecord, CheckpointRecord, FenceRef, WriteRecord
 from remit_core.stores._sql import SqlStore, Txn
 
 
@@ -28,6 +31,44 @@ def sqlite_path(url: str) -> str:
     if not path:
         raise ValueError(f"sqlite URL names no file: {url!r}")
     return path
+
+
+_FENCED = "remit: stale fence"
+_MOVED = "remit: head moved"
+_COMMIT = "INSERT INTO remit_commit VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+
+#: The one-statement commit: a view to insert into, and the trigger that does
+#: the work (fence check, head compare-and-set, checkpoint append).
+_COMMIT_SCHEMA = [
+    """CREATE VIEW IF NOT EXISTS remit_commit AS SELECT
+        run_id, checkpoint_id, branch, parent_id, state, ns, seq, metadata, schema_version,
+        workflow_version, created_at, NULL AS expected_head, NULL AS fence_run,
+        NULL AS fence_scope, NULL AS fence
+        FROM remit_checkpoints WHERE 0""",
+    f"""CREATE TRIGGER IF NOT EXISTS remit_commit_insert INSTEAD OF INSERT ON remit_commit
+    BEGIN
+        SELECT RAISE(ABORT, '{_FENCED}') WHERE NEW.fence IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM remit_claims WHERE run_id = NEW.fence_run
+            AND scope = NEW.fence_scope AND fence = NEW.fence);
+        SELECT RAISE(ABORT, '{_MOVED}') WHERE CASE WHEN NEW.expected_head IS NULL
+            THEN EXISTS (SELECT 1 FROM remit_branches WHERE run_id = NEW.run_id
+                AND ns = NEW.ns AND branch = NEW.branch AND head_id IS NOT NULL)
+            ELSE NOT EXISTS (SELECT 1 FROM remit_branches WHERE run_id = NEW.run_id
+                AND ns = NEW.ns AND branch = NEW.branch AND head_id = NEW.expected_head)
+            END;
+        INSERT INTO remit_branches
+            (run_id, branch, head_id, ns, head_seq, base_id, fork_token, created_at)
+            VALUES (NEW.run_id, NEW.branch, NEW.checkpoint_id, NEW.ns, NEW.seq, NULL, NULL,
+            NEW.created_at)
+            ON CONFLICT (run_id, ns, branch) DO UPDATE SET head_id = excluded.head_id,
+            head_seq = excluded.head_seq;
+        INSERT INTO remit_checkpoints (run_id, checkpoint_id, branch, parent_id, state, ns,
+            seq, metadata, schema_version, workflow_version, created_at)
+            VALUES (NEW.run_id, NEW.checkpoint_id, NEW.branch, NEW.parent_id, NEW.state,
+            NEW.ns, NEW.seq, NEW.metadata, NEW.schema_version, NEW.workflow_version,
+            NEW.created_at);
+    END""",
+]
 
 
 class _OneStatement:
@@ -61,8 +102,65 @@ class _OneStatement:
             raise StoreUnavailable(f"SQLite store {self._store.path!r}: {exc}") from exc
 
 
+class _Transaction:
+    """`BEGIN IMMEDIATE` ... `COMMIT` under the store's lock (a class, like `_OneStatement`).
+
+    Every write transaction but a checkpoint commit forgets the remembered
+    heads: it may move or delete any of them.
+    """
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> Txn:
+        store = self._store
+        store._lock.acquire()
+        try:
+            conn = store._connection()
+            if not store._committing:
+                store._heads.clear()
+            conn.execute("BEGIN IMMEDIATE")
+        except BaseException as exc:
+            store._lock.release()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreUnavailable(f"SQLite store {store.path!r}: {exc}") from exc
+            raise
+        return conn
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        store = self._store
+        try:
+            conn = store._connection()
+            if exc is not None:
+                conn.execute("ROLLBACK")
+                return
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error as error:
+                raise StoreUnavailable(
+                    f"SQLite commit failed on {store.path!r}: {error}"
+                ) from error
+        finally:
+            store._lock.release()
+
+
 class SQLiteStore(SqlStore):
-    """One connection per process, serialised by a lock; re-opened after fork."""
+    """One connection per process, serialised by a lock; re-opened after fork.
+
+    A checkpoint commit is one statement (see `_COMMIT_SCHEMA`). The store
+    remembers the head records it read or committed, valid while
+    `PRAGMA data_version` (which moves when any other connection commits)
+    stays the same: reading the head just committed costs one pragma.
+    """
+
+    _engine_migrations = {2: _COMMIT_SCHEMA}
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -76,6 +174,10 @@ class SQLiteStore(SqlStore):
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
         self._one_statement = _OneStatement(self)
+        self._transaction = _Transaction(self)
+        self._heads: dict[tuple[str, str, str], CheckpointRecord] = {}
+        self._heads_version: int | None = None
+        self._committing = False
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None or self._pid != os.getpid():
@@ -89,25 +191,12 @@ class SQLiteStore(SqlStore):
             except sqlite3.Error as exc:
                 raise StoreUnavailable(f"cannot open SQLite store {self.path!r}: {exc}") from exc
             self._conn, self._pid = conn, os.getpid()
+            self._heads.clear()
+            self._heads_version = None
         return self._conn
 
-    @contextlib.contextmanager
-    def _txn(self) -> Iterator[Txn]:
-        with self._lock:
-            conn = self._connection()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StoreUnavailable(f"SQLite store {self.path!r}: {exc}") from exc
-            try:
-                yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            try:
-                conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                raise StoreUnavailable(f"SQLite commit failed on {self.path!r}: {exc}") from exc
+    def _txn(self) -> contextlib.AbstractContextManager[Txn]:
+        return self._transaction
 
     def _read(self) -> contextlib.AbstractContextManager[Txn]:
         # One statement in autocommit mode reads one consistent snapshot.
@@ -118,6 +207,106 @@ class SQLiteStore(SqlStore):
         # (waiting up to the busy timeout), so it needs no BEGIN IMMEDIATE.
         return self._one_statement
 
+    def commit_checkpoint(
+        self,
+        record: CheckpointRecord,
+        *,
+        expected_head: str | None,
+        blobs: Sequence[BlobRecord] = (),
+        writes: Sequence[WriteRecord] = (),
+        fence: FenceRef | None = None,
+    ) -> None:
+        # One INSERT into the `remit_commit` view: its trigger checks the fence,
+        # moves the branch head from `expected_head` and appends the checkpoint,
+        # all in the statement's own transaction. Blobs and writes join it in an
+        # explicit one.
+        r = record
+        key = (r.run_id, r.ns, r.branch)
+        params = (
+            r.run_id, r.checkpoint_id, r.branch, r.parent_id, r.state, r.ns, r.seq,
+            codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version,
+            r.created_at, expected_head,
+            *((None, None, None) if fence is None else (fence.run_id, fence.scope, fence.fence)),
+        )
+        with self._lock:
+            self._committing = True
+            try:
+                if blobs or writes:
+                    with self._transaction as txn:
+                        self._commit_row(txn, r, expected_head, fence, params)
+                        self._insert_blobs(txn, blobs)
+                        self._upsert_writes(txn, writes, "overwrite")
+                        failpoints.hit("checkpoint.in_commit")
+                else:
+                    failpoints.hit("checkpoint.in_commit")
+                    with self._one_statement as txn:
+                        self._commit_row(txn, r, expected_head, fence, params)
+            except BaseException:
+                self._heads.pop(key, None)
+                raise
+            finally:
+                self._committing = False
+            # This connection's own commit leaves data_version as it was.
+            self._heads[key] = record
+
+    def _commit_row(
+        self,
+        txn: Txn,
+        r: CheckpointRecord,
+        expected_head: str | None,
+        fence: FenceRef | None,
+        params: Sequence[Any],
+    ) -> None:
+        try:
+            txn.execute(_COMMIT, params)
+        except sqlite3.IntegrityError as exc:
+            reason = str(exc)
+            if reason == _FENCED and fence is not None:
+                row = txn.execute(
+                    "SELECT fence FROM remit_claims WHERE run_id = ? AND scope = ?",
+                    (fence.run_id, fence.scope),
+                ).fetchone()
+                raise Fenced(
+                    f"write carries fence {fence.fence} but the claim's current fence is "
+                    f"{None if row is None else int(row[0])}",
+                    run_id=fence.run_id,
+                    scope=fence.scope,
+                ) from None
+            if reason == _MOVED:
+                raise HeadMoved(
+                    f"branch {r.branch!r} no longer has head {expected_head!r}",
+                    run_id=r.run_id,
+                    checkpoint_id=r.checkpoint_id,
+                ) from None
+            if "remit_checkpoints" in reason:
+                raise HeadMoved(
+                    "a checkpoint with this id already exists",
+                    run_id=r.run_id,
+                    checkpoint_id=r.checkpoint_id,
+                ) from None
+            raise
+
+    def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
+        key = (run_id, ns, branch)
+        with self._one_statement as conn:
+            try:
+                version = conn.execute("PRAGMA data_version").fetchone()[0]
+            except sqlite3.Error as exc:
+                raise StoreUnavailable(f"SQLite store {self.path!r}: {exc}") from exc
+            if version != self._heads_version:
+                self._heads.clear()
+                self._heads_version = version
+            else:
+                known = self._heads.get(key)
+                if known is not None:
+                    return known
+            record = super().get_head(run_id, ns, branch)
+            # Read at `version` or later: a later commit by another connection
+            # moves data_version, and the next call forgets this record.
+            if record is not None:
+                self._heads[key] = record
+            return record
+
     def setup(self) -> None:
         with self._txn() as txn:
             self._migrate(txn)
@@ -127,3 +316,5 @@ class SQLiteStore(SqlStore):
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
             self._conn = None
+            self._heads.clear()
+            self._heads_version = None
