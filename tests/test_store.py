@@ -288,6 +288,32 @@ def test_list_branches_and_create_branch_by_token(store: Store, run_id: str) -> 
     assert head_id(store, run_id) == "c03"
 
 
+def test_a_head_read_sees_commits_and_deletes_of_other_connections(
+    store: Store, run_id: str
+) -> None:
+    """Heads read or committed by one store object (SQLite remembers them) follow
+    what a second one, on its own connection, commits and deletes."""
+    other: Store = type(store)(store.url)  # type: ignore[call-arg]
+    try:
+        chain(store, run_id, 2)
+        assert store.get_head(run_id, "", MAIN_BRANCH).checkpoint_id == "c02"  # type: ignore[union-attr]
+        assert store.get_head(run_id, "", MAIN_BRANCH).checkpoint_id == "c02"  # type: ignore[union-attr]
+        other.commit_checkpoint(ckpt(run_id, "c03", "c02", seq=3), expected_head="c02")
+        assert store.get_head(run_id, "", MAIN_BRANCH).checkpoint_id == "c03"  # type: ignore[union-attr]
+        with pytest.raises(HeadMoved):
+            store.commit_checkpoint(ckpt(run_id, "c03b", "c02", seq=3), expected_head="c02")
+        store.commit_checkpoint(ckpt(run_id, "c04", "c03", seq=4), expected_head="c03")
+        assert other.get_head(run_id, "", MAIN_BRANCH).checkpoint_id == "c04"  # type: ignore[union-attr]
+        store.delete_run(run_id)
+        assert store.get_head(run_id, "", MAIN_BRANCH) is None
+        other.commit_checkpoint(ckpt(run_id, "n01", None), expected_head=None)
+        assert store.get_head(run_id, "", MAIN_BRANCH).checkpoint_id == "n01"  # type: ignore[union-attr]
+        other.delete_run(run_id)
+        assert store.get_head(run_id, "", MAIN_BRANCH) is None
+    finally:
+        other.close()
+
+
 # -- fences ----------------------------------------------------------------------
 
 FENCED_PRIMITIVES = [
