@@ -75,7 +75,24 @@ def unseal(blob: bytes, identity: str, /, **ids: Any) -> bytes:
 _TAG = "$remit"
 
 
+#: Exact types that encode as themselves (subclasses take the slow path below).
+_AS_IS = frozenset({str, int, bool, type(None)})
+
+
 def _encode(value: Any) -> Any:
+    cls = type(value)
+    if cls in _AS_IS:
+        return value
+    if cls is dict and _TAG not in value:
+        out = {}
+        for k, v in value.items():
+            if type(k) is not str:
+                break
+            out[k] = v if type(v) in _AS_IS else _encode(v)
+        else:
+            return out
+    elif cls is list:
+        return [v if type(v) in _AS_IS else _encode(v) for v in value]
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -147,14 +164,19 @@ def _freeze(value: Any) -> Any:
 
 
 def _decode(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if isinstance(value, dict):
+    # json.loads gives exact dicts and lists; only they can hold a tag.
+    cls = type(value)
+    if cls is list:
+        return [_decode(v) if type(v) in _NESTED else v for v in value]
+    if cls is dict:
         tag = value.get(_TAG)
         if isinstance(tag, str) and len(value) == 2 and "v" in value:
             return _decode_tagged(tag, value["v"])
-        return {k: _decode(v) for k, v in value.items()}
+        return {k: _decode(v) if type(v) in _NESTED else v for k, v in value.items()}
     return value
+
+
+_NESTED = frozenset({dict, list})
 
 
 def dumps(value: Any) -> bytes:

@@ -140,6 +140,7 @@ class ClaimHandle:
     def __init__(self, remit: Remit, claim: Claim, lease: float, heartbeat: bool) -> None:
         self._remit = remit
         self.claim = claim
+        self._fence: FenceRef | None = None
         self.lease = lease
         self.lost = False
         self._stopped = False
@@ -149,7 +150,11 @@ class ClaimHandle:
 
     @property
     def fence(self) -> FenceRef:
-        return FenceRef.of(self.claim)
+        # A renewal keeps the fence; only a new claim (a new handle) changes it.
+        ref = self._fence
+        if ref is None:
+            ref = self._fence = FenceRef.of(self.claim)
+        return ref
 
     def _renew(self) -> bool:
         """One heartbeat; whether to keep renewing."""

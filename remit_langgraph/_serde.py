@@ -123,6 +123,8 @@ class StrictSerializer(SerializerProtocol):
         items: Any
         if cls is dict:
             for k, v in obj.items():
+                if type(v) in _PLAIN_TYPES and type(k) in _PLAIN_TYPES:
+                    continue  # the common case, without a call
                 bad = None if type(k) in _PLAIN_TYPES else self._refused(k)
                 if bad is None:
                     bad = self._refused(v)
@@ -147,6 +149,8 @@ class StrictSerializer(SerializerProtocol):
         else:
             return None
         for step, value in items:
+            if type(value) in _PLAIN_TYPES:
+                continue
             bad = self._refused(value)
             if bad is not None:
                 bad[0].append(f"[{step}]" if isinstance(step, int) else f".{step}")

@@ -218,7 +218,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         Channel values are stored once per (channel, version) in `new_versions`;
         the changed state keys are checked against the state schema first.
         """
-        caller = self._runs.learn(sys._getframe(1))
+        # Inside a run the run's check applies; only a put outside one (`update_state`)
+        # needs the calling graph found.
+        inside = self._runs.active(_thread(config)) is not None
+        caller = None if inside else self._runs.learn(sys._getframe(1))
         return self._put(config, checkpoint, metadata, new_versions, caller)
 
     def _put(
@@ -419,7 +422,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        caller = self._runs.learn(sys._getframe(1))
+        inside = self._runs.active(_thread(config)) is not None
+        caller = None if inside else self._runs.learn(sys._getframe(1))
         return await asyncio.to_thread(
             self._put, config, checkpoint, metadata, new_versions, caller
         )
