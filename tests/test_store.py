@@ -379,6 +379,23 @@ def test_stale_fence_is_refused_and_writes_nothing(
 # -- step writes ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("n", [1, 3, 64, 65, 200])
+def test_batches_of_any_size_round_trip(store: Store, run_id: str, n: int) -> None:
+    """Small and large batches of blobs and writes (PostgreSQL binds the two differently)."""
+    blobs = [BlobRecord(run_id, f"k{i}", bytes([i % 256]) * 3) for i in range(n)]
+    writes = [write(run_id, "c01", f"t{i % 7}", i, f"w{i}".encode()) for i in range(n)]
+    first = ckpt(run_id, "c01", None)
+    store.commit_checkpoint(first, expected_head=None, blobs=blobs, writes=writes)
+    assert store.get_blobs(run_id, "", [b.key for b in blobs]) == {b.key: b.value for b in blobs}
+    more = [write(run_id, "c01", "u", i, f"u{i}".encode()) for i in range(n)]
+    store.put_writes(more + [write(run_id, "c01", "u", 0, b"later")], mode="first")
+    store.put_writes([write(run_id, "c01", "t0", 0, b"over")] * 2, mode="overwrite")
+    got = {(w.task_id, w.idx): w.value for w in store.get_writes(run_id, "", "c01")}
+    assert len(got) == 2 * n
+    assert got["u", 0] == b"u0" and got["t0", 0] == b"over"
+    assert all(got["u", i] == f"u{i}".encode() for i in range(1, n))
+
+
 def test_put_writes_modes(store: Store, run_id: str) -> None:
     store.put_writes(
         [

@@ -10,6 +10,7 @@ holds the claim row `FOR SHARE` until commit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,10 +31,33 @@ except ImportError as exc:  # pragma: no cover - depends on the extra
 _POOL_OPTS = ("min_size", "max_size")
 
 
-def _columns(records: Iterable[Any], names: Sequence[str]) -> list[list[Any]]:
-    """Records as one list per column, for `unnest`."""
-    rows = list(records)
-    return [[getattr(rec, name) for rec in rows] for name in names]
+#: Up to this many rows go in as a `VALUES` list (cheaper to bind than arrays);
+#: more go in as one array per column, through `unnest`.
+_MAX_VALUES_ROWS = 64
+_BLOB_COLUMNS = (("run_id", "text"), ("ns", "text"), ("key", "text"), ("value", "bytea"))
+_WRITE_COLUMNS = tuple(
+    zip(
+        _WRITE_COLS.split(", "),
+        ("text", "text", "text", "int", "text", "bytea", "text", "text"),
+        strict=True,
+    )
+)
+
+
+def _rows_source(n: int, columns: tuple[tuple[str, str], ...]) -> str:
+    """The FROM source of `n` rows of `columns` (a `VALUES` list, or `unnest` of arrays)."""
+    if n > _MAX_VALUES_ROWS:
+        return "unnest(" + ", ".join(f"?::{t}[]" for _, t in columns) + ")"
+    typed = "(" + ", ".join(f"?::{t}" for _, t in columns) + ")"
+    plain = "(" + ", ".join("?" for _ in columns) + ")"
+    return "(VALUES " + ", ".join([typed] + [plain] * (n - 1)) + ")"
+
+
+def _rows_params(records: Sequence[Any], columns: tuple[tuple[str, str], ...]) -> list[Any]:
+    """The parameters of `_rows_source(len(records), columns)`."""
+    if len(records) > _MAX_VALUES_ROWS:
+        return [[getattr(rec, name) for rec in records] for name, _ in columns]
+    return [getattr(rec, name) for rec in records for name, _ in columns]
 
 
 def _first_per_slot(writes: Iterable[WriteRecord]) -> list[WriteRecord]:
@@ -55,8 +79,9 @@ class _PgTxn:
 
 #: A commit in one statement, so one round trip: the fence check (the claim row
 #: held `FOR SHARE`), the branch head's compare-and-set, and, only if it moved,
-#: the checkpoint, blobs and writes. A checkpoint id already taken fails the
-#: whole statement on the primary key. `{move}` is the head's compare-and-set.
+#: the checkpoint, and the blobs and writes when there are any. A checkpoint id
+#: already taken fails the whole statement on the primary key. `{move}` is the
+#: head's compare-and-set.
 _COMMIT = """
 WITH claim AS (
     SELECT fence FROM remit_claims WHERE run_id = ? AND scope = ? FOR SHARE
@@ -65,19 +90,20 @@ WITH claim AS (
 ), checkpoint AS (
     INSERT INTO remit_checkpoints ({ckpt_cols})
     SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM moved
-), blobs AS (
-    INSERT INTO remit_blobs (run_id, ns, key, value)
-    SELECT b.* FROM unnest(?::text[], ?::text[], ?::text[], ?::bytea[]) AS b, moved
-    ON CONFLICT (run_id, ns, key) DO NOTHING
-), writes AS (
-    INSERT INTO remit_writes ({write_cols})
-    SELECT w.* FROM unnest(?::text[], ?::text[], ?::text[], ?::int[], ?::text[], ?::bytea[],
-                           ?::text[], ?::text[]) AS w, moved
-    ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) DO UPDATE SET
-        channel = excluded.channel, value = excluded.value, task_path = excluded.task_path
-)
+){blobs}{writes}
 SELECT (SELECT count(*) FROM moved), (SELECT fence FROM claim)
 """
+_COMMIT_BLOBS = """, blobs AS (
+    INSERT INTO remit_blobs (run_id, ns, key, value)
+    SELECT b.* FROM {source} AS b, moved
+    ON CONFLICT (run_id, ns, key) DO NOTHING
+)"""
+_COMMIT_WRITES = """, writes AS (
+    INSERT INTO remit_writes ({write_cols})
+    SELECT w.* FROM {source} AS w, moved
+    ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) DO UPDATE SET
+        channel = excluded.channel, value = excluded.value, task_path = excluded.task_path
+)"""
 _FENCE_HOLDS = "(?::bigint IS NULL OR EXISTS (SELECT 1 FROM claim WHERE fence = ?))"
 _MOVE_HEAD = (
     "UPDATE remit_branches SET head_id = ?, head_seq = ? WHERE run_id = ? AND ns = ? "
@@ -97,25 +123,46 @@ WITH claim AS (
     SELECT 1 WHERE {fence_holds}
 ), writes AS (
     INSERT INTO remit_writes ({write_cols})
-    SELECT w.* FROM unnest(?::text[], ?::text[], ?::text[], ?::int[], ?::text[], ?::bytea[],
-                           ?::text[], ?::text[]) AS w, held
+    SELECT w.* FROM {source} AS w, held
     ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) {conflict}
 )
 SELECT (SELECT count(*) FROM held), (SELECT fence FROM claim)
 """
-_PUT_WRITES_BY_MODE = {
-    mode: _PUT_WRITES.format(fence_holds=_FENCE_HOLDS, write_cols=_WRITE_COLS, conflict=conflict)
-    for mode, conflict in (
-        ("first", "DO NOTHING"),
-        (
-            "overwrite",
-            "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
-            "task_path = excluded.task_path",
-        ),
-    )
+_CONFLICTS = {
+    "first": "DO NOTHING",
+    "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
+    "task_path = excluded.task_path",
 }
-_COMMIT_AFTER = _COMMIT.format(move=_MOVE_HEAD, ckpt_cols=_CKPT_COLS, write_cols=_WRITE_COLS)
-_COMMIT_FIRST = _COMMIT.format(move=_CREATE_BRANCH, ckpt_cols=_CKPT_COLS, write_cols=_WRITE_COLS)
+
+
+def _rows_key(n: int) -> int:
+    """Row counts that share one statement text (every count above the VALUES limit)."""
+    return min(n, _MAX_VALUES_ROWS + 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _put_writes_sql(mode: str, n: int) -> str:
+    return _PUT_WRITES.format(
+        fence_holds=_FENCE_HOLDS,
+        write_cols=_WRITE_COLS,
+        conflict=_CONFLICTS[mode],
+        source=_rows_source(n, _WRITE_COLUMNS),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _commit_sql(first: bool, n_blobs: int, n_writes: int) -> str:
+    """The commit statement; one without blobs or writes leaves their parts out."""
+    blobs = _COMMIT_BLOBS.format(source=_rows_source(n_blobs, _BLOB_COLUMNS))
+    writes = _COMMIT_WRITES.format(
+        write_cols=_WRITE_COLS, source=_rows_source(n_writes, _WRITE_COLUMNS)
+    )
+    return _COMMIT.format(
+        move=_CREATE_BRANCH if first else _MOVE_HEAD,
+        ckpt_cols=_CKPT_COLS,
+        blobs=blobs if n_blobs else "",
+        writes=writes if n_writes else "",
+    )
 
 
 class PostgresStore(SqlStore):
@@ -201,13 +248,9 @@ class PostgresStore(SqlStore):
             (r.run_id, "", None) if fence is None else (fence.run_id, fence.scope, fence.fence)
         )
         if expected_head is None:
-            sql = _COMMIT_FIRST
             move: list[Any] = [r.run_id, r.branch, r.checkpoint_id, r.ns, r.seq, r.created_at]
         else:
-            sql = _COMMIT_AFTER
             move = [r.checkpoint_id, r.seq, r.run_id, r.ns, r.branch, expected_head]
-        first_blobs = {(b.run_id, b.ns, b.key): b for b in reversed(blobs)}.values()
-        last_writes = {(w.run_id, w.ns, w.checkpoint_id, w.task_id, w.idx): w for w in writes}
         params = [
             f_run,
             f_scope,
@@ -225,9 +268,18 @@ class PostgresStore(SqlStore):
             r.schema_version,
             r.workflow_version,
             r.created_at,
-            *_columns(first_blobs, ("run_id", "ns", "key", "value")),
-            *_columns(last_writes.values(), _WRITE_COLS.split(", ")),
         ]
+        # One statement may touch a row once: the first blob of a key, the last write
+        # of a slot.
+        first_blobs = list({(b.run_id, b.ns, b.key): b for b in reversed(blobs)}.values())
+        last_writes = list(
+            {(w.run_id, w.ns, w.checkpoint_id, w.task_id, w.idx): w for w in writes}.values()
+        )
+        params += _rows_params(first_blobs, _BLOB_COLUMNS)
+        params += _rows_params(last_writes, _WRITE_COLUMNS)
+        sql = _commit_sql(
+            expected_head is None, _rows_key(len(first_blobs)), _rows_key(len(last_writes))
+        )
         failpoints.hit("checkpoint.in_commit")
         try:
             with self._atomic() as txn:
@@ -256,17 +308,18 @@ class PostgresStore(SqlStore):
     def put_writes(
         self, writes: Sequence[WriteRecord], *, mode: WriteMode, fence: FenceRef | None = None
     ) -> None:
-        sql = _PUT_WRITES_BY_MODE.get(mode)
-        if sql is None:  # expect_absent: a taken slot refuses the batch (the SQL path)
+        if mode not in _CONFLICTS or not writes:
+            # expect_absent: a taken slot refuses the batch (the SQL path).
             super().put_writes(writes, mode=mode, fence=fence)
             return
         keyed = {(w.run_id, w.ns, w.checkpoint_id, w.task_id, w.idx): w for w in writes}
         # One statement may touch a row once: the first of a slot wins, or the last.
-        rows = keyed.values() if mode == "overwrite" else _first_per_slot(writes)
+        rows = list(keyed.values()) if mode == "overwrite" else _first_per_slot(writes)
         f_run, f_scope, f_fence = (
             ("", "", None) if fence is None else (fence.run_id, fence.scope, fence.fence)
         )
-        params = [f_run, f_scope, f_fence, f_fence, *_columns(rows, _WRITE_COLS.split(", "))]
+        params = [f_run, f_scope, f_fence, f_fence, *_rows_params(rows, _WRITE_COLUMNS)]
+        sql = _put_writes_sql(mode, _rows_key(len(rows)))
         failpoints.hit("writes.in_txn")
         with self._atomic() as txn:
             held, current = txn.execute(sql, params).fetchone()
