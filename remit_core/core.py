@@ -537,6 +537,31 @@ class Remit:
         failpoints.hit("claim.after_acquire")
         return ClaimHandle(self, claim, lease, heartbeat)
 
+    def claim_at_head(
+        self,
+        run_id: str,
+        branch: str = MAIN_BRANCH,
+        *,
+        ns: str = "",
+        lease: float | None = None,
+        heartbeat: bool = True,
+    ) -> tuple[ClaimHandle, CheckpointRecord | None]:
+        """`claim(run_id, branch)` and the branch's head as of the claim, verified
+        (one round trip where the engine allows). The claim is released if the
+        head fails to verify."""
+        lease = self.lease if lease is None else lease
+        holder = f"{self.holder}/{next(_holder_serial)}"
+        claim, record = self.store.acquire_claim_at_head(
+            run_id, branch, holder, now=self.clock(), lease=lease, ns=ns
+        )
+        failpoints.hit("claim.after_acquire")
+        handle = ClaimHandle(self, claim, lease, heartbeat)
+        try:
+            return handle, None if record is None else self._open_ckpt(record)
+        except BaseException:
+            handle.release()
+            raise
+
     # -- forks ---------------------------------------------------------------
     def fork(
         self, run_id: str, base_id: str, fork_token: str, *, ns: str = ""

@@ -224,10 +224,16 @@ class Runs:
         conf = config.get("configurable") or {}
         thread = str(conf["thread_id"])
         token = conf.get("fork_token")
-        record, branch = self._where(thread, conf.get("checkpoint_id"), token)
-        if record is None and loop.input is None:
-            return None, None  # nothing to run; LangGraph reports the empty input
-        handle = self.remit.claim(thread, branch, lease=self.saver.lease)
+        checkpoint_id = conf.get("checkpoint_id")
+        if not checkpoint_id and not token and loop.input is not None:
+            # The common start: main's head, read with the claim (one round trip).
+            branch = MAIN_BRANCH
+            handle, record = self.remit.claim_at_head(thread, branch, lease=self.saver.lease)
+        else:
+            record, branch = self._where(thread, checkpoint_id, token)
+            if record is None and loop.input is None:
+                return None, None  # nothing to run; LangGraph reports the empty input
+            handle = self.remit.claim(thread, branch, lease=self.saver.lease)
         run = Run(self.remit, thread, branch, handle, call.check)
         try:
             if record is not None:

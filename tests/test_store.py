@@ -475,6 +475,23 @@ def test_interrupt_consumed_once_and_second_value_not_stored(store: Store, run_i
 # -- claims -------------------------------------------------------------------------------
 
 
+def test_claim_at_head_returns_the_head_the_claim_starts_from(store: Store, run_id: str) -> None:
+    claim, head = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "A", now=100.0, lease=10.0)
+    assert (claim.holder, claim.fence, head) == ("A", 1, None)
+    chain(store, run_id, 2)
+    store.commit_checkpoint(ckpt(run_id, "s1", None, ns="sub"), expected_head=None)
+    again, head = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "A", now=101.0, lease=10.0)
+    assert again.fence == 1 and head == store.get_head(run_id, "", MAIN_BRANCH)
+    assert head is not None and head.checkpoint_id == "c02"
+    _, sub = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "A", now=102.0, lease=10.0, ns="sub")
+    assert sub is not None and sub.checkpoint_id == "s1"
+    with pytest.raises(ResumeConflict):
+        store.acquire_claim_at_head(run_id, MAIN_BRANCH, "B", now=103.0, lease=10.0)
+    assert store.get_claim(run_id, MAIN_BRANCH).holder == "A"  # type: ignore[union-attr]
+    taken, head = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "B", now=200.0, lease=10.0)
+    assert (taken.holder, taken.fence) == ("B", 2) and head is not None
+
+
 def test_claim_lease_takeover_renew_release(store: Store, run_id: str) -> None:
     assert store.get_claim(run_id, "main") is None
     a = store.acquire_claim(run_id, "main", "A", now=100.0, lease=10.0)
@@ -785,6 +802,10 @@ def test_corrupt_checkpoint_bytes_name_run_and_checkpoint(remit: Remit, run_id: 
             read()
         assert (err.value.run_id, err.value.checkpoint_id) == (run_id, "c02")
         assert "c02" in str(err.value) and run_id in str(err.value)
+    # A claim that starts from a corrupt head is not kept.
+    with pytest.raises(CorruptRecord):
+        remit.claim_at_head(run_id)
+    assert remit.claim(run_id).claim.fence == 2
     # Other checkpoints still read; unverified listing still lists.
     c1 = remit.checkpoint(run_id, "c01")
     assert c1 is not None and c1.state == b'{"a": 1}'

@@ -97,6 +97,18 @@ _SELECT_HEAD = (
     "ON c.run_id = b.run_id AND c.ns = b.ns AND c.checkpoint_id = b.head_id "
     "WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?"
 )
+#: Take a claim if it is free, expired, or the holder's own (same fence then);
+#: parameters: run, scope, holder, expires_at, now, now.
+_ACQUIRE_CLAIM = (
+    "INSERT INTO remit_claims (run_id, scope, holder, fence, expires_at) "
+    "VALUES (?, ?, ?, 1, ?) ON CONFLICT (run_id, scope) DO UPDATE SET "
+    "fence = CASE WHEN remit_claims.holder = excluded.holder "
+    "AND remit_claims.expires_at > ? THEN remit_claims.fence "
+    "ELSE remit_claims.fence + 1 END, "
+    "holder = excluded.holder, expires_at = excluded.expires_at "
+    "WHERE remit_claims.holder = excluded.holder OR remit_claims.holder = '' "
+    "OR remit_claims.expires_at <= ?"
+)
 _EFFECT_COLS = "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at"
 _WRITE_COLS = "run_id, checkpoint_id, task_id, idx, channel, value, ns, task_path"
 _RUN_TABLES = (
@@ -181,6 +193,17 @@ def _effect(row: Sequence[Any]) -> EffectRecord:
         created_at=float(row[5]),
         done_at=None if row[6] is None else float(row[6]),
     )
+
+
+def _claim_of(run_id: str, scope: str, row: Sequence[Any] | None) -> Claim:
+    """The claim `_ACQUIRE_CLAIM` returned (holder, fence, expires_at), or `ResumeConflict`."""
+    if row is None or row[0] is None:
+        raise ResumeConflict(
+            "another resumer holds this run; retry after its lease expires",
+            run_id=run_id,
+            scope=scope,
+        )
+    return Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
 
 
 def _write(row: Sequence[Any]) -> WriteRecord:
@@ -556,24 +579,10 @@ class SqlStore(Store):
         failpoints.hit("claim.in_acquire")
         with self._atomic() as txn:
             row = txn.execute(
-                "INSERT INTO remit_claims (run_id, scope, holder, fence, expires_at) "
-                "VALUES (?, ?, ?, 1, ?) ON CONFLICT (run_id, scope) DO UPDATE SET "
-                "fence = CASE WHEN remit_claims.holder = excluded.holder "
-                "AND remit_claims.expires_at > ? THEN remit_claims.fence "
-                "ELSE remit_claims.fence + 1 END, "
-                "holder = excluded.holder, expires_at = excluded.expires_at "
-                "WHERE remit_claims.holder = excluded.holder OR remit_claims.holder = '' "
-                "OR remit_claims.expires_at <= ? "
-                "RETURNING holder, fence, expires_at",
+                _ACQUIRE_CLAIM + " RETURNING holder, fence, expires_at",
                 (run_id, scope, holder, now + lease, now, now),
             ).fetchone()
-        if row is None:
-            raise ResumeConflict(
-                "another resumer holds this run; retry after its lease expires",
-                run_id=run_id,
-                scope=scope,
-            )
-        return Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
+        return _claim_of(run_id, scope, row)
 
     def renew_claim(self, claim: Claim, *, now: float, lease: float) -> Claim:
         # No RETURNING: SQLite keeps the write lock of a row-returning write until

@@ -187,6 +187,16 @@ class Store(ABC):
         scope. Raises `ResumeConflict` while another holder's lease is live.
         """
 
+    def acquire_claim_at_head(
+        self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""
+    ) -> tuple[Claim, CheckpointRecord | None]:
+        """`acquire_claim`, then the head of branch `scope` in `ns` as of the claim.
+
+        Engines where a round trip costs may do both in one.
+        """
+        claim = self.acquire_claim(run_id, scope, holder, now=now, lease=lease)
+        return claim, self.get_head(run_id, ns, scope)
+
     @abstractmethod
     def renew_claim(self, claim: Claim, *, now: float, lease: float) -> Claim:
         """Extend a claim's lease; `Fenced` if it was taken over or released."""

@@ -19,8 +19,25 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from remit_core import codec, failpoints
 from remit_core.errors import Fenced, HeadMoved, StoreUnavailable
-from remit_core.records import BlobRecord, CheckpointRecord, FenceRef, WriteMode, WriteRecord
-from remit_core.stores._sql import _BRANCH_COLS, _CKPT_COLS, _WRITE_COLS, SqlStore, Txn
+from remit_core.records import (
+    BlobRecord,
+    CheckpointRecord,
+    Claim,
+    FenceRef,
+    WriteMode,
+    WriteRecord,
+)
+from remit_core.stores._sql import (
+    _ACQUIRE_CLAIM,
+    _BRANCH_COLS,
+    _CKPT_COLS,
+    _SELECT_HEAD,
+    _WRITE_COLS,
+    SqlStore,
+    Txn,
+    _ckpt,
+    _claim_of,
+)
 
 try:
     import psycopg
@@ -163,6 +180,21 @@ def _commit_sql(first: bool, n_blobs: int, n_writes: int) -> str:
         blobs=blobs if n_blobs else "",
         writes=writes if n_writes else "",
     )
+
+
+#: A claim and the head it starts from, in one round trip. The head is read in
+#: the statement's snapshot: a commit that lands while the claim waits on a
+#: fenced-out writer's row lock is missed, and the next commit's compare-and-set
+#: says so (`HeadMoved`), as when the head is read first.
+_CLAIM_AT_HEAD = f"""
+WITH claimed AS (
+    {_ACQUIRE_CLAIM} RETURNING holder, fence, expires_at
+)
+SELECT claimed.holder, claimed.fence, claimed.expires_at, head.*
+FROM (SELECT 1) AS one
+LEFT JOIN claimed ON true
+LEFT JOIN ({_SELECT_HEAD}) AS head ON true
+"""
 
 
 class PostgresStore(SqlStore):
@@ -329,6 +361,17 @@ class PostgresStore(SqlStore):
                 run_id=fence.run_id,
                 scope=fence.scope,
             )
+
+    def acquire_claim_at_head(
+        self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""
+    ) -> tuple[Claim, CheckpointRecord | None]:
+        failpoints.hit("claim.in_acquire")
+        with self._atomic() as txn:
+            row = txn.execute(
+                _CLAIM_AT_HEAD, (run_id, scope, holder, now + lease, now, now, run_id, ns, scope)
+            ).fetchone()
+        claim = _claim_of(run_id, scope, row)
+        return claim, None if row[3] is None else _ckpt(row[3:])
 
     def setup(self) -> None:
         with self._txn() as txn:
