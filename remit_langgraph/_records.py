@@ -2,7 +2,8 @@
 
 A LangGraph thread is a Remit run (`run_id = thread_id`) and a checkpoint
 namespace is a Remit namespace. A checkpoint record holds the checkpoint's
-frame (ids, versions, timestamps) as tagged JSON; each channel value is a
+frame (ids, versions, timestamps) as msgpack behind a marker (format 1, still
+read, was tagged JSON); each channel value is a
 blob stored once per (channel, version), as LangGraph's PostgreSQL saver does,
 so a checkpoint that changes one channel writes one blob. Values are encoded
 with the saver's serializer and framed as `type NUL bytes`.
@@ -15,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import ormsgpack
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import Checkpoint
 from langgraph.checkpoint.serde.base import SerializerProtocol
@@ -22,8 +24,17 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from remit_core import codec
 from remit_core.errors import CorruptRecord, RemitError
 
-#: Marks a checkpoint body as LangGraph's (other shims share the store).
-BODY_FORMAT = 1
+#: Marks a checkpoint body as LangGraph's (other shims share the store). Format 2
+#: is this marker and a msgpack map; format 1 was tagged JSON, `{"lg":1,...}`.
+BODY_FORMAT = 2
+_BODY_MARK = b"RLG" + bytes([BODY_FORMAT])
+#: Plain data only: a type msgpack would turn into something else is refused.
+_BODY_OPTIONS = (
+    ormsgpack.OPT_PASSTHROUGH_DATACLASS
+    | ormsgpack.OPT_PASSTHROUGH_DATETIME
+    | ormsgpack.OPT_PASSTHROUGH_ENUM
+    | ormsgpack.OPT_PASSTHROUGH_UUID
+)
 #: The Remit run whose step writes index LangGraph run ids -> threads.
 RUN_INDEX = "remit-langgraph:run-index"
 
@@ -60,7 +71,6 @@ def blob_key(channel: str, version: Any) -> str:
 def encode_body(checkpoint: Checkpoint, inline: Mapping[str, bytes]) -> bytes:
     """The checkpoint record's body: everything but the blob-stored channel values."""
     body = {
-        "lg": BODY_FORMAT,
         "v": checkpoint.get("v", 1),
         "ts": checkpoint.get("ts", ""),
         "channel_versions": dict(checkpoint.get("channel_versions") or {}),
@@ -69,8 +79,8 @@ def encode_body(checkpoint: Checkpoint, inline: Mapping[str, bytes]) -> bytes:
         "inline": dict(inline),
     }
     try:
-        return codec.dumps(body)
-    except TypeError as exc:
+        return _BODY_MARK + ormsgpack.packb(body, option=_BODY_OPTIONS)
+    except (TypeError, ormsgpack.MsgpackEncodeError) as exc:
         raise RemitError(
             f"checkpoint has a field Remit cannot store: {exc}", checkpoint_id=checkpoint.get("id")
         ) from exc
@@ -78,18 +88,33 @@ def encode_body(checkpoint: Checkpoint, inline: Mapping[str, bytes]) -> bytes:
 
 def decode_body(raw: bytes, **ids: Any) -> dict[str, Any]:
     """Parse a checkpoint body; `CorruptRecord` if it is not a LangGraph checkpoint."""
+    raw = bytes(raw)
+    if raw.startswith(_BODY_MARK):
+        try:
+            body = ormsgpack.unpackb(raw[len(_BODY_MARK) :])
+        except (ValueError, ormsgpack.MsgpackDecodeError) as exc:
+            raise CorruptRecord(f"checkpoint body does not decode: {exc}", **ids) from exc
+        if not isinstance(body, dict) or not _BODY_KEYS <= body.keys():
+            raise CorruptRecord("checkpoint body lacks LangGraph's fields", **ids)
+        return body
     try:
         body = codec.loads(raw)
     except ValueError as exc:
         raise CorruptRecord(f"checkpoint body does not decode: {exc}", **ids) from exc
-    if not isinstance(body, dict) or body.get("lg") != BODY_FORMAT:
+    if not isinstance(body, dict) or body.get("lg") != 1:
         raise CorruptRecord("record is not a LangGraph checkpoint written by Remit", **ids)
     return body
 
 
+_BODY_KEYS = frozenset(
+    {"v", "ts", "channel_versions", "versions_seen", "updated_channels", "inline"}
+)
+
+
 def is_langgraph_body(raw: bytes) -> bool:
     """Cheap check used when listing a store other shims also write to."""
-    return bytes(raw[:16]).startswith(b'{"lg":')
+    head = bytes(raw[:16])
+    return head.startswith(_BODY_MARK) or head.startswith(b'{"lg":1')
 
 
 def build_checkpoint(

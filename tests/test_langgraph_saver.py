@@ -177,6 +177,33 @@ def corrupt(saver: RemitSaver, thread: str, checkpoint_id: str) -> None:
         )
 
 
+def test_a_checkpoint_body_of_format_1_still_reads(store_url: str) -> None:
+    """Bodies were tagged JSON before the msgpack format; such records keep reading."""
+    from remit_core import codec
+    from remit_langgraph import _records as rec
+
+    saver = RemitSaver(store_url)
+    thread = f"t-{uuid.uuid4().hex}"
+    inline = {"n": rec.pack(saver.serde.dumps_typed(5))}
+    body = {
+        "lg": 1,
+        "v": 4,
+        "ts": "2026-11-30T00:00:00+00:00",
+        "channel_versions": {"n": "1"},
+        "versions_seen": {"node": {"n": "1"}},
+        "updated_channels": ["n"],
+        "inline": inline,
+    }
+    saver.remit.commit(run_id=thread, checkpoint_id="c1", parent_id=None, state=codec.dumps(body))
+    got = saver.get_tuple({"configurable": {"thread_id": thread}})
+    assert got is not None
+    assert got.checkpoint["channel_values"] == {"n": 5}
+    assert got.checkpoint["versions_seen"] == {"node": {"n": "1"}}
+    listed = saver.list({"configurable": {"thread_id": thread}})
+    assert [c.config["configurable"]["checkpoint_id"] for c in listed] == ["c1"]
+    saver.delete_thread(thread)
+
+
 def test_a_corrupt_checkpoint_is_a_clear_error(store_url: str) -> None:
     saver = RemitSaver(store_url)
     graph = one_node(Free, lambda s: {"n": s["n"] + 1}, saver)
