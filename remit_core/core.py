@@ -67,6 +67,13 @@ def _with_state(r: CheckpointRecord, state: bytes) -> CheckpointRecord:
     )
 
 
+def _write_with_value(w: WriteRecord, value: bytes) -> WriteRecord:
+    """`w` with other value bytes (see `_with_state`)."""
+    return WriteRecord(
+        w.run_id, w.checkpoint_id, w.task_id, w.idx, w.channel, value, w.ns, w.task_path
+    )
+
+
 class _LeaseKeeper:
     """One thread per process renews the lease of every heartbeat claim, each
     every `lease / 3`, instead of one thread per claim: starting a thread costs
@@ -425,7 +432,7 @@ class Remit:
     # -- step writes ---------------------------------------------------------
     def _seal_write(self, w: WriteRecord) -> WriteRecord:
         identity = _write_identity(w.ns, w.checkpoint_id, w.task_id, w.idx)
-        return dataclasses.replace(w, value=codec.seal(w.value, identity))
+        return _write_with_value(w, codec.seal(w.value, identity))
 
     def put_writes(
         self, writes: Sequence[WriteRecord], *, mode: WriteMode = "first",
@@ -443,7 +450,7 @@ class Remit:
         for w in self.store.get_writes(run_id, ns, checkpoint_id, after_idx=after_idx):
             identity = _write_identity(w.ns, w.checkpoint_id, w.task_id, w.idx)
             body = codec.unseal(w.value, identity, run_id=run_id, checkpoint_id=checkpoint_id)
-            out.append(dataclasses.replace(w, value=body))
+            out.append(_write_with_value(w, body))
         return out
 
     # -- interrupts ----------------------------------------------------------
