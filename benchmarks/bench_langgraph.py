@@ -17,7 +17,7 @@ mode with each saver's default `synchronous` setting (LangGraph's: SQLite's
 default FULL; Remit's: NORMAL, which survives a killed process; pass
 `--sqlite-sync FULL` to run Remit with FULL too).
 
-    python benchmarks/bench_langgraph.py [--cycles 400] [--invokes 12]
+    python benchmarks/bench_langgraph.py [--cycles 400] [--invokes 40]
         [--engines sqlite,postgresql] [--sqlite-sync NORMAL|FULL]
 
 PostgreSQL comes from REMIT_BENCH_PG (default: the local test server). Every
@@ -164,7 +164,7 @@ def remit_url(engine: str, folder: str, sqlite_sync: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cycles", type=int, default=400)
-    parser.add_argument("--invokes", type=int, default=12)
+    parser.add_argument("--invokes", type=int, default=40)
     parser.add_argument("--engines", default="sqlite,postgresql")
     parser.add_argument("--sqlite-sync", default="NORMAL", choices=["NORMAL", "FULL"])
     args = parser.parse_args()
