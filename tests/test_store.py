@@ -8,10 +8,12 @@ invalid writes, corrupt and unknown records.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +35,7 @@ from remit_core import (
     ResumeConflict,
     StateSchema,
     Store,
+    StoreUnavailable,
     UnknownRecord,
     VersionMismatch,
     WriteConflict,
@@ -43,6 +46,7 @@ from remit_core import (
 )
 from remit_core.records import BlobRecord
 from remit_core.stores.base import SCHEMA_VERSION
+from remit_core.stores.sqlite import SQLiteStore, sqlite_path
 
 # -- helpers -----------------------------------------------------------------
 
@@ -175,6 +179,31 @@ def test_setup_from_many_fresh_instances_at_once(store: Store) -> None:
     for s in stores:
         assert s.applied_migrations() == list(range(1, SCHEMA_VERSION + 1))
         s.close()
+
+
+def test_sqlite_failed_transaction_rolls_back_and_raises_store_unavailable(
+    tmp_path: Path,
+) -> None:
+    store = SQLiteStore(f"sqlite:///{tmp_path}/t.db?busy_timeout=100")
+    store.setup()
+    claim = "INSERT INTO remit_claims (run_id, scope, holder, fence, expires_at) "
+    with pytest.raises(StoreUnavailable, match="no such table"):
+        with store._txn() as txn:
+            txn.execute(claim + "VALUES ('r', 's', 'h', 1, 1.0)")
+            txn.execute("SELECT * FROM no_such_table")
+    assert store.get_claim("r", "s") is None  # rolled back
+    chain(store, "r", 1)  # and the connection takes transactions again
+    blocker = sqlite3.connect(sqlite_path(store.url), isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreUnavailable, match="locked"):
+            store.delete_run("r")
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    store.delete_run("r")
+    assert store.get_head("r", "", MAIN_BRANCH) is None
+    store.close()
 
 
 # -- checkpoints and branches ---------------------------------------------------

@@ -138,15 +138,23 @@ class _Transaction:
         store = self._store
         try:
             conn = store._connection()
-            if exc is not None:
-                conn.execute("ROLLBACK")
-                return
-            try:
-                conn.execute("COMMIT")
-            except sqlite3.Error as error:
+            failed: BaseException | None = exc
+            if failed is None:
+                try:
+                    conn.execute("COMMIT")
+                    return
+                except sqlite3.Error as error:
+                    failed = error
+            # SQLite may have rolled back already (a full disk, an I/O error).
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            if exc is None:
                 raise StoreUnavailable(
-                    f"SQLite commit failed on {store.path!r}: {error}"
-                ) from error
+                    f"SQLite commit failed on {store.path!r}: {failed}"
+                ) from failed
+            if isinstance(exc, sqlite3.OperationalError):
+                raise StoreUnavailable(f"SQLite store {store.path!r}: {exc}") from exc
         finally:
             store._lock.release()
 
