@@ -103,3 +103,26 @@ def test_sixteen_processes_one_winner_every_round(store_url: str, run_id: str) -
 def test_non_atomic_claim_is_caught(store_url: str, run_id: str) -> None:
     winners = race(store_url, run_id, naive_claim)
     assert max(len(w) for w in winners.values()) > 1
+
+
+def test_processes_opening_a_new_sqlite_file_together_all_succeed(tmp_path: Any) -> None:
+    """Turning a new file to WAL is not covered by SQLite's busy timeout; the store
+    retries it, so no process fails with "database is locked" at start."""
+    from remit_core.conformance.processes import Barrier, fork
+    from remit_core.stores.sqlite import SQLiteStore
+
+    for rnd in range(30):
+        url = f"sqlite:///{tmp_path}/fresh-{rnd}.db"
+        barrier = Barrier(8)
+
+        def body(url: str = url, barrier: Barrier = barrier) -> int:
+            barrier.wait()
+            store = SQLiteStore(url)  # a new file: each process sets it up
+            store.setup()
+            return store.acquire_claim("r", "main", "h", now=1.0, lease=1.0).fence
+
+        workers = [fork(body, barrier=barrier) for _ in range(8)]
+        barrier.release(30)
+        outcomes = [w.wait(60) for w in workers]
+        failed = [o.error["message"] for o in outcomes if not o.ok]  # type: ignore[index]
+        assert not failed, f"round {rnd}: {failed}"

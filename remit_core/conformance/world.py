@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from remit_core.effects import NOT_APPLIED
+from remit_core.stores.sqlite import connect_wal
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
@@ -81,11 +82,7 @@ class WorldDB:
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None or self._pid != os.getpid():
-            conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=60
-            )
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
+            conn = connect_wal(str(self.path), busy_ms=60_000)
             conn.executescript(_SCHEMA)
             self._conn, self._pid = conn, os.getpid()
         return self._conn

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -31,6 +33,46 @@ def sqlite_path(url: str) -> str:
     if not path:
         raise ValueError(f"sqlite URL names no file: {url!r}")
     return path
+
+
+#: SQLite's primary result codes SQLITE_BUSY and SQLITE_LOCKED.
+_BUSY_CODES = (5, 6)
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return int(code) & 0xFF in _BUSY_CODES
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def connect_wal(path: str, *, busy_ms: int, synchronous: str = "NORMAL") -> sqlite3.Connection:
+    """A connection to `path` in WAL mode, in autocommit mode, usable from any thread.
+
+    Turning a new file to WAL needs the file to itself, and SQLite does not wait
+    for that (the busy timeout does not apply): processes that open a new file
+    together would see "database is locked" at once. That step is retried here,
+    within the busy timeout.
+    """
+    conn = sqlite3.connect(
+        path, isolation_level=None, check_same_thread=False, timeout=busy_ms / 1000
+    )
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
+        deadline = time.monotonic() + busy_ms / 1000
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                break
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.002 + random.random() * 0.008)
+        conn.execute(f"PRAGMA synchronous = {synchronous}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 _FENCED = "remit: stale fence"
@@ -190,12 +232,7 @@ class SQLiteStore(SqlStore):
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None or self._pid != os.getpid():
             try:
-                conn = sqlite3.connect(
-                    self.path, isolation_level=None, check_same_thread=False, timeout=30
-                )
-                conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
-                conn.execute("PRAGMA journal_mode = WAL")
-                conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+                conn = connect_wal(self.path, busy_ms=self._busy_ms, synchronous=self._synchronous)
             except sqlite3.Error as exc:
                 raise StoreUnavailable(f"cannot open SQLite store {self.path!r}: {exc}") from exc
             self._conn, self._pid = conn, os.getpid()
