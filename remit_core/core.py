@@ -51,7 +51,8 @@ def _write_identity(ns: str, checkpoint_id: str, task_id: str, idx: int) -> str:
 
 
 def _with_state(r: CheckpointRecord, state: bytes) -> CheckpointRecord:
-    """`r` with other state bytes (`dataclasses.replace` costs twice as much)."""
+    """`r` with other state bytes and a metadata dict of its own: a store may hand
+    out one record more than once (`dataclasses.replace` costs twice as much)."""
     return CheckpointRecord(
         run_id=r.run_id,
         checkpoint_id=r.checkpoint_id,
@@ -60,7 +61,7 @@ def _with_state(r: CheckpointRecord, state: bytes) -> CheckpointRecord:
         state=state,
         ns=r.ns,
         seq=r.seq,
-        metadata=r.metadata,
+        metadata=dict(r.metadata),
         schema_version=r.schema_version,
         workflow_version=r.workflow_version,
         created_at=r.created_at,
@@ -225,9 +226,9 @@ class Remit:
         self._holder_auto = ""
         self._holder_lock = threading.Lock()
         self._main_seqs: dict[tuple[str, str, str], int] = {}
-        # The last record sealed or verified here, and its opened form: a store
-        # that hands the same (immutable) record back needs no second check.
-        self._opened: tuple[CheckpointRecord | None, CheckpointRecord | None] = (None, None)
+        # The last record sealed or verified here, and its payload: a store that
+        # hands the same (immutable) record back needs no second check.
+        self._opened: tuple[CheckpointRecord | None, bytes] = (None, b"")
 
     @property
     def holder(self) -> str:
@@ -347,7 +348,7 @@ class Remit:
                 record = dataclasses.replace(record, branch=plan.branch, seq=plan.seq)
         self._seen(record, parent_id)
         opened = _with_state(record, state)
-        self._opened = (record, opened)
+        self._opened = (record, state)
         failpoints.hit("checkpoint.after_commit")
         return opened
 
@@ -365,9 +366,9 @@ class Remit:
         seqs[record.run_id, record.ns, record.checkpoint_id] = record.seq
 
     def _open_ckpt(self, record: CheckpointRecord) -> CheckpointRecord:
-        sealed, opened = self._opened
-        if record is sealed and opened is not None:
-            return opened
+        sealed, verified = self._opened
+        if record is sealed:
+            return _with_state(record, verified)
         body = codec.unseal(
             record.state,
             _ckpt_identity(record.ns, record.checkpoint_id),
@@ -375,9 +376,8 @@ class Remit:
             checkpoint_id=record.checkpoint_id,
         )
         self._seen(record)
-        opened = _with_state(record, body)
-        self._opened = (record, opened)
-        return opened
+        self._opened = (record, body)
+        return _with_state(record, body)
 
     def checkpoint(
         self, run_id: str, checkpoint_id: str, *, ns: str = ""

@@ -818,6 +818,20 @@ def test_invalid_write_is_refused_before_commit(remit: Remit, run_id: str) -> No
 # -- records that cannot lie ---------------------------------------------------------------------
 
 
+def test_records_handed_out_do_not_share_metadata(remit: Remit, run_id: str) -> None:
+    """A head is remembered between reads (SQLite); what a caller does to the record
+    it got never shows in the next read."""
+    committed = remit.commit(
+        run_id=run_id, checkpoint_id="c01", parent_id=None, state=b"s", metadata={"step": 1}
+    )
+    committed.metadata["step"] = 99
+    first = remit.head(run_id)
+    assert first is not None and first.metadata == {"step": 1}
+    first.metadata["step"] = 98
+    again = remit.head(run_id)
+    assert again is not None and again.metadata == {"step": 1} and again.state == b"s"
+
+
 def test_corrupt_checkpoint_bytes_name_run_and_checkpoint(remit: Remit, run_id: str) -> None:
     remit.commit(run_id=run_id, checkpoint_id="c01", parent_id=None, state=b'{"a": 1}')
     remit.commit(run_id=run_id, checkpoint_id="c02", parent_id="c01", state=b'{"a": 2}')
