@@ -161,7 +161,7 @@ class _Transaction:
         store._lock.acquire()
         try:
             conn = store._connection()
-            if not store._committing:
+            if not store._keep_heads:
                 store._heads.clear()
             conn.execute("BEGIN IMMEDIATE")
         except BaseException as exc:
@@ -227,7 +227,7 @@ class SQLiteStore(SqlStore):
         self._transaction = _Transaction(self)
         self._heads: dict[tuple[str, str, str], CheckpointRecord] = {}
         self._heads_version: int | None = None
-        self._committing = False
+        self._keep_heads = False  # set while a write that moves only its own head runs
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None or self._pid != os.getpid():
@@ -274,7 +274,7 @@ class SQLiteStore(SqlStore):
             *((None, None, None) if fence is None else (fence.run_id, fence.scope, fence.fence)),
         )
         with self._lock:
-            self._committing = True
+            self._keep_heads = True
             try:
                 if blobs or writes:
                     with self._transaction as txn:
@@ -290,7 +290,7 @@ class SQLiteStore(SqlStore):
                 self._heads.pop(key, None)
                 raise
             finally:
-                self._committing = False
+                self._keep_heads = False
             # This connection's own commit leaves data_version as it was.
             self._heads[key] = record
 
