@@ -38,6 +38,8 @@ from remit_core.records import (
 from remit_core.stores import Store, open_store
 
 DEFAULT_LEASE = 30.0
+#: The plan of a run's first checkpoint, tried before any other.
+_FIRST_ON_MAIN = policy.CommitPlan(MAIN_BRANCH, None, 1)
 #: How many checkpoints of main a `Remit` remembers to skip planning a commit after them.
 _SEEN_MAX = 1024
 
@@ -54,17 +56,17 @@ def _with_state(r: CheckpointRecord, state: bytes) -> CheckpointRecord:
     """`r` with other state bytes and a metadata dict of its own: a store may hand
     out one record more than once (`dataclasses.replace` costs twice as much)."""
     return CheckpointRecord(
-        run_id=r.run_id,
-        checkpoint_id=r.checkpoint_id,
-        branch=r.branch,
-        parent_id=r.parent_id,
-        state=state,
-        ns=r.ns,
-        seq=r.seq,
-        metadata=dict(r.metadata),
-        schema_version=r.schema_version,
-        workflow_version=r.workflow_version,
-        created_at=r.created_at,
+        r.run_id,
+        r.checkpoint_id,
+        r.branch,
+        r.parent_id,
+        state,
+        r.ns,
+        r.seq,
+        dict(r.metadata) if r.metadata else {},
+        r.schema_version,
+        r.workflow_version,
+        r.created_at,
     )
 
 
@@ -135,6 +137,16 @@ class _LeaseKeeper:
 
 _keeper = _LeaseKeeper()
 os.register_at_fork(after_in_child=_keeper._reset)
+#: How many forks deep this process is; a forked child needs a resumer identity of its own.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
 _holder_serial = itertools.count(1)
 
 
@@ -222,7 +234,7 @@ class Remit:
         self.lease = lease
         self.clock = clock
         self._holder = holder
-        self._holder_pid = -1
+        self._holder_forks = -1
         self._holder_auto = ""
         self._holder_lock = threading.Lock()
         self._main_seqs: dict[tuple[str, str, str], int] = {}
@@ -235,14 +247,14 @@ class Remit:
         """This process's resumer identity (fresh in a forked child)."""
         if self._holder is not None:
             return self._holder
-        pid = os.getpid()
-        if self._holder_pid != pid:
+        if self._holder_forks != _forks:
             # Threads asking at once must all get the one identity: a claim taken
             # under one and renewed under another would conflict with itself.
             with self._holder_lock:
-                if self._holder_pid != pid:
+                if self._holder_forks != _forks:
+                    pid = os.getpid()
                     self._holder_auto = f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:8]}"
-                    self._holder_pid = pid
+                    self._holder_forks = _forks
         return self._holder_auto
 
     # -- checkpoints -----------------------------------------------------------
@@ -291,7 +303,7 @@ class Remit:
         if plan is None and fork_token is None and parent_id is None:
             # A first checkpoint usually starts a new run: try to create main
             # straight away; if main exists, plan from the branches.
-            guess = policy.CommitPlan(MAIN_BRANCH, None, 1)
+            guess = _FIRST_ON_MAIN
         elif plan is None and fork_token is None and parent_id is not None:
             # The parent was main's head when this process last saw it: try the
             # compare-and-set straight away; if it lost, plan from the branches.
@@ -324,11 +336,15 @@ class Remit:
             workflow_version=workflow_version,
             created_at=now,
         )
-        sealed_blobs = [
-            BlobRecord(run_id, k, codec.seal(v, f"blob\x00{ns}\x00{k}"), ns)
-            for k, v in (blobs or {}).items()
-        ]
-        sealed_writes = [self._seal_write(w) for w in writes]
+        sealed_blobs = (
+            [
+                BlobRecord(run_id, k, codec.seal(v, f"blob\x00{ns}\x00{k}"), ns)
+                for k, v in blobs.items()
+            ]
+            if blobs
+            else ()
+        )
+        sealed_writes = [self._seal_write(w) for w in writes] if writes else ()
         failpoints.hit("checkpoint.before_commit")
         while True:
             try:

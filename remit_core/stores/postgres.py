@@ -188,7 +188,7 @@ def _commit_sql(first: bool, n_blobs: int, n_writes: int) -> str:
 #: says so (`HeadMoved`), as when the head is read first.
 _CLAIM_AT_HEAD = f"""
 WITH claimed AS (
-    {_ACQUIRE_CLAIM} RETURNING holder, fence, expires_at
+    {_ACQUIRE_CLAIM}
 )
 SELECT claimed.holder, claimed.fence, claimed.expires_at, head.*
 FROM (SELECT 1) AS one

@@ -13,6 +13,7 @@ import random
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -201,6 +202,24 @@ class _Transaction:
             store._lock.release()
 
 
+def _after_fork() -> None:
+    """In a forked child: the parent's connections and locks are not the child's.
+
+    A connection is re-opened on first use; a lock another thread of the parent
+    held at the fork would never be released, so each store gets a new one.
+    """
+    for store in list(_open_stores):
+        store._lock = threading.RLock()
+        store._conn = None
+        store._heads.clear()
+        store._heads_version = None
+        store._keep_heads = False
+
+
+_open_stores: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_after_fork)
+
+
 class SQLiteStore(SqlStore):
     """One connection per process, serialised by a lock; re-opened after fork.
 
@@ -228,9 +247,10 @@ class SQLiteStore(SqlStore):
         self._heads: dict[tuple[str, str, str], CheckpointRecord] = {}
         self._heads_version: int | None = None
         self._keep_heads = False  # set while a write that moves only its own head runs
+        _open_stores.add(self)
 
     def _connection(self) -> sqlite3.Connection:
-        if self._conn is None or self._pid != os.getpid():
+        if self._conn is None:  # (a forked child starts with none, see `_after_fork`)
             try:
                 conn = connect_wal(self.path, busy_ms=self._busy_ms, synchronous=self._synchronous)
             except sqlite3.Error as exc:
