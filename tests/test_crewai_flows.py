@@ -22,6 +22,7 @@ os.environ.update(  # before CrewAI is imported: the network is closed
 import datetime as dt  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -77,7 +78,10 @@ def point(points: dict[str, str], name: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # At this thread: a process-directed SIGSTOP lets this thread run on for
+        # a moment, into the effect's store transaction, whose SQLite lock the
+        # stopped process would then hold for everyone.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     elif action is not None and action.startswith("wait:"):
         while not Path(action[5:]).exists():
             time.sleep(0.02)

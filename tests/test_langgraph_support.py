@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -80,8 +81,9 @@ class World:
         elif action == "stop":
             # Let this process's background writes finish first: a writer stopped
             # inside a SQLite transaction would hold the file lock for everyone.
+            # Then stop at this thread (a process-directed SIGSTOP lets it run on).
             time.sleep(0.2)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def build(world: World, checkpointer: Any, *, amount: int = 100, asks: int = 1) -> Any:
