@@ -202,12 +202,32 @@ class _Transaction:
             store._lock.release()
 
 
-def _after_fork() -> None:
-    """In a forked child: the parent's connections and locks are not the child's.
+def _before_fork() -> None:
+    """Fork only between statements: a thread of this process inside SQLite at the
+    fork (a lease renewal, say) would leave SQLite's process-wide mutexes locked
+    in the child, whose first open of any SQLite file would then hang. Every
+    statement runs under its store's lock, so holding all of them is enough."""
+    while True:
+        try:
+            stores = sorted(_open_stores, key=id)
+            break
+        except RuntimeError:  # another thread opened a store meanwhile
+            continue
+    for store in stores:
+        store._lock.acquire()
+    _held_at_fork[:] = stores
 
-    A connection is re-opened on first use; a lock another thread of the parent
-    held at the fork would never be released, so each store gets a new one.
-    """
+
+def _after_fork_in_parent() -> None:
+    for store in _held_at_fork:
+        store._lock.release()
+    _held_at_fork.clear()
+
+
+def _after_fork_in_child() -> None:
+    """The parent's connections and locks are not the child's: a connection is
+    re-opened on first use, and each store gets a lock of its own."""
+    _held_at_fork.clear()
     for store in list(_open_stores):
         store._lock = threading.RLock()
         store._conn = None
@@ -217,7 +237,12 @@ def _after_fork() -> None:
 
 
 _open_stores: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
-os.register_at_fork(after_in_child=_after_fork)
+_held_at_fork: list[SQLiteStore] = []
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
 
 
 class SQLiteStore(SqlStore):
@@ -250,7 +275,7 @@ class SQLiteStore(SqlStore):
         _open_stores.add(self)
 
     def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:  # (a forked child starts with none, see `_after_fork`)
+        if self._conn is None:  # (a forked child starts with none, see `_after_fork_in_child`)
             try:
                 conn = connect_wal(self.path, busy_ms=self._busy_ms, synchronous=self._synchronous)
             except sqlite3.Error as exc:
