@@ -27,7 +27,7 @@ from remit_core.records import (
     WriteMode,
     WriteRecord,
 )
-from remit_core.stores.base import Store
+from remit_core.stores.base import Store, stale_fence
 
 #: Numbered migration steps; each is a list of statements, applied once, in order.
 MIGRATIONS: dict[int, list[str]] = {
@@ -78,19 +78,6 @@ _BRANCH_COLS = "run_id, branch, head_id, ns, head_seq, base_id, fork_token, crea
 _INTR_COLS = (
     "run_id, branch, interrupt_id, checkpoint_id, status, prompt, value, consumed_by, "
     "created_at, consumed_at"
-)
-_START_BRANCH = (
-    f"INSERT INTO remit_branches ({_BRANCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-    "ON CONFLICT (run_id, ns, branch) DO UPDATE SET head_id = excluded.head_id, "
-    "head_seq = excluded.head_seq WHERE remit_branches.head_id IS NULL"
-)
-_MOVE_HEAD = (
-    "UPDATE remit_branches SET head_id = ?, head_seq = ? "
-    "WHERE run_id = ? AND ns = ? AND branch = ? AND head_id = ?"
-)
-_INSERT_CHECKPOINT = (
-    f"INSERT INTO remit_checkpoints ({_CKPT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-    "ON CONFLICT (run_id, ns, checkpoint_id) DO NOTHING"
 )
 _SELECT_HEAD = (
     f"SELECT {_CKPT_COLS_OF_C} FROM remit_branches b JOIN remit_checkpoints c "
@@ -274,12 +261,7 @@ class SqlStore(Store):
             (fence.run_id, fence.scope),
         ).fetchone()
         if row is None or int(row[0]) != fence.fence:
-            current = None if row is None else int(row[0])
-            raise Fenced(
-                f"write carries fence {fence.fence} but the claim's current fence is {current}",
-                run_id=fence.run_id,
-                scope=fence.scope,
-            )
+            raise stale_fence(fence, None if row is None else int(row[0]))
 
     def _insert_blobs(self, txn: Txn, blobs: Sequence[BlobRecord]) -> None:
         for b in blobs:
@@ -313,48 +295,7 @@ class SqlStore(Store):
                 )
 
     # -- checkpoints ---------------------------------------------------------
-    def commit_checkpoint(
-        self,
-        record: CheckpointRecord,
-        *,
-        expected_head: str | None,
-        blobs: Sequence[BlobRecord] = (),
-        writes: Sequence[WriteRecord] = (),
-        fence: FenceRef | None = None,
-    ) -> None:
-        r = record
-        with self._txn() as txn:
-            self._check_fence(txn, fence)
-            if expected_head is None:
-                cur = txn.execute(
-                    _START_BRANCH,
-                    (r.run_id, r.branch, r.checkpoint_id, r.ns, r.seq, None, None, r.created_at),
-                )
-            else:
-                cur = txn.execute(
-                    _MOVE_HEAD, (r.checkpoint_id, r.seq, r.run_id, r.ns, r.branch, expected_head)
-                )
-            if cur.rowcount != 1:
-                raise HeadMoved(
-                    f"branch {r.branch!r} no longer has head {expected_head!r}",
-                    run_id=r.run_id,
-                    checkpoint_id=r.checkpoint_id,
-                )
-            cur = txn.execute(
-                _INSERT_CHECKPOINT,
-                (r.run_id, r.checkpoint_id, r.branch, r.parent_id, r.state, r.ns, r.seq,
-                 codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version,
-                 r.created_at),
-            )
-            if cur.rowcount != 1:
-                raise HeadMoved(
-                    "a checkpoint with this id already exists",
-                    run_id=r.run_id,
-                    checkpoint_id=r.checkpoint_id,
-                )
-            self._insert_blobs(txn, blobs)
-            self._upsert_writes(txn, writes, "overwrite")
-            failpoints.hit("checkpoint.in_commit")
+    # `commit_checkpoint` is each engine's own: one statement on either.
 
     def get_checkpoint(self, run_id: str, ns: str, checkpoint_id: str) -> CheckpointRecord | None:
         with self._read() as txn:

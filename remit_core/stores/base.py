@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from remit_core.errors import Fenced
 from remit_core.records import (
     BlobRecord,
     BranchRecord,
@@ -27,6 +28,15 @@ from remit_core.records import (
 #: Migration steps are numbered from 1; a store records each applied number.
 #: A step may change one engine only (2: SQLite's one-statement commit).
 SCHEMA_VERSION = 2
+
+
+def stale_fence(fence: FenceRef, current: int | None) -> Fenced:
+    """The refusal of a write whose fence is no longer the claim's (`current`)."""
+    return Fenced(
+        f"write carries fence {fence.fence} but the claim's current fence is {current}",
+        run_id=fence.run_id,
+        scope=fence.scope,
+    )
 
 
 class Store(ABC):

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from remit_core import codec, failpoints
-from remit_core.errors import Fenced, HeadMoved, StoreUnavailable
+from remit_core.errors import HeadMoved, StoreUnavailable
 from remit_core.records import (
     BlobRecord,
     CheckpointRecord,
@@ -38,6 +38,7 @@ from remit_core.stores._sql import (
     _ckpt,
     _claim_of,
 )
+from remit_core.stores.base import stale_fence
 
 try:
     import psycopg
@@ -325,11 +326,7 @@ class PostgresStore(SqlStore):
                 checkpoint_id=r.checkpoint_id,
             ) from exc
         if fence is not None and current != fence.fence:
-            raise Fenced(
-                f"write carries fence {fence.fence} but the claim's current fence is {current}",
-                run_id=fence.run_id,
-                scope=fence.scope,
-            )
+            raise stale_fence(fence, current)
         if moved != 1:
             raise HeadMoved(
                 f"branch {r.branch!r} no longer has head {expected_head!r}",
@@ -356,11 +353,7 @@ class PostgresStore(SqlStore):
         with self._atomic() as txn:
             held, current = txn.execute(sql, params).fetchone()
         if not held and fence is not None:
-            raise Fenced(
-                f"write carries fence {fence.fence} but the claim's current fence is {current}",
-                run_id=fence.run_id,
-                scope=fence.scope,
-            )
+            raise stale_fence(fence, current)
 
     def acquire_claim_at_head(
         self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""

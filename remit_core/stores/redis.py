@@ -74,7 +74,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores import _redis_lua as lua
-from remit_core.stores.base import Store
+from remit_core.stores.base import Store, stale_fence
 
 #: Numbered layout versions recorded by `setup()`. Keys are created on first
 #: write, so version 1 creates nothing; a later version would convert keys here.
@@ -185,12 +185,7 @@ def _fence_arg(fence: FenceRef | None) -> str:
 
 def _raise_fenced(fence: FenceRef | None, current: bytes | None) -> None:
     assert fence is not None
-    raise Fenced(
-        f"write carries fence {fence.fence} but the claim's current fence is "
-        f"{None if current is None else int(current)}",
-        run_id=fence.run_id,
-        scope=fence.scope,
-    )
+    raise stale_fence(fence, None if current is None else int(current))
 
 
 _SCRIPTS = (

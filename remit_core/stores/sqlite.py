@@ -20,9 +20,10 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from remit_core import codec, failpoints
-from remit_core.errors import Fenced, HeadMoved, StoreUnavailable
+from remit_core.errors import HeadMoved, StoreUnavailable
 from remit_core.records import BlobRecord, CheckpointRecord, FenceRef, WriteRecord
 from remit_core.stores._sql import SqlStore, Txn
+from remit_core.stores.base import stale_fence
 
 
 def sqlite_path(url: str) -> str:
@@ -266,7 +267,6 @@ class SQLiteStore(SqlStore):
         self._busy_ms = int(opts.get("busy_timeout", ["30000"])[0])
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
-        self._pid = -1
         self._one_statement = _OneStatement(self)
         self._transaction = _Transaction(self)
         self._heads: dict[tuple[str, str, str], CheckpointRecord] = {}
@@ -280,7 +280,7 @@ class SQLiteStore(SqlStore):
                 conn = connect_wal(self.path, busy_ms=self._busy_ms, synchronous=self._synchronous)
             except sqlite3.Error as exc:
                 raise StoreUnavailable(f"cannot open SQLite store {self.path!r}: {exc}") from exc
-            self._conn, self._pid = conn, os.getpid()
+            self._conn = conn
             self._heads.clear()
             self._heads_version = None
         return self._conn
@@ -352,16 +352,8 @@ class SQLiteStore(SqlStore):
         except sqlite3.IntegrityError as exc:
             reason = str(exc)
             if reason == _FENCED and fence is not None:
-                row = txn.execute(
-                    "SELECT fence FROM remit_claims WHERE run_id = ? AND scope = ?",
-                    (fence.run_id, fence.scope),
-                ).fetchone()
-                raise Fenced(
-                    f"write carries fence {fence.fence} but the claim's current fence is "
-                    f"{None if row is None else int(row[0])}",
-                    run_id=fence.run_id,
-                    scope=fence.scope,
-                ) from None
+                self._check_fence(txn, fence)  # raises, naming the claim's fence now
+                raise stale_fence(fence, None) from None
             if reason == _MOVED:
                 raise HeadMoved(
                     f"branch {r.branch!r} no longer has head {expected_head!r}",
@@ -403,7 +395,7 @@ class SQLiteStore(SqlStore):
 
     def close(self) -> None:
         with self._lock:
-            if self._conn is not None and self._pid == os.getpid():
+            if self._conn is not None:  # (a forked child's was dropped at the fork)
                 self._conn.close()
             self._conn = None
             self._heads.clear()
