@@ -206,6 +206,44 @@ def test_sqlite_failed_transaction_rolls_back_and_raises_store_unavailable(
     store.close()
 
 
+def test_sqlite_full_commits_claims_at_normal_and_returns_to_full(tmp_path: Path) -> None:
+    # A claim need not survive the loss of power (its holders die with the host),
+    # so it skips FULL's flush; every other write keeps FULL.
+    store = SQLiteStore(f"sqlite:///{tmp_path}/t.db?synchronous=FULL")
+    store.setup()
+    conn = store._connection()
+    level = [conn.execute("PRAGMA synchronous").fetchone()[0]]
+    writes: list[tuple[str, int]] = []  # (table, synchronous level it ran at)
+    last = [""]
+
+    def track(sql: str) -> None:
+        if sql.startswith("PRAGMA synchronous = "):
+            level[0] = {"NORMAL": 1, "FULL": 2}[sql.split("= ")[1]]
+        elif sql.startswith(("INSERT INTO", "UPDATE")):
+            write = (sql.split()[2 if sql.startswith("INSERT") else 1], level[0])
+            if sql != last[0]:  # (a trigger's statements are traced as the outer one)
+                writes.append(write)
+        last[0] = sql
+
+    conn.set_trace_callback(track)
+    claim = store.acquire_claim("r", "main", "h", now=0.0, lease=60.0)
+    claim = store.renew_claim(claim, now=1.0, lease=60.0)
+    chain(store, "r", 2)
+    store.release_claim(claim)
+    conn.set_trace_callback(None)
+    assert writes == [
+        ("remit_claims", 1),  # take, renew and release at NORMAL
+        ("remit_claims", 1),
+        ("remit_commit", 2),  # checkpoints at FULL
+        ("remit_commit", 2),
+        ("remit_claims", 1),
+    ]
+    assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+    released = store.get_claim("r", "main")
+    assert released is not None and released.holder == "" and released.fence == claim.fence
+    store.close()
+
+
 # -- checkpoints and branches ---------------------------------------------------
 
 

@@ -215,6 +215,11 @@ class SqlStore(Store):
     _blob_type = "BLOB"
     #: Statements of this engine only, by migration number (run after the shared ones).
     _engine_migrations: dict[int, list[str]] = {}
+    #: Gives a claim up; the fence stays, so the next claim gets a higher one.
+    _release_sql = (
+        "UPDATE remit_claims SET holder = '', expires_at = 0 "
+        "WHERE run_id = ? AND scope = ? AND fence = ? AND holder = ?"
+    )
 
     # -- engine hooks ------------------------------------------------------
     def _txn(self) -> contextlib.AbstractContextManager[Txn]:
@@ -228,6 +233,15 @@ class SqlStore(Store):
     def _atomic(self) -> contextlib.AbstractContextManager[Txn]:
         """Where one write statement runs that is atomic by itself (may be `_txn`)."""
         return self._txn()
+
+    def _lease_write(self) -> contextlib.AbstractContextManager[Txn]:
+        """Where a claim is taken, renewed or given up: one statement, as `_atomic`.
+
+        An engine whose every client dies with its host (an embedded file) may
+        commit these without waiting for the disk: a claim lost with the host
+        has no holder left to act on it.
+        """
+        return self._atomic()
 
     # -- lifecycle -----------------------------------------------------------
     def _migrate(self, txn: Txn) -> None:
@@ -518,7 +532,7 @@ class SqlStore(Store):
         self, run_id: str, scope: str, holder: str, *, now: float, lease: float
     ) -> Claim:
         failpoints.hit("claim.in_acquire")
-        with self._atomic() as txn:
+        with self._lease_write() as txn:
             row = txn.execute(
                 _ACQUIRE_CLAIM,
                 (run_id, scope, holder, now + lease, now, now),
@@ -531,7 +545,7 @@ class SqlStore(Store):
         # heartbeat thread can be, would stall every writer. A plain UPDATE takes
         # and releases the lock within one call.
         expires_at = now + lease
-        with self._atomic() as txn:
+        with self._lease_write() as txn:
             renewed = txn.execute(
                 "UPDATE remit_claims SET expires_at = ? WHERE run_id = ? AND scope = ? "
                 "AND fence = ? AND holder = ?",
@@ -544,11 +558,9 @@ class SqlStore(Store):
         return Claim(claim.run_id, claim.scope, claim.holder, claim.fence, expires_at)
 
     def release_claim(self, claim: Claim) -> None:
-        with self._atomic() as txn:
+        with self._lease_write() as txn:
             txn.execute(
-                "UPDATE remit_claims SET holder = '', expires_at = 0 "
-                "WHERE run_id = ? AND scope = ? AND fence = ? AND holder = ?",
-                (claim.run_id, claim.scope, claim.fence, claim.holder),
+                self._release_sql, (claim.run_id, claim.scope, claim.fence, claim.holder)
             )
 
     def get_claim(self, run_id: str, scope: str) -> Claim | None:

@@ -203,6 +203,13 @@ class PostgresStore(SqlStore):
 
     _lock_suffix = " FOR SHARE"
     _blob_type = "BYTEA"
+    #: A release does not wait for the WAL flush. Lost in a server crash, it leaves
+    #: the claim held until its lease ends, as if its holder had died (L1); a take
+    #: or renewal waits, since a claim lost so could hand its fence out twice.
+    _release_sql = (
+        SqlStore._release_sql
+        + " AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
+    )
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -146,6 +146,43 @@ class _OneStatement:
             raise StoreUnavailable(f"SQLite store {self._store.path!r}: {exc}") from exc
 
 
+class _LeaseStatement(_OneStatement):
+    """`_OneStatement` at `synchronous = NORMAL`, for claims on a store set to FULL.
+
+    A commit at NORMAL survives a killed process but not the loss of power; a
+    claim lost so had only holders on this host, which died with it.
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> Txn:
+        conn = super().__enter__()
+        try:
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return conn
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        store = self._store
+        conn = store._conn
+        if conn is not None:
+            try:
+                conn.execute(f"PRAGMA synchronous = {store._synchronous}")
+            except sqlite3.Error:
+                # Never leave the connection at NORMAL: the next use opens a new one.
+                store._conn = None
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+        super().__exit__(exc_type, exc, tb)
+
+
 class _Transaction:
     """`BEGIN IMMEDIATE` ... `COMMIT` under the store's lock (a class, like `_OneStatement`).
 
@@ -269,6 +306,9 @@ class SQLiteStore(SqlStore):
         self._conn: sqlite3.Connection | None = None
         self._one_statement = _OneStatement(self)
         self._transaction = _Transaction(self)
+        self._lease_statement = (
+            _LeaseStatement(self) if self._synchronous in ("FULL", "EXTRA") else self._one_statement
+        )
         self._heads: dict[tuple[str, str, str], CheckpointRecord] = {}
         self._heads_version: int | None = None
         self._keep_heads = False  # set while a write that moves only its own head runs
@@ -296,6 +336,10 @@ class SQLiteStore(SqlStore):
         # A write statement in autocommit mode takes the write lock when it starts
         # (waiting up to the busy timeout), so it needs no BEGIN IMMEDIATE.
         return self._one_statement
+
+    def _lease_write(self) -> contextlib.AbstractContextManager[Txn]:
+        # Every client of the file runs on this host: a claim need not outlive it.
+        return self._lease_statement
 
     def commit_checkpoint(
         self,
