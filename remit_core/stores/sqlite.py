@@ -2,7 +2,8 @@
 
 `sqlite:///relative.db`, `sqlite:////absolute/path.db`. Query options:
 `synchronous=FULL|NORMAL` (default NORMAL: in WAL mode every commit survives
-a killed process; FULL also survives power loss), `busy_timeout` in ms.
+a killed process; FULL also survives power loss, except for claims, whose
+holders all die with the host), `busy_timeout` in ms.
 """
 
 from __future__ import annotations
