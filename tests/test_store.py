@@ -206,6 +206,35 @@ def test_sqlite_failed_transaction_rolls_back_and_raises_store_unavailable(
     store.close()
 
 
+def test_sqlite_file_of_schema_1_is_migrated_and_keeps_its_data(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    old = SQLiteStore(url)
+    old.setup()
+    chain(old, "r", 2)
+    old.commit_checkpoint(
+        ckpt("r", "c03", "c02", seq=3),
+        expected_head="c02",
+        blobs=[BlobRecord("r", "k", b"v")],
+        writes=[write("r", "c03", "t", 0, b"w")],
+    )
+    conn = old._connection()  # back to what version 1 left: tables only
+    for name in ("remit_commit_blobs", "remit_commit"):
+        conn.execute(f"DROP VIEW {name}")
+    conn.execute("DELETE FROM remit_migrations WHERE version > 1")
+    old.close()
+    store = SQLiteStore(url)
+    store.setup()
+    assert store.applied_migrations() == list(range(1, SCHEMA_VERSION + 1))
+    assert [c.checkpoint_id for c in store.list_checkpoints("r", "")] == ["c03", "c02", "c01"]
+    assert store.get_blobs("r", "", ["k"]) == {"k": b"v"}
+    store.commit_checkpoint(
+        ckpt("r", "c04", "c03", seq=4), expected_head="c03", blobs=[BlobRecord("r", "k2", b"v2")]
+    )
+    assert head_id(store, "r") == "c04"
+    assert store.get_blobs("r", "", ["k2"]) == {"k2": b"v2"}
+    store.close()
+
+
 def test_sqlite_full_commits_claims_at_normal_and_returns_to_full(tmp_path: Path) -> None:
     # A claim need not survive the loss of power (its holders die with the host),
     # so it skips FULL's flush; every other write keeps FULL.
@@ -282,6 +311,13 @@ def test_commit_cas_failure_writes_nothing(store: Store, run_id: str) -> None:
     assert store.get_checkpoint(run_id, "", "c03") is None
     assert store.get_blobs(run_id, "", ["k"]) == {}
     assert store.get_writes(run_id, "", "c03") == []
+    # Blobs alone, few or many (SQLite carries up to four in the commit statement).
+    for n in (1, 4, 5):
+        blobs = [BlobRecord(run_id, f"b{i}", b"v") for i in range(n)]
+        with pytest.raises(HeadMoved):
+            store.commit_checkpoint(record, expected_head="c01", blobs=blobs)
+        assert store.get_blobs(run_id, "", [b.key for b in blobs]) == {}
+    assert store.get_checkpoint(run_id, "", "c03") is None
     # Creating a branch that exists is a CAS failure too.
     with pytest.raises(HeadMoved):
         store.commit_checkpoint(ckpt(run_id, "c09", None), expected_head=None)
@@ -503,6 +539,24 @@ def test_put_writes_modes(store: Store, run_id: str) -> None:
         ("tb", 1)
     ]
     assert store.get_writes(run_id, "other", "c1") == []
+
+
+def test_fenced_writes_whose_slots_are_taken_are_no_stale_fence(store: Store, run_id: str) -> None:
+    # A "first" batch that writes nothing under a live fence is no error; under a
+    # stale fence it is, and it still writes nothing.
+    claim = store.acquire_claim(run_id, "main", "A", now=0.0, lease=10.0)
+    taken = [write(run_id, "c1", "t", i, b"old") for i in range(3)]
+    store.put_writes(taken, mode="first", fence=FenceRef.of(claim))
+    again = [write(run_id, "c1", "t", i, b"new") for i in range(3)]
+    store.put_writes(again, mode="first", fence=FenceRef.of(claim))
+    assert [w.value for w in store.get_writes(run_id, "", "c1")] == [b"old"] * 3
+    store.acquire_claim(run_id, "main", "B", now=20.0, lease=10.0)
+    for mode in ("first", "overwrite"):
+        with pytest.raises(Fenced):
+            store.put_writes(
+                again + [write(run_id, "c1", "t", 9, b"x")], mode=mode, fence=FenceRef.of(claim)
+            )  # type: ignore[arg-type]
+    assert [w.value for w in store.get_writes(run_id, "", "c1")] == [b"old"] * 3
 
 
 # -- interrupts -------------------------------------------------------------------------

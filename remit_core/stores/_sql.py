@@ -65,14 +65,26 @@ MIGRATIONS: dict[int, list[str]] = {
             status TEXT NOT NULL, outcome {blob}, created_at DOUBLE PRECISION NOT NULL,
             done_at DOUBLE PRECISION, PRIMARY KEY (run_id, effect_key))""",
     ],
-    # Engine-specific only: SQLite's one-statement commit (`stores.sqlite`).
+    # Engine-specific only: SQLite's one-statement commit (`stores.sqlite`), and
+    # the same with a few blobs.
     2: [],
+    3: [],
 }
 
 _CKPT_COLS = (
     "run_id, checkpoint_id, branch, parent_id, state, ns, seq, metadata, "
     "schema_version, workflow_version, created_at"
 )
+
+
+def _ckpt_params(r: CheckpointRecord) -> list[Any]:
+    """A checkpoint row's values, in `_CKPT_COLS` order."""
+    return [
+        r.run_id, r.checkpoint_id, r.branch, r.parent_id, r.state, r.ns, r.seq,
+        codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version, r.created_at,
+    ]  # fmt: skip
+
+
 _CKPT_COLS_OF_C = ", ".join("c." + col for col in _CKPT_COLS.split(", "))
 _BRANCH_COLS = "run_id, branch, head_id, ns, head_seq, base_id, fork_token, created_at"
 _INTR_COLS = (

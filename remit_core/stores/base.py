@@ -26,8 +26,8 @@ from remit_core.records import (
 )
 
 #: Migration steps are numbered from 1; a store records each applied number.
-#: A step may change one engine only (2: SQLite's one-statement commit).
-SCHEMA_VERSION = 2
+#: A step may change one engine only (2 and 3: SQLite's one-statement commits).
+SCHEMA_VERSION = 3
 
 
 def stale_fence(fence: FenceRef, current: int | None) -> Fenced:

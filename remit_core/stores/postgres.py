@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-from remit_core import codec, failpoints
+from remit_core import failpoints
 from remit_core.errors import HeadMoved, StoreUnavailable
 from remit_core.records import (
     BlobRecord,
@@ -36,6 +36,7 @@ from remit_core.stores._sql import (
     SqlStore,
     Txn,
     _ckpt,
+    _ckpt_params,
     _claim_of,
 )
 from remit_core.stores.base import stale_fence
@@ -297,17 +298,7 @@ class PostgresStore(SqlStore):
             *move,
             f_fence,
             f_fence,
-            r.run_id,
-            r.checkpoint_id,
-            r.branch,
-            r.parent_id,
-            r.state,
-            r.ns,
-            r.seq,
-            codec.dumps(r.metadata).decode(),
-            r.schema_version,
-            r.workflow_version,
-            r.created_at,
+            *_ckpt_params(r),
         ]
         # One statement may touch a row once: the first blob of a key, the last write
         # of a slot.

@@ -81,6 +81,7 @@ from remit_core.stores.base import Store, stale_fence
 MIGRATIONS: dict[int, str] = {
     1: "per-run keys remit:{run}:<kind>, see the module docstring",
     2: "no change here (SQLite's one-statement commit)",
+    3: "no change here (SQLite's one-statement commit with blobs)",
 }
 
 #: Every per-run key kind, in the order the copy and delete scripts expect.

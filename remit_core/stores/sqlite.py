@@ -9,6 +9,7 @@ holders all die with the host), `busy_timeout` in ms.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import sqlite3
@@ -20,10 +21,10 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from remit_core import codec, failpoints
+from remit_core import failpoints
 from remit_core.errors import HeadMoved, StoreUnavailable
-from remit_core.records import BlobRecord, CheckpointRecord, FenceRef, WriteRecord
-from remit_core.stores._sql import SqlStore, Txn
+from remit_core.records import BlobRecord, CheckpointRecord, FenceRef, WriteMode, WriteRecord
+from remit_core.stores._sql import _WRITE_COLS, SqlStore, Txn, _ckpt_params
 from remit_core.stores.base import stale_fence
 
 
@@ -114,6 +115,94 @@ _COMMIT_SCHEMA = [
             NEW.created_at);
     END""",
 ]
+
+#: Blobs a one-statement commit carries (more go in with it in an explicit transaction).
+_BLOB_SLOTS = 4
+_SLOTS = range(1, _BLOB_SLOTS + 1)
+_COMMIT_WITH_BLOBS = (
+    "INSERT INTO remit_commit_blobs VALUES (" + ", ".join(["?"] * (15 + 2 * _BLOB_SLOTS)) + ")"
+)
+
+#: The one-statement commit of a checkpoint and up to `_BLOB_SLOTS` blobs of it:
+#: its trigger makes the commit above, then adds the blobs, in the one statement.
+_COMMIT_WITH_BLOBS_SCHEMA = [
+    "CREATE VIEW IF NOT EXISTS remit_commit_blobs AS SELECT *, "
+    + ", ".join(f"NULL AS key{i}, NULL AS value{i}" for i in _SLOTS)
+    + " FROM remit_commit WHERE 0",
+    """CREATE TRIGGER IF NOT EXISTS remit_commit_blobs_insert
+    INSTEAD OF INSERT ON remit_commit_blobs
+    BEGIN
+        INSERT INTO remit_commit VALUES (NEW.run_id, NEW.checkpoint_id, NEW.branch,
+            NEW.parent_id, NEW.state, NEW.ns, NEW.seq, NEW.metadata, NEW.schema_version,
+            NEW.workflow_version, NEW.created_at, NEW.expected_head, NEW.fence_run,
+            NEW.fence_scope, NEW.fence);"""
+    + "".join(
+        f"""
+        INSERT INTO remit_blobs (run_id, ns, key, value)
+            SELECT NEW.run_id, NEW.ns, NEW.key{i}, NEW.value{i} WHERE NEW.key{i} IS NOT NULL
+            ON CONFLICT (run_id, ns, key) DO NOTHING;"""
+        for i in _SLOTS
+    )
+    + """
+    END""",
+]
+
+
+#: Rows per multi-row statement; a larger batch goes in row by row, in one transaction.
+_MAX_ROWS = 64
+_ROW_OF = {4: "(?, ?, ?, ?)", 8: "(?, ?, ?, ?, ?, ?, ?, ?)"}
+_WRITE_CONFLICTS = {
+    "first": "DO NOTHING",
+    "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
+    "task_path = excluded.task_path",
+}
+
+
+def _values(n: int, width: int) -> str:
+    return "VALUES " + ", ".join([_ROW_OF[width]] * n)
+
+
+@functools.lru_cache(maxsize=128)
+def _blobs_sql(n: int) -> str:
+    return (
+        f"INSERT INTO remit_blobs (run_id, ns, key, value) {_values(n, 4)} "
+        "ON CONFLICT (run_id, ns, key) DO NOTHING"
+    )
+
+
+def _blob_params(blobs: Sequence[BlobRecord]) -> list[Any]:
+    return [v for b in blobs for v in (b.run_id, b.ns, b.key, b.value)]
+
+
+@functools.lru_cache(maxsize=256)
+def _writes_sql(n: int, mode: str, fenced: bool) -> str:
+    """Writes in one statement; `fenced`: only while the claim has the fence given first."""
+    where = (
+        " WHERE EXISTS (SELECT 1 FROM remit_claims WHERE run_id = ? AND scope = ? AND fence = ?)"
+        if fenced
+        else " WHERE true"  # (an upsert from a SELECT needs a WHERE)
+    )
+    return (
+        f"INSERT INTO remit_writes ({_WRITE_COLS}) SELECT * FROM ({_values(n, 8)}){where} "
+        f"ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) {_WRITE_CONFLICTS[mode]}"
+    )
+
+
+def _write_params(writes: Sequence[WriteRecord]) -> list[Any]:
+    return [
+        v
+        for w in writes
+        for v in (
+            w.run_id,
+            w.checkpoint_id,
+            w.task_id,
+            w.idx,
+            w.channel,
+            w.value,
+            w.ns,
+            w.task_path,
+        )
+    ]
 
 
 class _OneStatement:
@@ -293,7 +382,7 @@ class SQLiteStore(SqlStore):
     stays the same: reading the head just committed costs one pragma.
     """
 
-    _engine_migrations = {2: _COMMIT_SCHEMA}
+    _engine_migrations = {2: _COMMIT_SCHEMA, 3: _COMMIT_WITH_BLOBS_SCHEMA}
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -353,29 +442,47 @@ class SQLiteStore(SqlStore):
     ) -> None:
         # One INSERT into the `remit_commit` view: its trigger checks the fence,
         # moves the branch head from `expected_head` and appends the checkpoint,
-        # all in the statement's own transaction. Blobs and writes join it in an
-        # explicit one.
+        # all in the statement's own transaction; a few blobs of the checkpoint's
+        # own run ride along (`remit_commit_blobs`). Other blobs and writes join
+        # it in an explicit transaction.
         r = record
         key = (r.run_id, r.ns, r.branch)
-        params = (
-            r.run_id, r.checkpoint_id, r.branch, r.parent_id, r.state, r.ns, r.seq,
-            codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version,
-            r.created_at, expected_head,
+        params = _ckpt_params(r) + [
+            expected_head,
             *((None, None, None) if fence is None else (fence.run_id, fence.scope, fence.fence)),
+        ]
+        carried = (
+            not writes
+            and len(blobs) <= _BLOB_SLOTS
+            and all(b.run_id == r.run_id and b.ns == r.ns for b in blobs)
         )
+        sql = _COMMIT
+        if carried and blobs:
+            sql = _COMMIT_WITH_BLOBS
+            for b in blobs:
+                params += (b.key, b.value)
+            params += [None, None] * (_BLOB_SLOTS - len(blobs))
         with self._lock:
             self._keep_heads = True
             try:
-                if blobs or writes:
+                if not carried:
                     with self._transaction as txn:
-                        self._commit_row(txn, r, expected_head, fence, params)
-                        self._insert_blobs(txn, blobs)
-                        self._upsert_writes(txn, writes, "overwrite")
+                        self._commit_row(txn, r, expected_head, fence, sql, params)
+                        if 0 < len(blobs) <= _MAX_ROWS:
+                            txn.execute(_blobs_sql(len(blobs)), _blob_params(blobs))
+                        else:
+                            self._insert_blobs(txn, blobs)
+                        if 0 < len(writes) <= _MAX_ROWS:
+                            txn.execute(
+                                _writes_sql(len(writes), "overwrite", False), _write_params(writes)
+                            )
+                        else:
+                            self._upsert_writes(txn, writes, "overwrite")
                         failpoints.hit("checkpoint.in_commit")
                 else:
                     failpoints.hit("checkpoint.in_commit")
                     with self._one_statement as txn:
-                        self._commit_row(txn, r, expected_head, fence, params)
+                        self._commit_row(txn, r, expected_head, fence, sql, params)
             except BaseException:
                 self._heads.pop(key, None)
                 raise
@@ -390,10 +497,11 @@ class SQLiteStore(SqlStore):
         r: CheckpointRecord,
         expected_head: str | None,
         fence: FenceRef | None,
+        sql: str,
         params: Sequence[Any],
     ) -> None:
         try:
-            txn.execute(_COMMIT, params)
+            txn.execute(sql, params)
         except sqlite3.IntegrityError as exc:
             reason = str(exc)
             if reason == _FENCED and fence is not None:
@@ -412,6 +520,28 @@ class SQLiteStore(SqlStore):
                     checkpoint_id=r.checkpoint_id,
                 ) from None
             raise
+
+    def put_writes(
+        self, writes: Sequence[WriteRecord], *, mode: WriteMode, fence: FenceRef | None = None
+    ) -> None:
+        if mode not in _WRITE_CONFLICTS or not 0 < len(writes) <= _MAX_ROWS:
+            # expect_absent, or a batch too large for one statement: one transaction.
+            super().put_writes(writes, mode=mode, fence=fence)
+            return
+        # One statement, so one implicit transaction: the fence check and every
+        # write, or none.
+        params = _write_params(writes)
+        if fence is not None:
+            params += (fence.run_id, fence.scope, fence.fence)
+        failpoints.hit("writes.in_txn")
+        with self._one_statement as txn:
+            written = txn.execute(
+                _writes_sql(len(writes), mode, fence is not None), params
+            ).rowcount
+            if written == 0 and fence is not None:
+                # None written: every slot was taken ("first"), or the fence is stale.
+                # Fences only grow, so one that holds now held for the statement.
+                self._check_fence(txn, fence)
 
     def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
         key = (run_id, ns, branch)
