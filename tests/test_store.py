@@ -46,6 +46,7 @@ from remit_core import (
 )
 from remit_core.records import BlobRecord
 from remit_core.stores.base import SCHEMA_VERSION
+from remit_core.stores.postgres import PostgresStore
 from remit_core.stores.sqlite import SQLiteStore, sqlite_path
 
 # -- helpers -----------------------------------------------------------------
@@ -204,6 +205,38 @@ def test_sqlite_failed_transaction_rolls_back_and_raises_store_unavailable(
     store.delete_run("r")
     assert store.get_head("r", "", MAIN_BRANCH) is None
     store.close()
+
+
+def test_postgres_head_read_is_a_key_lookup_however_long_the_run(run_id: str) -> None:
+    # The head is read by its id: the pages read do not grow with the run's length.
+    # (Read as a join, the planner, whose statistics had not seen the run grow,
+    # scanned all of the run's checkpoints.)
+    import psycopg
+    from conftest import PG_URL
+
+    from remit_core.stores._sql import _SELECT_HEAD
+
+    store = PostgresStore(PG_URL)
+    store.setup()
+    pages = []
+    parent = None
+    try:
+        with psycopg.connect(PG_URL, autocommit=True) as conn:
+            for first, last in ((1, 2), (3, 400)):
+                for i in range(first, last + 1):
+                    cid = f"c{i:04d}"
+                    store.commit_checkpoint(ckpt(run_id, cid, parent, seq=i), expected_head=parent)
+                    parent = cid
+                plan = conn.execute(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + _SELECT_HEAD.replace("?", "%s"),
+                    (run_id, "", run_id, "", MAIN_BRANCH),
+                ).fetchone()[0][0]["Plan"]
+                pages.append(plan["Shared Hit Blocks"] + plan["Shared Read Blocks"])
+        assert head_id(store, run_id) == "c0400"
+        assert pages[1] <= pages[0] + 2, pages
+    finally:
+        store.delete_run(run_id)
+        store.close()
 
 
 def test_sqlite_file_of_schema_1_is_migrated_and_keeps_its_data(tmp_path: Path) -> None:

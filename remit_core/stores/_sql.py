@@ -91,10 +91,13 @@ _INTR_COLS = (
     "run_id, branch, interrupt_id, checkpoint_id, status, prompt, value, consumed_by, "
     "created_at, consumed_at"
 )
+#: The head checkpoint of a branch; parameters: run, ns, run, ns, branch. A key
+#: lookup by the head id read first: as a join, the planner may scan every
+#: checkpoint of the run for it.
 _SELECT_HEAD = (
-    f"SELECT {_CKPT_COLS_OF_C} FROM remit_branches b JOIN remit_checkpoints c "
-    "ON c.run_id = b.run_id AND c.ns = b.ns AND c.checkpoint_id = b.head_id "
-    "WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?"
+    f"SELECT {_CKPT_COLS_OF_C} FROM remit_checkpoints c "
+    "WHERE c.run_id = ? AND c.ns = ? AND c.checkpoint_id = (SELECT b.head_id "
+    "FROM remit_branches b WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?)"
 )
 #: Take a claim if it is free, expired, or the holder's own (same fence then);
 #: parameters: run, scope, holder, expires_at, now, now. Returns the claim's row.
@@ -369,7 +372,7 @@ class SqlStore(Store):
 
     def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
         with self._read() as txn:
-            row = txn.execute(_SELECT_HEAD, (run_id, ns, branch)).fetchone()
+            row = txn.execute(_SELECT_HEAD, (run_id, ns, run_id, ns, branch)).fetchone()
         return None if row is None else _ckpt(row)
 
     def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:

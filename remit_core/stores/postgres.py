@@ -359,7 +359,8 @@ class PostgresStore(SqlStore):
         failpoints.hit("claim.in_acquire")
         with self._atomic() as txn:
             row = txn.execute(
-                _CLAIM_AT_HEAD, (run_id, scope, holder, now + lease, now, now, run_id, ns, scope)
+                _CLAIM_AT_HEAD,
+                (run_id, scope, holder, now + lease, now, now, run_id, ns, run_id, ns, scope),
             ).fetchone()
         claim = _claim_of(run_id, scope, row)
         return claim, None if row[3] is None else _ckpt(row[3:])
