@@ -100,8 +100,9 @@ _SELECT_HEAD = (
     "FROM remit_branches b WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?)"
 )
 #: Take a claim if it is free, expired, or the holder's own (same fence then);
-#: parameters: run, scope, holder, expires_at, now, now. Returns the claim's row.
-_ACQUIRE_CLAIM = (
+#: parameters: run, scope, holder, expires_at, now, now. `_ACQUIRE_CLAIM` returns
+#: the claim's row.
+_TAKE_CLAIM = (
     "INSERT INTO remit_claims (run_id, scope, holder, fence, expires_at) "
     "VALUES (?, ?, ?, 1, ?) ON CONFLICT (run_id, scope) DO UPDATE SET "
     "fence = CASE WHEN remit_claims.holder = excluded.holder "
@@ -109,8 +110,9 @@ _ACQUIRE_CLAIM = (
     "ELSE remit_claims.fence + 1 END, "
     "holder = excluded.holder, expires_at = excluded.expires_at "
     "WHERE remit_claims.holder = excluded.holder OR remit_claims.holder = '' "
-    "OR remit_claims.expires_at <= ? RETURNING holder, fence, expires_at"
+    "OR remit_claims.expires_at <= ?"
 )
+_ACQUIRE_CLAIM = _TAKE_CLAIM + " RETURNING holder, fence, expires_at"
 _EFFECT_COLS = "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at"
 _WRITE_COLS = "run_id, checkpoint_id, task_id, idx, channel, value, ns, task_path"
 _RUN_TABLES = (

@@ -23,8 +23,22 @@ from urllib.parse import parse_qs, urlsplit
 
 from remit_core import failpoints
 from remit_core.errors import HeadMoved, StoreUnavailable
-from remit_core.records import BlobRecord, CheckpointRecord, FenceRef, WriteMode, WriteRecord
-from remit_core.stores._sql import _WRITE_COLS, SqlStore, Txn, _ckpt_params
+from remit_core.records import (
+    BlobRecord,
+    CheckpointRecord,
+    Claim,
+    FenceRef,
+    WriteMode,
+    WriteRecord,
+)
+from remit_core.stores._sql import (
+    _TAKE_CLAIM,
+    _WRITE_COLS,
+    SqlStore,
+    Txn,
+    _ckpt_params,
+    _claim_of,
+)
 from remit_core.stores.base import stale_fence
 
 
@@ -78,6 +92,8 @@ def connect_wal(path: str, *, busy_ms: int, synchronous: str = "NORMAL") -> sqli
         raise
     return conn
 
+
+_CLAIM_ROW = "SELECT holder, fence, expires_at FROM remit_claims WHERE run_id = ? AND scope = ?"
 
 _FENCED = "remit: stale fence"
 _MOVED = "remit: head moved"
@@ -430,6 +446,19 @@ class SQLiteStore(SqlStore):
     def _lease_write(self) -> contextlib.AbstractContextManager[Txn]:
         # Every client of the file runs on this host: a claim need not outlive it.
         return self._lease_statement
+
+    def acquire_claim(
+        self, run_id: str, scope: str, holder: str, *, now: float, lease: float
+    ) -> Claim:
+        # The take, then the row (a row-returning write costs SQLite more than
+        # both). The take succeeded if the row then names `holder`: between the two
+        # only a takeover of a lapsed lease can land, and its row names another
+        # holder (refused, as if it had come first).
+        failpoints.hit("claim.in_acquire")
+        with self._lease_statement as txn:
+            txn.execute(_TAKE_CLAIM, (run_id, scope, holder, now + lease, now, now))
+            row = txn.execute(_CLAIM_ROW, (run_id, scope)).fetchone()
+        return _claim_of(run_id, scope, row if row is not None and row[0] == holder else None)
 
     def commit_checkpoint(
         self,
