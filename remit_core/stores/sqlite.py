@@ -192,7 +192,8 @@ def _blob_params(blobs: Sequence[BlobRecord]) -> list[Any]:
 
 @functools.lru_cache(maxsize=256)
 def _writes_sql(n: int, mode: str, fenced: bool) -> str:
-    """Writes in one statement; `fenced`: only while the claim has the fence given first."""
+    """Writes in one statement; `fenced`: only while the claim has the fence whose
+    run, scope and number follow the rows' values."""
     where = (
         " WHERE EXISTS (SELECT 1 FROM remit_claims WHERE run_id = ? AND scope = ? AND fence = ?)"
         if fenced
