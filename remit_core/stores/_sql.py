@@ -17,7 +17,6 @@ from typing import Any, Protocol
 from remit_core import codec, failpoints
 from remit_core.errors import Fenced, HeadMoved, ResumeConflict, UnknownRecord, WriteConflict
 from remit_core.records import (
-    BlobRecord,
     BranchRecord,
     CheckpointRecord,
     Claim,
@@ -85,6 +84,11 @@ def _ckpt_params(r: CheckpointRecord) -> list[Any]:
     ]  # fmt: skip
 
 
+def _flat(records: Sequence[Any], names: Sequence[str]) -> list[Any]:
+    """The named fields of each record in turn: the parameters of a multi-row VALUES."""
+    return [getattr(rec, name) for rec in records for name in names]
+
+
 _CKPT_COLS_OF_C = ", ".join("c." + col for col in _CKPT_COLS.split(", "))
 _BRANCH_COLS = "run_id, branch, head_id, ns, head_seq, base_id, fork_token, created_at"
 _INTR_COLS = (
@@ -113,8 +117,15 @@ _TAKE_CLAIM = (
     "OR remit_claims.expires_at <= ?"
 )
 _ACQUIRE_CLAIM = _TAKE_CLAIM + " RETURNING holder, fence, expires_at"
+_CLAIM_ROW = "SELECT holder, fence, expires_at FROM remit_claims WHERE run_id = ? AND scope = ?"
 _EFFECT_COLS = "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at"
 _WRITE_COLS = "run_id, checkpoint_id, task_id, idx, channel, value, ns, task_path"
+#: What a write to a taken slot does, by mode ("expect_absent" refuses it in code).
+_WRITE_CONFLICTS = {
+    "first": "DO NOTHING",
+    "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
+    "task_path = excluded.task_path",
+}
 _RUN_TABLES = (
     "remit_checkpoints",
     "remit_branches",
@@ -294,23 +305,10 @@ class SqlStore(Store):
         if row is None or int(row[0]) != fence.fence:
             raise stale_fence(fence, None if row is None else int(row[0]))
 
-    def _insert_blobs(self, txn: Txn, blobs: Sequence[BlobRecord]) -> None:
-        for b in blobs:
-            txn.execute(
-                "INSERT INTO remit_blobs (run_id, ns, key, value) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (run_id, ns, key) DO NOTHING",
-                (b.run_id, b.ns, b.key, b.value),
-            )
-
     def _upsert_writes(self, txn: Txn, writes: Sequence[WriteRecord], mode: WriteMode) -> None:
         if not writes:
             return
-        conflict = {
-            "first": "DO NOTHING",
-            "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
-            "task_path = excluded.task_path",
-            "expect_absent": "DO NOTHING",
-        }[mode]
+        conflict = _WRITE_CONFLICTS.get(mode, "DO NOTHING")
         for w in writes:
             cur = txn.execute(
                 f"INSERT INTO remit_writes ({_WRITE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
@@ -582,11 +580,7 @@ class SqlStore(Store):
 
     def get_claim(self, run_id: str, scope: str) -> Claim | None:
         with self._read() as txn:
-            row = txn.execute(
-                "SELECT holder, fence, expires_at FROM remit_claims "
-                "WHERE run_id = ? AND scope = ?",
-                (run_id, scope),
-            ).fetchone()
+            row = txn.execute(_CLAIM_ROW, (run_id, scope)).fetchone()
         return None if row is None else Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
 
     # -- effects -----------------------------------------------------------

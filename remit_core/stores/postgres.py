@@ -33,11 +33,13 @@ from remit_core.stores._sql import (
     _CKPT_COLS,
     _SELECT_HEAD,
     _WRITE_COLS,
+    _WRITE_CONFLICTS,
     SqlStore,
     Txn,
     _ckpt,
     _ckpt_params,
     _claim_of,
+    _flat,
 )
 from remit_core.stores.base import stale_fence
 
@@ -76,7 +78,7 @@ def _rows_params(records: Sequence[Any], columns: tuple[tuple[str, str], ...]) -
     """The parameters of `_rows_source(len(records), columns)`."""
     if len(records) > _MAX_VALUES_ROWS:
         return [[getattr(rec, name) for rec in records] for name, _ in columns]
-    return [getattr(rec, name) for rec in records for name, _ in columns]
+    return _flat(records, [name for name, _ in columns])
 
 
 def _first_per_slot(writes: Iterable[WriteRecord]) -> list[WriteRecord]:
@@ -147,11 +149,6 @@ WITH claim AS (
 )
 SELECT (SELECT count(*) FROM held), (SELECT fence FROM claim)
 """
-_CONFLICTS = {
-    "first": "DO NOTHING",
-    "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
-    "task_path = excluded.task_path",
-}
 
 
 def _rows_key(n: int) -> int:
@@ -164,7 +161,7 @@ def _put_writes_sql(mode: str, n: int) -> str:
     return _PUT_WRITES.format(
         fence_holds=_FENCE_HOLDS,
         write_cols=_WRITE_COLS,
-        conflict=_CONFLICTS[mode],
+        conflict=_WRITE_CONFLICTS[mode],
         source=_rows_source(n, _WRITE_COLUMNS),
     )
 
@@ -335,7 +332,7 @@ class PostgresStore(SqlStore):
     def put_writes(
         self, writes: Sequence[WriteRecord], *, mode: WriteMode, fence: FenceRef | None = None
     ) -> None:
-        if mode not in _CONFLICTS or not writes:
+        if mode not in _WRITE_CONFLICTS or not writes:
             # expect_absent: a taken slot refuses the batch (the SQL path).
             super().put_writes(writes, mode=mode, fence=fence)
             return

@@ -32,12 +32,15 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores._sql import (
+    _CLAIM_ROW,
     _TAKE_CLAIM,
     _WRITE_COLS,
+    _WRITE_CONFLICTS,
     SqlStore,
     Txn,
     _ckpt_params,
     _claim_of,
+    _flat,
 )
 from remit_core.stores.base import stale_fence
 
@@ -92,8 +95,6 @@ def connect_wal(path: str, *, busy_ms: int, synchronous: str = "NORMAL") -> sqli
         raise
     return conn
 
-
-_CLAIM_ROW = "SELECT holder, fence, expires_at FROM remit_claims WHERE run_id = ? AND scope = ?"
 
 _FENCED = "remit: stale fence"
 _MOVED = "remit: head moved"
@@ -164,30 +165,22 @@ _COMMIT_WITH_BLOBS_SCHEMA = [
 ]
 
 
-#: Rows per multi-row statement; a larger batch goes in row by row, in one transaction.
+#: Rows per multi-row statement: a larger batch goes in as several, in one transaction.
 _MAX_ROWS = 64
-_ROW_OF = {4: "(?, ?, ?, ?)", 8: "(?, ?, ?, ?, ?, ?, ?, ?)"}
-_WRITE_CONFLICTS = {
-    "first": "DO NOTHING",
-    "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
-    "task_path = excluded.task_path",
-}
+_BLOB_NAMES = ("run_id", "ns", "key", "value")
+_WRITE_NAMES = _WRITE_COLS.split(", ")
 
 
 def _values(n: int, width: int) -> str:
-    return "VALUES " + ", ".join([_ROW_OF[width]] * n)
+    return "VALUES " + ", ".join(["(" + ", ".join("?" * width) + ")"] * n)
 
 
 @functools.lru_cache(maxsize=128)
 def _blobs_sql(n: int) -> str:
     return (
-        f"INSERT INTO remit_blobs (run_id, ns, key, value) {_values(n, 4)} "
+        f"INSERT INTO remit_blobs ({', '.join(_BLOB_NAMES)}) {_values(n, 4)} "
         "ON CONFLICT (run_id, ns, key) DO NOTHING"
     )
-
-
-def _blob_params(blobs: Sequence[BlobRecord]) -> list[Any]:
-    return [v for b in blobs for v in (b.run_id, b.ns, b.key, b.value)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -205,21 +198,16 @@ def _writes_sql(n: int, mode: str, fenced: bool) -> str:
     )
 
 
-def _write_params(writes: Sequence[WriteRecord]) -> list[Any]:
-    return [
-        v
-        for w in writes
-        for v in (
-            w.run_id,
-            w.checkpoint_id,
-            w.task_id,
-            w.idx,
-            w.channel,
-            w.value,
-            w.ns,
-            w.task_path,
-        )
-    ]
+def _chunks(records: Sequence[Any]) -> list[Sequence[Any]]:
+    return [records[i : i + _MAX_ROWS] for i in range(0, len(records), _MAX_ROWS)]
+
+
+def _insert_rows(txn: Txn, blobs: Sequence[BlobRecord], writes: Sequence[WriteRecord]) -> None:
+    """Blobs, then writes ("overwrite"), a multi-row statement per `_MAX_ROWS`."""
+    for part in _chunks(blobs):
+        txn.execute(_blobs_sql(len(part)), _flat(part, _BLOB_NAMES))
+    for part in _chunks(writes):
+        txn.execute(_writes_sql(len(part), "overwrite", False), _flat(part, _WRITE_NAMES))
 
 
 class _OneStatement:
@@ -498,16 +486,7 @@ class SQLiteStore(SqlStore):
                 if not carried:
                     with self._transaction as txn:
                         self._commit_row(txn, r, expected_head, fence, sql, params)
-                        if 0 < len(blobs) <= _MAX_ROWS:
-                            txn.execute(_blobs_sql(len(blobs)), _blob_params(blobs))
-                        else:
-                            self._insert_blobs(txn, blobs)
-                        if 0 < len(writes) <= _MAX_ROWS:
-                            txn.execute(
-                                _writes_sql(len(writes), "overwrite", False), _write_params(writes)
-                            )
-                        else:
-                            self._upsert_writes(txn, writes, "overwrite")
+                        _insert_rows(txn, blobs, writes)
                         failpoints.hit("checkpoint.in_commit")
                 else:
                     failpoints.hit("checkpoint.in_commit")
@@ -560,7 +539,7 @@ class SQLiteStore(SqlStore):
             return
         # One statement, so one implicit transaction: the fence check and every
         # write, or none.
-        params = _write_params(writes)
+        params = _flat(writes, _WRITE_NAMES)
         if fence is not None:
             params += (fence.run_id, fence.scope, fence.fence)
         failpoints.hit("writes.in_txn")
