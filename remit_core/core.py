@@ -164,6 +164,7 @@ class ClaimHandle:
         self.lease = lease
         self.lost = False
         self._stopped = False
+        self._released = False
         self._renewing = threading.Lock()
         if heartbeat:
             _keeper.add(self)
@@ -193,11 +194,16 @@ class ClaimHandle:
             return True
 
     def release(self) -> None:
-        """Stop renewing and give the claim up (no-op if it was taken over)."""
+        """Stop renewing and give the claim up (no-op if it was taken over or
+        given up with a commit)."""
         with self._renewing:  # waits for a renewal in flight
             self._stopped = True
-        if not self.lost:
+        if not self.lost and not self._released:
             self._remit.store.release_claim(self.claim)
+
+    def _given_up(self) -> None:
+        """The claim was given up with a commit: stop renewing, release no more."""
+        self._stopped = self._released = True
 
     def abandon(self) -> None:
         """Stop renewing without releasing: the lease lapses as if the holder died."""
@@ -291,13 +297,16 @@ class Remit:
         fence: FenceRef | None = None,
         plan: policy.CommitPlan | None = None,
         allow_new_root: bool = False,
+        release: ClaimHandle | None = None,
     ) -> CheckpointRecord:
         """Commit a checkpoint after `parent_id`: a compare-and-set of its branch head.
 
         Raises `ForkWithoutIntent` if `parent_id` is not a head and no
         `fork_token` is given, `HeadMoved` if another writer won the race,
         `Fenced` if `fence` is stale. Nothing is written when it raises.
-        `allow_new_root`: see `policy.plan_commit`.
+        `allow_new_root`: see `policy.plan_commit`. `release`: a claim to give
+        up with the commit, for a writer whose last write this is (its later
+        `release()` is then free).
         """
         guess = None
         if plan is None and fork_token is None and parent_id is None:
@@ -354,6 +363,7 @@ class Remit:
                     blobs=sealed_blobs,
                     writes=sealed_writes,
                     fence=fence,
+                    release=None if release is None else release.claim,
                 )
                 break
             except HeadMoved:
@@ -362,6 +372,8 @@ class Remit:
                 guess = None
                 plan = self.plan(run_id, parent_id, ns=ns, allow_new_root=allow_new_root)
                 record = dataclasses.replace(record, branch=plan.branch, seq=plan.seq)
+        if release is not None:
+            release._given_up()
         self._seen(record, parent_id)
         opened = _with_state(record, state)
         self._opened = (record, state)
@@ -401,6 +413,16 @@ class Remit:
         """One checkpoint, verified; None if absent. `CorruptRecord` if it fails to verify."""
         record = self.store.get_checkpoint(run_id, ns, checkpoint_id)
         return None if record is None else self._open_ckpt(record)
+
+    def checkpoint_and_writes(
+        self, run_id: str, checkpoint_id: str, *, ns: str = ""
+    ) -> tuple[CheckpointRecord | None, list[WriteRecord]]:
+        """`checkpoint` and `writes` of it, read together (one round trip where the
+        engine allows); (None, []) if the checkpoint is absent."""
+        record, found = self.store.get_checkpoint_and_writes(run_id, ns, checkpoint_id)
+        if record is None:
+            return None, []
+        return self._open_ckpt(record), [self._open_write(w) for w in found]
 
     def branch(
         self, run_id: str, *, ns: str = "", branch: str = MAIN_BRANCH
@@ -462,12 +484,14 @@ class Remit:
     def writes(
         self, run_id: str, checkpoint_id: str, *, ns: str = "", after_idx: int | None = None
     ) -> list[WriteRecord]:
-        out = []
-        for w in self.store.get_writes(run_id, ns, checkpoint_id, after_idx=after_idx):
-            identity = _write_identity(w.ns, w.checkpoint_id, w.task_id, w.idx)
-            body = codec.unseal(w.value, identity, run_id=run_id, checkpoint_id=checkpoint_id)
-            out.append(_write_with_value(w, body))
-        return out
+        """Step writes of one checkpoint, verified, ordered by (task_id, idx)."""
+        found = self.store.get_writes(run_id, ns, checkpoint_id, after_idx=after_idx)
+        return [self._open_write(w) for w in found]
+
+    def _open_write(self, w: WriteRecord) -> WriteRecord:
+        identity = _write_identity(w.ns, w.checkpoint_id, w.task_id, w.idx)
+        body = codec.unseal(w.value, identity, run_id=w.run_id, checkpoint_id=w.checkpoint_id)
+        return _write_with_value(w, body)
 
     # -- interrupts ----------------------------------------------------------
     def open_interrupts(

@@ -165,9 +165,11 @@ def decide_claim(current: Claim | None, holder: str, now: float) -> ClaimDecisio
     return "conflict"
 
 
-def fence_is_current(current: Claim | None, fence: int) -> bool:
-    """A write under fence `fence` may commit only while no takeover happened."""
-    return current is not None and current.fence == fence
+def fence_is_current(current: Claim | None, fence: int, holder: str) -> bool:
+    """A write under (`fence`, `holder`) may commit only while the claim is still
+    that: not taken over, not released. The holder tells apart two claims that
+    got one fence number where an engine lost a take it had not flushed."""
+    return current is not None and current.fence == fence and current.holder == holder
 
 
 def check_consumable(interrupt: InterruptRecord | None, run_id: str, interrupt_id: str) -> None:

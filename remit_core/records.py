@@ -101,15 +101,18 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class FenceRef:
-    """What a write presents to prove its claim is still current (L2)."""
+    """What a write presents to prove its claim is still current (L2): the claim's
+    fence and holder. The holder makes a fence unique even where a store lost a
+    take it had not yet flushed and handed the same number out again."""
 
     run_id: str
     scope: str
     fence: int
+    holder: str
 
     @classmethod
     def of(cls, claim: Claim) -> FenceRef:
-        return cls(claim.run_id, claim.scope, claim.fence)
+        return cls(claim.run_id, claim.scope, claim.fence, claim.holder)
 
 
 @dataclass(frozen=True, slots=True)

@@ -472,7 +472,7 @@ class RemitFlowPersistence(FlowPersistence):
             )
         except HeadMoved as exc:
             claim = remit.store.get_claim(session.run_id, session.branch)
-            if not policy.fence_is_current(claim, session.fence.fence):
+            if not policy.fence_is_current(claim, session.fence.fence, session.fence.holder):
                 raise Fenced(
                     "this process's claim on the flow was taken over after its lease lapsed; "
                     "its writes are refused",

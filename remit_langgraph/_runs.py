@@ -79,6 +79,25 @@ class Run:
     failed: RemitError | None = None
     inflight: int = 0
     _settled: threading.Condition = field(default_factory=threading.Condition)
+    #: The run loop (weakly: the loop's exit stack holds this run).
+    loop: weakref.ref[PregelLoop] | None = None
+
+    def is_last_put(self, frame: FrameType | None, metadata: Any, ns: str) -> bool:
+        """Whether a put called from `frame` is the last write of this run: the
+        exit-mode save of a finished run, which LangGraph makes with the loop's
+        own metadata and follows with no write (no pending writes are left).
+        Its commit may then give the claim up, saving the release's round trip."""
+        loop = None if self.loop is None else self.loop()
+        return (
+            ns == ""
+            and loop is not None
+            and frame is not None
+            and frame.f_locals.get("self") is loop
+            and getattr(loop, "durability", None) == "exit"
+            and getattr(loop, "status", None) == "done"
+            and metadata is getattr(loop, "checkpoint_metadata", None)
+            and getattr(loop, "checkpoint_pending_writes", None) == []
+        )
 
     @property
     def fence(self) -> FenceRef:
@@ -234,7 +253,7 @@ class Runs:
             if record is None and loop.input is None:
                 return None, None  # nothing to run; LangGraph reports the empty input
             handle = self.remit.claim(thread, branch, lease=self.saver.lease)
-        run = Run(self.remit, thread, branch, handle, call.check)
+        run = Run(self.remit, thread, branch, handle, call.check, loop=weakref.ref(loop))
         try:
             if record is not None:
                 run.committed.add(record.checkpoint_id)

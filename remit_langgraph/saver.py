@@ -45,6 +45,10 @@ def _conf(config: RunnableConfig | None) -> dict[str, Any]:
     return dict((config or {}).get("configurable") or {})
 
 
+def _ns(config: RunnableConfig) -> str:
+    return str(_conf(config).get("checkpoint_ns", ""))
+
+
 def _thread(config: RunnableConfig) -> str:
     thread_id = _conf(config).get("thread_id")
     if thread_id is None:
@@ -98,8 +102,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
     def _decode(self, raw: bytes, **ids: Any) -> Any:
         return rec.decode_value(self.serde, raw, **ids)
 
-    def _tuple(self, record: CheckpointRecord) -> CheckpointTuple:
-        """Rebuild a `CheckpointTuple` from a verified checkpoint record."""
+    def _tuple(
+        self, record: CheckpointRecord, writes: list[WriteRecord] | None = None
+    ) -> CheckpointTuple:
+        """Rebuild a `CheckpointTuple` from a verified checkpoint record (and its
+        writes, if they were read with it)."""
         ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
         policy.check_workflow_version(record, self.accept_versions)
         body = rec.decode_body(record.state, **ids)
@@ -118,7 +125,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         for ch, raw in body["inline"].items():
             values[ch] = rec.decode_value(self.serde, raw, **ids)
         values = self._runs.upgrade(record, values)
-        writes = self._writes(record)
+        pending = self._writes(record, writes)
         parent = (
             rec.run_config(record.run_id, record.ns, record.parent_id) if record.parent_id else None
         )
@@ -127,12 +134,15 @@ class RemitSaver(BaseCheckpointSaver[str]):
             checkpoint=rec.build_checkpoint(record.checkpoint_id, body, values),
             metadata=dict(record.metadata),  # type: ignore[arg-type]
             parent_config=parent,
-            pending_writes=writes,
+            pending_writes=pending,
         )
 
-    def _writes(self, record: CheckpointRecord) -> list[tuple[str, str, Any]]:
+    def _writes(
+        self, record: CheckpointRecord, stored: list[WriteRecord] | None = None
+    ) -> list[tuple[str, str, Any]]:
         ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
-        stored = self.remit.writes(record.run_id, record.checkpoint_id, ns=record.ns)
+        if stored is None:
+            stored = self.remit.writes(record.run_id, record.checkpoint_id, ns=record.ns)
         stored.sort(key=lambda w: writes_sort_key(w.task_path, w.task_id, w.idx))
         return [
             (w.task_id, w.channel, rec.decode_value(self.serde, w.value, **ids)) for w in stored
@@ -155,10 +165,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     def read(self, config: RunnableConfig) -> CheckpointTuple | None:
         """`get_tuple` without the run-start hooks."""
-        record = self._record(config)
-        return None if record is None else self._tuple(record)
+        record, writes = self._record(config)
+        return None if record is None else self._tuple(record, writes)
 
-    def _record(self, config: RunnableConfig) -> CheckpointRecord | None:
+    def _record(
+        self, config: RunnableConfig
+    ) -> tuple[CheckpointRecord | None, list[WriteRecord] | None]:
+        """The checkpoint `config` names, and its writes if they were read with it."""
         conf = _conf(config)
         thread, ns = _thread(config), conf.get("checkpoint_ns", "")
         checkpoint_id = conf.get("checkpoint_id")
@@ -166,10 +179,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         forked = self.remit.fork_branch(thread, token, ns=ns) if token else None
         if forked is not None and (not checkpoint_id or checkpoint_id == forked.base_id):
             # A fork token names its branch: read its head, as a run with it continues there.
-            return self.remit.head(thread, ns=ns, branch=forked.branch)
+            return self.remit.head(thread, ns=ns, branch=forked.branch), None
         if checkpoint_id:
-            return self.remit.checkpoint(thread, checkpoint_id, ns=ns)
-        return self.remit.head(thread, ns=ns)
+            return self.remit.checkpoint_and_writes(thread, checkpoint_id, ns=ns)
+        return self.remit.head(thread, ns=ns), None
 
     def list(
         self,
@@ -220,9 +233,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
         """
         # Inside a run the run's check applies; only a put outside one (`update_state`)
         # needs the calling graph found.
-        inside = self._runs.active(_thread(config)) is not None
-        caller = None if inside else self._runs.learn(sys._getframe(1))
-        return self._put(config, checkpoint, metadata, new_versions, caller)
+        frame = sys._getframe(1)
+        run = self._runs.active(_thread(config))
+        caller = None if run is not None else self._runs.learn(frame)
+        last = run is not None and run.is_last_put(frame, metadata, _ns(config))
+        return self._put(config, checkpoint, metadata, new_versions, caller, last)
 
     def _put(
         self,
@@ -231,7 +246,9 @@ class RemitSaver(BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
         caller: StateCheck | None,
+        last: bool = False,
     ) -> RunnableConfig:
+        """`put`; `last`: the run's last write, whose commit gives its claim up."""
         conf = _conf(config)
         thread, ns = _thread(config), conf.get("checkpoint_ns", "")
         checkpoint_id = checkpoint["id"]
@@ -265,6 +282,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 blobs=blobs,
                 fence=None if run is None else run.fence,
                 allow_new_root=True,
+                release=run.claim if run is not None and last else None,
             )
             if run is not None:
                 run.committed.add(checkpoint_id)
@@ -422,10 +440,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        inside = self._runs.active(_thread(config)) is not None
-        caller = None if inside else self._runs.learn(sys._getframe(1))
+        frame = sys._getframe(1)
+        run = self._runs.active(_thread(config))
+        caller = None if run is not None else self._runs.learn(frame)
+        last = run is not None and run.is_last_put(frame, metadata, _ns(config))
         return await asyncio.to_thread(
-            self._put, config, checkpoint, metadata, new_versions, caller
+            self._put, config, checkpoint, metadata, new_versions, caller, last
         )
 
     async def aput_writes(

@@ -164,7 +164,7 @@ class Model:
     def can_write(self, s: State, r: int) -> bool:
         if self.cfg.bug("no_fencing"):
             return True
-        return policy.fence_is_current(self.claim_row(s, self.drive(r)), s.fence[r - 1])
+        return policy.fence_is_current(self.claim_row(s, self.drive(r)), s.fence[r - 1], f"r{r}")
 
     def stale_now(self, s: State, r: int) -> bool:
         return s.fence[r - 1] != s.c_fence[self.drive(r) - 1]

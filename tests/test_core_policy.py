@@ -115,9 +115,12 @@ def test_decide_claim(current: Claim | None, holder: str, now: float, decision: 
 
 
 def test_fence_is_current() -> None:
-    assert policy.fence_is_current(Claim("r", "s", "A", 2, 1.0), 2)
-    assert not policy.fence_is_current(Claim("r", "s", "A", 3, 1.0), 2)
-    assert not policy.fence_is_current(None, 1)
+    assert policy.fence_is_current(Claim("r", "s", "A", 2, 1.0), 2, "A")
+    assert not policy.fence_is_current(Claim("r", "s", "A", 3, 1.0), 2, "A")
+    assert not policy.fence_is_current(None, 1, "A")
+    # The same number under another holder (a lost take handed out again), or released.
+    assert not policy.fence_is_current(Claim("r", "s", "B", 2, 1.0), 2, "A")
+    assert not policy.fence_is_current(Claim("r", "s", "", 2, 0.0), 2, "A")
 
 
 def test_check_consumable() -> None:

@@ -53,6 +53,57 @@ class Located(TypedDict, total=False):
     at: Point
 
 
+# -- claims ---------------------------------------------------------------------------
+
+
+def counting_releases(saver: RemitSaver, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The claims released by a call of their own (not with a commit)."""
+    store = saver.remit.store
+    released: list[Any] = []
+    real = store.release_claim
+
+    def release_claim(claim: Any) -> None:
+        released.append(claim)
+        real(claim)
+
+    monkeypatch.setattr(store, "release_claim", release_claim)
+    return released
+
+
+@pytest.mark.parametrize("durability", ["exit", "sync", "async"])
+def test_a_finished_exit_mode_run_gives_its_claim_up_with_its_last_commit(
+    store_url: str, durability: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saver = RemitSaver(store_url)
+    released = counting_releases(saver, monkeypatch)
+    graph = one_node(Free, lambda s: {"n": s["n"] + 1}, saver)
+    cfg = config()
+    thread = cfg["configurable"]["thread_id"]
+    assert graph.invoke({"n": 1}, cfg, durability=durability)["n"] == 2
+    claim = saver.remit.store.get_claim(thread, "main")
+    assert claim is not None and claim.holder == "" and claim.fence == 1
+    # Redis gives the claim up after the commit, in a call of its own.
+    with_commit = durability == "exit" and not store_url.startswith("redis")
+    assert len(released) == (0 if with_commit else 1)
+    # The thread is free as soon as the run returns.
+    assert graph.invoke({"n": 5}, cfg, durability=durability)["n"] == 6
+    assert saver.get_tuple(cfg).checkpoint["channel_values"]["n"] == 6  # type: ignore[union-attr]
+
+
+def test_an_interrupted_exit_mode_run_keeps_its_claim_until_its_writes_are_stored(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saver = RemitSaver(store_url)
+    released = counting_releases(saver, monkeypatch)
+    graph = one_node(Free, lambda s: {"value": interrupt("?")}, saver)
+    cfg = config()
+    graph.invoke({"n": 1}, cfg, durability="exit")
+    assert len(released) == 1  # after the interrupt's writes, not with the commit
+    state = graph.get_state(cfg)
+    assert state.next == ("node",) and [i.value for i in state.interrupts] == ["?"]
+    assert graph.invoke(Command(resume="a"), cfg, durability="exit")["value"] == "a"
+
+
 # -- async --------------------------------------------------------------------------
 
 

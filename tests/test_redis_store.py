@@ -119,7 +119,7 @@ class RedisMatchesSql(RuleBasedStateMachine):
         claim = self.sql.get_claim(run, "main")
         if choice == 0 or claim is None:
             return None
-        return FenceRef(run, "main", claim.fence - (choice - 1))
+        return FenceRef(run, "main", claim.fence - (choice - 1), claim.holder)
 
     # -- writes ----------------------------------------------------------------
     @rule(

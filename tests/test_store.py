@@ -268,6 +268,44 @@ def test_sqlite_file_of_schema_1_is_migrated_and_keeps_its_data(tmp_path: Path) 
     store.close()
 
 
+def test_sqlite_file_of_schema_3_gets_commit_views_that_check_the_holder(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    old = SQLiteStore(url)
+    old.setup()
+    conn = old._connection()  # stand-ins for the views of migrations 2 and 3
+    for kind, name in [
+        ("TRIGGER", "remit_commit_blobs_insert"),
+        ("VIEW", "remit_commit_blobs"),
+        ("TRIGGER", "remit_commit_insert"),
+        ("VIEW", "remit_commit"),
+    ]:
+        conn.execute(f"DROP {kind} {name}")
+    conn.execute("CREATE VIEW remit_commit AS SELECT 1 AS fence")
+    conn.execute("CREATE VIEW remit_commit_blobs AS SELECT * FROM remit_commit")
+    conn.execute("DELETE FROM remit_migrations WHERE version = 4")
+    old.close()
+    store = SQLiteStore(url)
+    store.setup()
+    assert store.applied_migrations() == list(range(1, SCHEMA_VERSION + 1))
+    claim = store.acquire_claim("r", "main", "A", now=0.0, lease=60.0)
+    stranger = FenceRef("r", "main", claim.fence, "B")
+    for blobs in ([], [BlobRecord("r", "k", b"v")]):
+        with pytest.raises(Fenced):
+            store.commit_checkpoint(
+                ckpt("r", "c01", None), expected_head=None, blobs=blobs, fence=stranger
+            )
+    store.commit_checkpoint(
+        ckpt("r", "c01", None),
+        expected_head=None,
+        blobs=[BlobRecord("r", "k", b"v")],
+        fence=FenceRef.of(claim),
+    )
+    assert head_id(store, "r") == "c01"
+    store.close()
+
+
 def test_sqlite_full_commits_claims_at_normal_and_returns_to_full(tmp_path: Path) -> None:
     # A claim need not survive the loss of power (its holders die with the host),
     # so it skips FULL's flush; every other write keeps FULL.
@@ -488,13 +526,18 @@ def _observable(store: Store, run_id: str) -> tuple[Any, ...]:
     )
 
 
+def _fenced_targets(store: Store, run_id: str) -> None:
+    """What `_fenced_call` writes to: a head, an open interrupt, an effect in doubt."""
+    store.commit_checkpoint(ckpt(run_id, "c01", None), expected_head=None)
+    store.open_interrupts([pending(run_id, "i1")])
+    store.begin_effect(run_id, "e1", "idem-1", now=1.0)
+
+
 @pytest.mark.parametrize("primitive", FENCED_PRIMITIVES)
 def test_stale_fence_is_refused_and_writes_nothing(
     store: Store, run_id: str, primitive: str
 ) -> None:
-    store.commit_checkpoint(ckpt(run_id, "c01", None), expected_head=None)
-    store.open_interrupts([pending(run_id, "i1")])
-    store.begin_effect(run_id, "e1", "idem-1", now=1.0)
+    _fenced_targets(store, run_id)
     old = store.acquire_claim(run_id, "main", "A", now=0.0, lease=10.0)
     new = store.acquire_claim(run_id, "main", "B", now=20.0, lease=10.0)
     assert new.fence == old.fence + 1
@@ -505,11 +548,95 @@ def test_stale_fence_is_refused_and_writes_nothing(
     assert _observable(store, run_id) == before
     # A fence for a scope never claimed is stale too.
     with pytest.raises(Fenced):
-        _fenced_call(store, primitive, run_id, FenceRef(run_id, "never", 1))
+        _fenced_call(store, primitive, run_id, FenceRef(run_id, "never", 1, "A"))
     assert _observable(store, run_id) == before
     # The current fence passes.
     _fenced_call(store, primitive, run_id, FenceRef.of(new))
     assert _observable(store, run_id) != before
+
+
+def _lose_claims(store: Store, run_id: str) -> None:
+    """What a crash of the engine does to takes it had not flushed: forgets them."""
+    if engine_of(store) == "redis":
+        from remit_core.stores.redis import run_prefix
+
+        store._client().delete(run_prefix(run_id) + "cl")  # type: ignore[attr-defined]
+        return
+    with store._txn() as txn:  # type: ignore[attr-defined]
+        txn.execute("DELETE FROM remit_claims WHERE run_id = ?", (run_id,))
+
+
+@pytest.mark.parametrize("primitive", FENCED_PRIMITIVES)
+def test_a_fence_is_its_holders_only_and_ends_with_release(
+    store: Store, run_id: str, primitive: str
+) -> None:
+    _fenced_targets(store, run_id)
+    # A take the engine lost hands its fence number out again, to another holder.
+    lost = store.acquire_claim(run_id, "main", "A", now=0.0, lease=10.0)
+    _lose_claims(store, run_id)
+    taken = store.acquire_claim(run_id, "main", "B", now=0.0, lease=10.0)
+    assert taken.fence == lost.fence
+    before = _observable(store, run_id)
+    with pytest.raises(Fenced, match="now held by 'B'"):
+        _fenced_call(store, primitive, run_id, FenceRef.of(lost))
+    assert _observable(store, run_id) == before
+    # Released, the claim keeps its fence, and refuses writes under it.
+    store.release_claim(taken)
+    with pytest.raises(Fenced, match="released"):
+        _fenced_call(store, primitive, run_id, FenceRef.of(taken))
+    assert _observable(store, run_id) == before
+    again = store.acquire_claim(run_id, "main", "B", now=1.0, lease=10.0)
+    assert again.fence == taken.fence + 1
+    _fenced_call(store, primitive, run_id, FenceRef.of(again))
+    assert _observable(store, run_id) != before
+
+
+def test_a_commit_gives_its_claim_up_only_if_it_holds(store: Store, run_id: str) -> None:
+    claim = store.acquire_claim(run_id, "main", "A", now=0.0, lease=60.0)
+    fence = FenceRef.of(claim)
+    store.commit_checkpoint(ckpt(run_id, "c01", None), expected_head=None, fence=fence)
+    # A commit that loses its compare-and-set (or is fenced) keeps the claim held.
+    with pytest.raises(HeadMoved):
+        store.commit_checkpoint(
+            ckpt(run_id, "c02", "c00", seq=2), expected_head="c00", fence=fence, release=claim
+        )
+    with pytest.raises(Fenced):
+        store.commit_checkpoint(
+            ckpt(run_id, "c02", "c01", seq=2),
+            expected_head="c01",
+            fence=FenceRef(run_id, "main", claim.fence, "B"),
+            release=claim,
+        )
+    assert store.get_claim(run_id, "main") == claim
+    store.commit_checkpoint(
+        ckpt(run_id, "c02", "c01", seq=2),
+        expected_head="c01",
+        blobs=[BlobRecord(run_id, "k", b"v")],
+        fence=fence,
+        release=claim,
+    )
+    assert head_id(store, run_id) == "c02"
+    released = store.get_claim(run_id, "main")
+    assert released is not None and released.holder == "" and released.fence == claim.fence
+    assert store.acquire_claim(run_id, "main", "B", now=1.0, lease=60.0).fence == claim.fence + 1
+
+
+def test_a_checkpoint_and_its_writes_read_together(store: Store, run_id: str) -> None:
+    assert store.get_checkpoint_and_writes(run_id, "", "c01") == (None, [])
+    store.commit_checkpoint(ckpt(run_id, "c01", None), expected_head=None)
+    record, writes = store.get_checkpoint_and_writes(run_id, "", "c01")
+    assert record == store.get_checkpoint(run_id, "", "c01") and writes == []
+    store.put_writes(
+        [write(run_id, "c01", "t2", 0, b"c"), write(run_id, "c01", "t1", 1, b"b"),
+         write(run_id, "c01", "t1", 0, b"a")],
+        mode="overwrite",
+    )
+    record, writes = store.get_checkpoint_and_writes(run_id, "", "c01")
+    assert record == store.get_checkpoint(run_id, "", "c01")
+    assert writes == store.get_writes(run_id, "", "c01")
+    assert [(w.task_id, w.idx, w.value) for w in writes] == [
+        ("t1", 0, b"a"), ("t1", 1, b"b"), ("t2", 0, b"c")
+    ]
 
 
 # -- step writes ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ must agree with the model, and the contract's invariants must hold:
 - a branch head only moves forward, to a child of its previous head;
 - a consumed interrupt stays consumed, with its first value;
 - fences strictly increase on every takeover;
-- a write under a stale fence changes nothing.
+- a write under a stale fence (taken over, or released) changes nothing.
 """
 
 from __future__ import annotations
@@ -110,7 +110,12 @@ class StoreMachine(RuleBasedStateMachine):
         return None if view is None else FenceRef.of(view)
 
     def stale(self, fence: FenceRef | None) -> bool:
-        return fence is not None and (self.row is None or self.row.fence != fence.fence)
+        """Taken over (another fence) or given up (the holder changed)."""
+        return fence is not None and (
+            self.row is None
+            or self.row.fence != fence.fence
+            or self.row.holder != fence.holder
+        )
 
     def next_id(self) -> str:
         self.n += 1

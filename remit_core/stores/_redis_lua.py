@@ -12,7 +12,8 @@ Conventions shared with the Python side:
   a hash field of a record with columns ends in NUL and one column letter.
 - An optional argument is "" for NULL and "=" followed by the value otherwise.
 - The fence check takes the fence's claims hash as KEYS[1] and, as ARGV[1],
-  "" (no fence presented) or the fence number, ":", the escaped scope.
+  "" (no fence presented) or the fence number, ":", the escaped scope, NUL,
+  the holder.
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ from __future__ import annotations
 _PRELUDE = r"""
 local NUL = "\0"
 
--- The fence check of every fenced primitive: nil when it holds.
+-- The fence check of every fenced primitive: nil when the claim still has
+-- the fence and holder presented, else the claim's fence and holder now.
 local function fenced()
   local f = ARGV[1]
   if f == "" then return nil end
   local colon = string.find(f, ":", 1, true)
-  local current = redis.call("HGET", KEYS[1], string.sub(f, colon + 1) .. NUL .. "f")
-  if current ~= string.sub(f, 1, colon - 1) then return {"fenced", current} end
+  local nul = string.find(f, NUL, colon + 1, true)
+  local m = string.sub(f, colon + 1, nul - 1)
+  local row = redis.call("HMGET", KEYS[1], m .. NUL .. "f", m .. NUL .. "h")
+  if row[1] ~= string.sub(f, 1, colon - 1) or row[2] ~= string.sub(f, nul + 1) then
+    return {"fenced", row[1], row[2]}
+  end
   return nil
 end
 

@@ -64,10 +64,12 @@ MIGRATIONS: dict[int, list[str]] = {
             status TEXT NOT NULL, outcome {blob}, created_at DOUBLE PRECISION NOT NULL,
             done_at DOUBLE PRECISION, PRIMARY KEY (run_id, effect_key))""",
     ],
-    # Engine-specific only: SQLite's one-statement commit (`stores.sqlite`), and
-    # the same with a few blobs.
+    # Engine-specific only: SQLite's one-statement commit (`stores.sqlite`), the
+    # same with a few blobs, and both again with fences that carry their holder
+    # (the other engines check the holder in code).
     2: [],
     3: [],
+    4: [],
 }
 
 _CKPT_COLS = (
@@ -103,12 +105,20 @@ _SELECT_HEAD = (
     "WHERE c.run_id = ? AND c.ns = ? AND c.checkpoint_id = (SELECT b.head_id "
     "FROM remit_branches b WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?)"
 )
+#: A checkpoint and its writes in one statement (one snapshot): a row per write,
+#: or one row with no write; parameters: run, ns, checkpoint id.
+_CKPT_AND_WRITES = (
+    f"SELECT {_CKPT_COLS_OF_C}, w.task_id, w.idx, w.channel, w.value, w.task_path "
+    "FROM remit_checkpoints c LEFT JOIN remit_writes w ON w.run_id = c.run_id "
+    "AND w.ns = c.ns AND w.checkpoint_id = c.checkpoint_id "
+    "WHERE c.run_id = ? AND c.ns = ? AND c.checkpoint_id = ? ORDER BY w.task_id, w.idx"
+)
 #: Take a claim if it is free, expired, or the holder's own (same fence then);
-#: parameters: run, scope, holder, expires_at, now, now. `_ACQUIRE_CLAIM` returns
-#: the claim's row.
-_TAKE_CLAIM = (
+#: parameters: run, scope, holder, expires_at, now, now. `{row}` is the one row
+#: to insert. `_ACQUIRE_CLAIM` returns the claim's row.
+_TAKE_CLAIM_OF = (
     "INSERT INTO remit_claims (run_id, scope, holder, fence, expires_at) "
-    "VALUES (?, ?, ?, 1, ?) ON CONFLICT (run_id, scope) DO UPDATE SET "
+    "{row} ON CONFLICT (run_id, scope) DO UPDATE SET "
     "fence = CASE WHEN remit_claims.holder = excluded.holder "
     "AND remit_claims.expires_at > ? THEN remit_claims.fence "
     "ELSE remit_claims.fence + 1 END, "
@@ -116,7 +126,9 @@ _TAKE_CLAIM = (
     "WHERE remit_claims.holder = excluded.holder OR remit_claims.holder = '' "
     "OR remit_claims.expires_at <= ?"
 )
-_ACQUIRE_CLAIM = _TAKE_CLAIM + " RETURNING holder, fence, expires_at"
+_CLAIM_RETURNING = " RETURNING holder, fence, expires_at"
+_TAKE_CLAIM = _TAKE_CLAIM_OF.format(row="VALUES (?, ?, ?, 1, ?)")
+_ACQUIRE_CLAIM = _TAKE_CLAIM + _CLAIM_RETURNING
 _CLAIM_ROW = "SELECT holder, fence, expires_at FROM remit_claims WHERE run_id = ? AND scope = ?"
 _EFFECT_COLS = "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at"
 _WRITE_COLS = "run_id, checkpoint_id, task_id, idx, channel, value, ns, task_path"
@@ -221,6 +233,11 @@ def _claim_of(run_id: str, scope: str, row: Sequence[Any] | None) -> Claim:
     return Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
 
 
+def _release_params(claim: Claim) -> tuple[str, str, int, str]:
+    """The parameters of `SqlStore._release_sql`."""
+    return (claim.run_id, claim.scope, claim.fence, claim.holder)
+
+
 def _write(row: Sequence[Any]) -> WriteRecord:
     return WriteRecord(
         run_id=row[0],
@@ -243,6 +260,8 @@ class SqlStore(Store):
     _blob_type = "BLOB"
     #: Statements of this engine only, by migration number (run after the shared ones).
     _engine_migrations: dict[int, list[str]] = {}
+    #: Takes a claim and returns its row (see `_TAKE_CLAIM_OF`).
+    _acquire_sql = _ACQUIRE_CLAIM
     #: Gives a claim up; the fence stays, so the next claim gets a higher one.
     _release_sql = (
         "UPDATE remit_claims SET holder = '', expires_at = 0 "
@@ -299,11 +318,12 @@ class SqlStore(Store):
         if fence is None:
             return
         row = txn.execute(
-            "SELECT fence FROM remit_claims WHERE run_id = ? AND scope = ?" + self._lock_suffix,
+            "SELECT fence, holder FROM remit_claims WHERE run_id = ? AND scope = ?"
+            + self._lock_suffix,
             (fence.run_id, fence.scope),
         ).fetchone()
-        if row is None or int(row[0]) != fence.fence:
-            raise stale_fence(fence, None if row is None else int(row[0]))
+        if row is None or int(row[0]) != fence.fence or row[1] != fence.holder:
+            raise stale_fence(fence, *((None, None) if row is None else (int(row[0]), row[1])))
 
     def _upsert_writes(self, txn: Txn, writes: Sequence[WriteRecord], mode: WriteMode) -> None:
         if not writes:
@@ -334,6 +354,20 @@ class SqlStore(Store):
                 (run_id, ns, checkpoint_id),
             ).fetchone()
         return None if row is None else _ckpt(row)
+
+    def get_checkpoint_and_writes(
+        self, run_id: str, ns: str, checkpoint_id: str
+    ) -> tuple[CheckpointRecord | None, list[WriteRecord]]:
+        with self._read() as txn:
+            rows = txn.execute(_CKPT_AND_WRITES, (run_id, ns, checkpoint_id)).fetchall()
+        if not rows:
+            return None, []
+        writes = [
+            WriteRecord(run_id, checkpoint_id, r[11], int(r[12]), r[13], bytes(r[14]), ns, r[15])
+            for r in rows
+            if r[11] is not None
+        ]
+        return _ckpt(rows[0]), writes
 
     def list_checkpoints(
         self,
@@ -549,7 +583,7 @@ class SqlStore(Store):
         failpoints.hit("claim.in_acquire")
         with self._lease_write() as txn:
             row = txn.execute(
-                _ACQUIRE_CLAIM,
+                self._acquire_sql,
                 (run_id, scope, holder, now + lease, now, now),
             ).fetchone()
         return _claim_of(run_id, scope, row)
@@ -574,9 +608,7 @@ class SqlStore(Store):
 
     def release_claim(self, claim: Claim) -> None:
         with self._lease_write() as txn:
-            txn.execute(
-                self._release_sql, (claim.run_id, claim.scope, claim.fence, claim.holder)
-            )
+            txn.execute(self._release_sql, _release_params(claim))
 
     def get_claim(self, run_id: str, scope: str) -> Claim | None:
         with self._read() as txn:

@@ -26,14 +26,22 @@ from remit_core.records import (
 )
 
 #: Migration steps are numbered from 1; a store records each applied number.
-#: A step may change one engine only (2 and 3: SQLite's one-statement commits).
-SCHEMA_VERSION = 3
+#: A step may change one engine only (2 to 4: SQLite's one-statement commits).
+SCHEMA_VERSION = 4
 
 
-def stale_fence(fence: FenceRef, current: int | None) -> Fenced:
-    """The refusal of a write whose fence is no longer the claim's (`current`)."""
+def stale_fence(fence: FenceRef, current: int | None, holder: str | None = None) -> Fenced:
+    """The refusal of a write whose claim is no longer (`current`, `holder`)."""
+    if current is None:
+        now = "the claim is gone or changed"
+    elif current != fence.fence:
+        now = f"the claim's current fence is {current}"
+    elif holder == "":
+        now = "the claim was released"
+    else:
+        now = f"the claim is now held by {holder!r}"
     return Fenced(
-        f"write carries fence {fence.fence} but the claim's current fence is {current}",
+        f"write carries fence {fence.fence} of holder {fence.holder!r} but {now}",
         run_id=fence.run_id,
         scope=fence.scope,
     )
@@ -67,13 +75,16 @@ class Store(ABC):
         blobs: Sequence[BlobRecord] = (),
         writes: Sequence[WriteRecord] = (),
         fence: FenceRef | None = None,
+        release: Claim | None = None,
     ) -> None:
         """Append `record` and move its branch head to it, atomically.
 
         Holds only if the branch head is `expected_head` (None: the branch does
-        not exist yet, and is created), and `fence` (if given) is the current
-        fence of its claim. `blobs` are inserted if absent and `writes` with
-        mode "overwrite", in the same transaction. Raises `HeadMoved`, `Fenced`.
+        not exist yet, and is created), and `fence` (if given) is its claim's
+        current fence and holder. `blobs` are inserted if absent and `writes` with
+        mode "overwrite", in the same transaction. `release` is a claim given up
+        once the commit holds (as `release_claim`; in the same transaction where
+        the engine allows). Raises `HeadMoved`, `Fenced`.
         """
 
     @abstractmethod
@@ -153,6 +164,18 @@ class Store(ABC):
     ) -> list[WriteRecord]:
         """Writes of one checkpoint, ordered by (task_id, idx)."""
 
+    def get_checkpoint_and_writes(
+        self, run_id: str, ns: str, checkpoint_id: str
+    ) -> tuple[CheckpointRecord | None, list[WriteRecord]]:
+        """One checkpoint and its writes (as `get_writes`); (None, []) if it is absent.
+
+        Engines where a round trip costs may read both in one.
+        """
+        record = self.get_checkpoint(run_id, ns, checkpoint_id)
+        if record is None:
+            return None, []
+        return record, self.get_writes(run_id, ns, checkpoint_id)
+
     # -- interrupts ----------------------------------------------------------
     @abstractmethod
     def open_interrupts(
@@ -195,6 +218,9 @@ class Store(ABC):
 
         A new holder gets a fence one above the last one ever issued for the
         scope. Raises `ResumeConflict` while another holder's lease is live.
+        An engine may return before the take is durable: a take lost in a crash
+        of the engine can hand its fence number out again, but never to the same
+        holder, and fenced writes check both.
         """
 
     def acquire_claim_at_head(
@@ -213,7 +239,8 @@ class Store(ABC):
 
     @abstractmethod
     def release_claim(self, claim: Claim) -> None:
-        """Give a claim up (a no-op if it was already taken over); the fence is kept."""
+        """Give a claim up (a no-op if it was already taken over); the fence is kept,
+        and writes under it are refused from then on."""
 
     @abstractmethod
     def get_claim(self, run_id: str, scope: str) -> Claim | None:

@@ -28,10 +28,11 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores._sql import (
-    _ACQUIRE_CLAIM,
     _BRANCH_COLS,
     _CKPT_COLS,
+    _CLAIM_RETURNING,
     _SELECT_HEAD,
+    _TAKE_CLAIM_OF,
     _WRITE_COLS,
     _WRITE_CONFLICTS,
     SqlStore,
@@ -105,14 +106,14 @@ class _PgTxn:
 #: head's compare-and-set.
 _COMMIT = """
 WITH claim AS (
-    SELECT fence FROM remit_claims WHERE run_id = ? AND scope = ? FOR SHARE
+    SELECT fence, holder FROM remit_claims WHERE run_id = ? AND scope = ? FOR SHARE
 ), moved AS (
     {move}
 ), checkpoint AS (
     INSERT INTO remit_checkpoints ({ckpt_cols})
     SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM moved
-){blobs}{writes}
-SELECT (SELECT count(*) FROM moved), (SELECT fence FROM claim)
+){blobs}{writes}{release}
+SELECT (SELECT count(*) FROM moved), (SELECT fence FROM claim), (SELECT holder FROM claim)
 """
 _COMMIT_BLOBS = """, blobs AS (
     INSERT INTO remit_blobs (run_id, ns, key, value)
@@ -125,7 +126,10 @@ _COMMIT_WRITES = """, writes AS (
     ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) DO UPDATE SET
         channel = excluded.channel, value = excluded.value, task_path = excluded.task_path
 )"""
-_FENCE_HOLDS = "(?::bigint IS NULL OR EXISTS (SELECT 1 FROM claim WHERE fence = ?))"
+#: Parameters: fence, fence, holder (no fence presented: NULL, NULL, "").
+_FENCE_HOLDS = (
+    "(?::bigint IS NULL OR EXISTS (SELECT 1 FROM claim WHERE fence = ? AND holder = ?))"
+)
 _MOVE_HEAD = (
     "UPDATE remit_branches SET head_id = ?, head_seq = ? WHERE run_id = ? AND ns = ? "
     f"AND branch = ? AND head_id = ? AND {_FENCE_HOLDS} RETURNING 1"
@@ -139,7 +143,7 @@ _CREATE_BRANCH = (
 #: Step writes in one statement: the fence check, then every write or none.
 _PUT_WRITES = """
 WITH claim AS (
-    SELECT fence FROM remit_claims WHERE run_id = ? AND scope = ? FOR SHARE
+    SELECT fence, holder FROM remit_claims WHERE run_id = ? AND scope = ? FOR SHARE
 ), held AS (
     SELECT 1 WHERE {fence_holds}
 ), writes AS (
@@ -147,7 +151,7 @@ WITH claim AS (
     SELECT w.* FROM {source} AS w, held
     ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) {conflict}
 )
-SELECT (SELECT count(*) FROM held), (SELECT fence FROM claim)
+SELECT (SELECT count(*) FROM held), (SELECT fence FROM claim), (SELECT holder FROM claim)
 """
 
 
@@ -166,9 +170,16 @@ def _put_writes_sql(mode: str, n: int) -> str:
     )
 
 
+#: Gives a claim up with the commit, if the head moved (run, scope, fence, holder).
+_COMMIT_RELEASE = """, released AS (
+    UPDATE remit_claims SET holder = '', expires_at = 0 FROM moved
+    WHERE run_id = ? AND scope = ? AND fence = ? AND holder = ?
+)"""
+
+
 @functools.lru_cache(maxsize=256)
-def _commit_sql(first: bool, n_blobs: int, n_writes: int) -> str:
-    """The commit statement; one without blobs or writes leaves their parts out."""
+def _commit_sql(first: bool, n_blobs: int, n_writes: int, release: bool) -> str:
+    """The commit statement; one without blobs, writes or a release leaves their parts out."""
     blobs = _COMMIT_BLOBS.format(source=_rows_source(n_blobs, _BLOB_COLUMNS))
     writes = _COMMIT_WRITES.format(
         write_cols=_WRITE_COLS, source=_rows_source(n_writes, _WRITE_COLUMNS)
@@ -178,8 +189,18 @@ def _commit_sql(first: bool, n_blobs: int, n_writes: int) -> str:
         ckpt_cols=_CKPT_COLS,
         blobs=blobs if n_blobs else "",
         writes=writes if n_writes else "",
+        release=_COMMIT_RELEASE if release else "",
     )
 
+
+#: In a statement, commit it without waiting for the WAL flush.
+_NO_FLUSH = "(SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
+#: A take does not wait for the WAL flush. Lost in a server crash, it can hand
+#: its fence number out again, but to another holder, and fenced writes check
+#: the holder too; any durable write of its holder flushes it first.
+_ACQUIRE_CLAIM_ASYNC = (
+    _TAKE_CLAIM_OF.format(row=f"SELECT ?, ?, ?, 1, ? WHERE {_NO_FLUSH}") + _CLAIM_RETURNING
+)
 
 #: A claim and the head it starts from, in one round trip. The head is read in
 #: the statement's snapshot: a commit that lands while the claim waits on a
@@ -187,7 +208,7 @@ def _commit_sql(first: bool, n_blobs: int, n_writes: int) -> str:
 #: says so (`HeadMoved`), as when the head is read first.
 _CLAIM_AT_HEAD = f"""
 WITH claimed AS (
-    {_ACQUIRE_CLAIM}
+    {_ACQUIRE_CLAIM_ASYNC}
 )
 SELECT claimed.holder, claimed.fence, claimed.expires_at, head.*
 FROM (SELECT 1) AS one
@@ -201,13 +222,10 @@ class PostgresStore(SqlStore):
 
     _lock_suffix = " FOR SHARE"
     _blob_type = "BYTEA"
-    #: A release does not wait for the WAL flush. Lost in a server crash, it leaves
-    #: the claim held until its lease ends, as if its holder had died (L1); a take
-    #: or renewal waits, since a claim lost so could hand its fence out twice.
-    _release_sql = (
-        SqlStore._release_sql
-        + " AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
-    )
+    _acquire_sql = _ACQUIRE_CLAIM_ASYNC
+    #: A release does not wait for the WAL flush either. Lost in a server crash,
+    #: it leaves the claim held until its lease ends, as if its holder had died (L1).
+    _release_sql = SqlStore._release_sql + " AND " + _NO_FLUSH
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -280,10 +298,13 @@ class PostgresStore(SqlStore):
         blobs: Sequence[BlobRecord] = (),
         writes: Sequence[WriteRecord] = (),
         fence: FenceRef | None = None,
+        release: Claim | None = None,
     ) -> None:
         r = record
-        f_run, f_scope, f_fence = (
-            (r.run_id, "", None) if fence is None else (fence.run_id, fence.scope, fence.fence)
+        f_run, f_scope, f_fence, f_holder = (
+            (r.run_id, "", None, "")
+            if fence is None
+            else (fence.run_id, fence.scope, fence.fence, fence.holder)
         )
         if expected_head is None:
             move: list[Any] = [r.run_id, r.branch, r.checkpoint_id, r.ns, r.seq, r.created_at]
@@ -295,6 +316,7 @@ class PostgresStore(SqlStore):
             *move,
             f_fence,
             f_fence,
+            f_holder,
             *_ckpt_params(r),
         ]
         # One statement may touch a row once: the first blob of a key, the last write
@@ -305,13 +327,18 @@ class PostgresStore(SqlStore):
         )
         params += _rows_params(first_blobs, _BLOB_COLUMNS)
         params += _rows_params(last_writes, _WRITE_COLUMNS)
+        if release is not None:
+            params += [release.run_id, release.scope, release.fence, release.holder]
         sql = _commit_sql(
-            expected_head is None, _rows_key(len(first_blobs)), _rows_key(len(last_writes))
+            expected_head is None,
+            _rows_key(len(first_blobs)),
+            _rows_key(len(last_writes)),
+            release is not None,
         )
         failpoints.hit("checkpoint.in_commit")
         try:
             with self._atomic() as txn:
-                moved, current = txn.execute(sql, params).fetchone()
+                moved, current, holder = txn.execute(sql, params).fetchone()
         except psycopg.errors.UniqueViolation as exc:
             if exc.diag.constraint_name != "remit_checkpoints_pkey":
                 raise
@@ -320,8 +347,8 @@ class PostgresStore(SqlStore):
                 run_id=r.run_id,
                 checkpoint_id=r.checkpoint_id,
             ) from exc
-        if fence is not None and current != fence.fence:
-            raise stale_fence(fence, current)
+        if fence is not None and (current != fence.fence or holder != fence.holder):
+            raise stale_fence(fence, current, holder)
         if moved != 1:
             raise HeadMoved(
                 f"branch {r.branch!r} no longer has head {expected_head!r}",
@@ -339,16 +366,19 @@ class PostgresStore(SqlStore):
         keyed = {(w.run_id, w.ns, w.checkpoint_id, w.task_id, w.idx): w for w in writes}
         # One statement may touch a row once: the first of a slot wins, or the last.
         rows = list(keyed.values()) if mode == "overwrite" else _first_per_slot(writes)
-        f_run, f_scope, f_fence = (
-            ("", "", None) if fence is None else (fence.run_id, fence.scope, fence.fence)
+        f_run, f_scope, f_fence, f_holder = (
+            ("", "", None, "")
+            if fence is None
+            else (fence.run_id, fence.scope, fence.fence, fence.holder)
         )
-        params = [f_run, f_scope, f_fence, f_fence, *_rows_params(rows, _WRITE_COLUMNS)]
+        params = [f_run, f_scope, f_fence, f_fence, f_holder]
+        params += _rows_params(rows, _WRITE_COLUMNS)
         sql = _put_writes_sql(mode, _rows_key(len(rows)))
         failpoints.hit("writes.in_txn")
         with self._atomic() as txn:
-            held, current = txn.execute(sql, params).fetchone()
+            held, current, holder = txn.execute(sql, params).fetchone()
         if not held and fence is not None:
-            raise stale_fence(fence, current)
+            raise stale_fence(fence, current, holder)
 
     def acquire_claim_at_head(
         self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""

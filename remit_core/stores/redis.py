@@ -82,6 +82,7 @@ MIGRATIONS: dict[int, str] = {
     1: "per-run keys remit:{run}:<kind>, see the module docstring",
     2: "no change here (SQLite's one-statement commit)",
     3: "no change here (SQLite's one-statement commit with blobs)",
+    4: "no change to keys (fences carry their holder; the scripts check it)",
 }
 
 #: Every per-run key kind, in the order the copy and delete scripts expect.
@@ -180,13 +181,20 @@ def _fence_key(fence: FenceRef | None, prefix: str) -> str:
 
 
 def _fence_arg(fence: FenceRef | None) -> str:
-    """ARGV[1] of a fenced script: "" or the fence number, ":", the escaped scope."""
-    return "" if fence is None else f"{fence.fence}:{_esc(fence.scope)}"
+    """ARGV[1] of a fenced script: "" or the fence number, ":", the escaped scope,
+    NUL, the holder."""
+    return "" if fence is None else f"{fence.fence}:{_esc(fence.scope)}{_SEP}{fence.holder}"
 
 
-def _raise_fenced(fence: FenceRef | None, current: bytes | None) -> None:
+def _raise_fenced(fence: FenceRef | None, reply: list[Any]) -> None:
+    """Raise the `Fenced` of a fenced script's reply ("fenced", fence, holder)."""
     assert fence is not None
-    raise stale_fence(fence, None if current is None else int(current))
+    current, holder = reply[1], reply[2]
+    raise stale_fence(
+        fence,
+        None if current is None else int(current),
+        None if holder is None else holder.decode(),
+    )
 
 
 _SCRIPTS = (
@@ -298,7 +306,7 @@ class RedisStore(Store):
         keys.keys[0] = _fence_key(fence, run_prefix(run_id))
         reply: list[Any] = self._run(name, keys.keys, [_fence_arg(fence), *args])
         if reply[0] == b"fenced":
-            _raise_fenced(fence, reply[1])
+            _raise_fenced(fence, reply)
         return reply
 
     # -- lifecycle -----------------------------------------------------------
@@ -331,6 +339,7 @@ class RedisStore(Store):
         blobs: Sequence[BlobRecord] = (),
         writes: Sequence[WriteRecord] = (),
         fence: FenceRef | None = None,
+        release: Claim | None = None,
     ) -> None:
         r = record
         prefix = run_prefix(r.run_id)
@@ -362,7 +371,7 @@ class RedisStore(Store):
         failpoints.hit("checkpoint.in_commit")
         reply: list[Any] = self._run("COMMIT", keys, args)
         if reply[0] == b"fenced":
-            _raise_fenced(fence, reply[1])
+            _raise_fenced(fence, reply)
         if reply[0] == b"head":
             raise HeadMoved(
                 f"branch {r.branch!r} no longer has head {expected_head!r}",
@@ -375,6 +384,8 @@ class RedisStore(Store):
                 run_id=r.run_id,
                 checkpoint_id=r.checkpoint_id,
             )
+        if release is not None:
+            self.release_claim(release)
 
     def _checkpoint(self, run_id: str, raw: bytes) -> CheckpointRecord:
         header, state = _unpack(raw, run_id=run_id)

@@ -41,6 +41,7 @@ from remit_core.stores._sql import (
     _ckpt_params,
     _claim_of,
     _flat,
+    _release_params,
 )
 from remit_core.stores.base import stale_fence
 
@@ -98,21 +99,29 @@ def connect_wal(path: str, *, busy_ms: int, synchronous: str = "NORMAL") -> sqli
 
 _FENCED = "remit: stale fence"
 _MOVED = "remit: head moved"
-_COMMIT = "INSERT INTO remit_commit VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+#: Columns of the commit view: a checkpoint's, then the compare-and-set and fence.
+_COMMIT_WIDTH = 16
+_COMMIT = f"INSERT INTO remit_commit VALUES ({', '.join('?' * _COMMIT_WIDTH)})"
 
 #: The one-statement commit: a view to insert into, and the trigger that does
-#: the work (fence check, head compare-and-set, checkpoint append).
+#: the work (fence check, head compare-and-set, checkpoint append). Migration 4
+#: (fences carry their holder) replaces the views of migrations 2 and 3.
 _COMMIT_SCHEMA = [
-    """CREATE VIEW IF NOT EXISTS remit_commit AS SELECT
+    "DROP TRIGGER IF EXISTS remit_commit_blobs_insert",
+    "DROP VIEW IF EXISTS remit_commit_blobs",
+    "DROP TRIGGER IF EXISTS remit_commit_insert",
+    "DROP VIEW IF EXISTS remit_commit",
+    """CREATE VIEW remit_commit AS SELECT
         run_id, checkpoint_id, branch, parent_id, state, ns, seq, metadata, schema_version,
         workflow_version, created_at, NULL AS expected_head, NULL AS fence_run,
-        NULL AS fence_scope, NULL AS fence
+        NULL AS fence_scope, NULL AS fence, NULL AS fence_holder
         FROM remit_checkpoints WHERE 0""",
-    f"""CREATE TRIGGER IF NOT EXISTS remit_commit_insert INSTEAD OF INSERT ON remit_commit
+    f"""CREATE TRIGGER remit_commit_insert INSTEAD OF INSERT ON remit_commit
     BEGIN
         SELECT RAISE(ABORT, '{_FENCED}') WHERE NEW.fence IS NOT NULL AND NOT EXISTS (
             SELECT 1 FROM remit_claims WHERE run_id = NEW.fence_run
-            AND scope = NEW.fence_scope AND fence = NEW.fence);
+            AND scope = NEW.fence_scope AND fence = NEW.fence
+            AND holder = NEW.fence_holder);
         SELECT RAISE(ABORT, '{_MOVED}') WHERE CASE WHEN NEW.expected_head IS NULL
             THEN EXISTS (SELECT 1 FROM remit_branches WHERE run_id = NEW.run_id
                 AND ns = NEW.ns AND branch = NEW.branch AND head_id IS NOT NULL)
@@ -137,22 +146,24 @@ _COMMIT_SCHEMA = [
 _BLOB_SLOTS = 4
 _SLOTS = range(1, _BLOB_SLOTS + 1)
 _COMMIT_WITH_BLOBS = (
-    "INSERT INTO remit_commit_blobs VALUES (" + ", ".join(["?"] * (15 + 2 * _BLOB_SLOTS)) + ")"
+    "INSERT INTO remit_commit_blobs VALUES ("
+    + ", ".join(["?"] * (_COMMIT_WIDTH + 2 * _BLOB_SLOTS))
+    + ")"
 )
 
 #: The one-statement commit of a checkpoint and up to `_BLOB_SLOTS` blobs of it:
 #: its trigger makes the commit above, then adds the blobs, in the one statement.
 _COMMIT_WITH_BLOBS_SCHEMA = [
-    "CREATE VIEW IF NOT EXISTS remit_commit_blobs AS SELECT *, "
+    "CREATE VIEW remit_commit_blobs AS SELECT *, "
     + ", ".join(f"NULL AS key{i}, NULL AS value{i}" for i in _SLOTS)
     + " FROM remit_commit WHERE 0",
-    """CREATE TRIGGER IF NOT EXISTS remit_commit_blobs_insert
+    """CREATE TRIGGER remit_commit_blobs_insert
     INSTEAD OF INSERT ON remit_commit_blobs
     BEGIN
         INSERT INTO remit_commit VALUES (NEW.run_id, NEW.checkpoint_id, NEW.branch,
             NEW.parent_id, NEW.state, NEW.ns, NEW.seq, NEW.metadata, NEW.schema_version,
             NEW.workflow_version, NEW.created_at, NEW.expected_head, NEW.fence_run,
-            NEW.fence_scope, NEW.fence);"""
+            NEW.fence_scope, NEW.fence, NEW.fence_holder);"""
     + "".join(
         f"""
         INSERT INTO remit_blobs (run_id, ns, key, value)
@@ -186,9 +197,10 @@ def _blobs_sql(n: int) -> str:
 @functools.lru_cache(maxsize=256)
 def _writes_sql(n: int, mode: str, fenced: bool) -> str:
     """Writes in one statement; `fenced`: only while the claim has the fence whose
-    run, scope and number follow the rows' values."""
+    run, scope, number and holder follow the rows' values."""
     where = (
-        " WHERE EXISTS (SELECT 1 FROM remit_claims WHERE run_id = ? AND scope = ? AND fence = ?)"
+        " WHERE EXISTS (SELECT 1 FROM remit_claims WHERE run_id = ? AND scope = ? "
+        "AND fence = ? AND holder = ?)"
         if fenced
         else " WHERE true"  # (an upsert from a SELECT needs a WHERE)
     )
@@ -387,7 +399,12 @@ class SQLiteStore(SqlStore):
     stays the same: reading the head just committed costs one pragma.
     """
 
-    _engine_migrations = {2: _COMMIT_SCHEMA, 3: _COMMIT_WITH_BLOBS_SCHEMA}
+    #: 2 and 3 made the commit views; 4 makes them anew, with the fence's holder.
+    _engine_migrations: dict[int, list[str]] = {
+        2: [],
+        3: [],
+        4: _COMMIT_SCHEMA + _COMMIT_WITH_BLOBS_SCHEMA,
+    }
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -457,17 +474,22 @@ class SQLiteStore(SqlStore):
         blobs: Sequence[BlobRecord] = (),
         writes: Sequence[WriteRecord] = (),
         fence: FenceRef | None = None,
+        release: Claim | None = None,
     ) -> None:
         # One INSERT into the `remit_commit` view: its trigger checks the fence,
         # moves the branch head from `expected_head` and appends the checkpoint,
         # all in the statement's own transaction; a few blobs of the checkpoint's
-        # own run ride along (`remit_commit_blobs`). Other blobs and writes join
-        # it in an explicit transaction.
+        # own run ride along (`remit_commit_blobs`). Other blobs and writes, and
+        # a release, join it in an explicit transaction.
         r = record
         key = (r.run_id, r.ns, r.branch)
         params = _ckpt_params(r) + [
             expected_head,
-            *((None, None, None) if fence is None else (fence.run_id, fence.scope, fence.fence)),
+            *(
+                (None, None, None, None)
+                if fence is None
+                else (fence.run_id, fence.scope, fence.fence, fence.holder)
+            ),
         ]
         carried = (
             not writes
@@ -483,10 +505,13 @@ class SQLiteStore(SqlStore):
         with self._lock:
             self._keep_heads = True
             try:
-                if not carried:
+                if not carried or release is not None:
                     with self._transaction as txn:
                         self._commit_row(txn, r, expected_head, fence, sql, params)
-                        _insert_rows(txn, blobs, writes)
+                        if not carried:
+                            _insert_rows(txn, blobs, writes)
+                        if release is not None:
+                            txn.execute(self._release_sql, _release_params(release))
                         failpoints.hit("checkpoint.in_commit")
                 else:
                     failpoints.hit("checkpoint.in_commit")
@@ -541,7 +566,7 @@ class SQLiteStore(SqlStore):
         # write, or none.
         params = _flat(writes, _WRITE_NAMES)
         if fence is not None:
-            params += (fence.run_id, fence.scope, fence.fence)
+            params += (fence.run_id, fence.scope, fence.fence, fence.holder)
         failpoints.hit("writes.in_txn")
         with self._one_statement as txn:
             written = txn.execute(
@@ -549,7 +574,8 @@ class SQLiteStore(SqlStore):
             ).rowcount
             if written == 0 and fence is not None:
                 # None written: every slot was taken ("first"), or the fence is stale.
-                # Fences only grow, so one that holds now held for the statement.
+                # A claim never returns to a (fence, holder) it left, so one that
+                # holds now held for the statement.
                 self._check_fence(txn, fence)
 
     def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
