@@ -53,13 +53,9 @@ def unpack(raw: bytes, **ids: Any) -> tuple[str, bytes]:
     return type_.decode(), data
 
 
-def own_version(counter: int, salt: float) -> str:
-    """A channel version as `RemitSaver.get_next_version` makes it: counter, dot, salt."""
-    return f"{counter:032}.{salt:016}"
-
-
 def is_own_version(version: str) -> bool:
-    """Whether `version` has the salted form of `own_version` (so names one value only)."""
+    """Whether `version` has the form `RemitSaver.get_next_version` makes, 32 digits
+    of counter, a dot and a random salt (so it names one value only)."""
     return len(version) > 33 and version[32] == "." and version[:32].isdigit()
 
 

@@ -146,6 +146,8 @@ class LoopCall(NamedTuple):
 _current: contextvars.ContextVar[Run | None] = contextvars.ContextVar(
     "remit_langgraph_run", default=None
 )
+#: The run of this context, if any.
+current_run = _current.get
 
 
 def _is_resume_map(resume: Any) -> bool:
@@ -533,12 +535,6 @@ class Runs:
             checkpoint_id=checkpoint_id,
             fence=None if run is None else run.fence,
         )
-
-    def next_version_guard(self) -> None:
-        """Called by the loop between steps: stop a run whose writes were refused."""
-        run = _current.get()
-        if run is not None and run.failed is not None:
-            raise run.failed
 
     def upgrade(self, record: CheckpointRecord, values: dict[str, Any]) -> dict[str, Any]:
         check = self.declared

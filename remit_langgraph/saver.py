@@ -36,7 +36,7 @@ from remit_core import Remit, connect, policy
 from remit_core.errors import RemitError
 from remit_core.records import CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
-from remit_langgraph._runs import Run, Runs
+from remit_langgraph._runs import Run, Runs, current_run
 from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import StrictSerializer
 
@@ -267,7 +267,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
             self._runs.fork(thread, parent, token)
         declared = self._runs.declared
         stored_meta = get_serializable_checkpoint_metadata(config, metadata)
-        self._index_run(thread, stored_meta.get("run_id"))
+        lg_run = stored_meta.get("run_id")
+        index = self._run_index_entry(thread, lg_run)
         with _writing(run):
             self.remit.commit(
                 run_id=thread,
@@ -280,10 +281,14 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 schema_version=declared.version if declared is not None else 1,
                 workflow_version=self.workflow_version,
                 blobs=blobs,
+                # The run index's entry commits with the checkpoint: no round trip of its own.
+                writes=() if index is None else (index,),
                 fence=None if run is None else run.fence,
                 allow_new_root=True,
                 release=run.claim if run is not None and last else None,
             )
+            if index is not None:
+                self._indexed_now(thread, lg_run)
             if run is not None:
                 run.committed.add(checkpoint_id)
         # Only versions this saver made are unique to one value; a caller reusing a
@@ -360,15 +365,24 @@ class RemitSaver(BaseCheckpointSaver[str]):
             self._index_run(target, r.metadata.get("run_id"))
 
     def _index_run(self, thread: str, lg_run: Any) -> None:
-        """Note that LangGraph run `lg_run` writes to `thread`, before it does (once per process).
+        """Note that LangGraph run `lg_run` writes to `thread` (once per process).
 
         `delete_for_runs` names runs, not threads; this index (a Remit run of its
-        own whose step writes map run -> thread) finds them without scanning the store.
+        own whose step writes map run -> thread) finds them without scanning the
+        store. A put stores the entry with its checkpoint, in one commit.
         """
+        entry = self._run_index_entry(thread, lg_run)
+        if entry is not None:
+            self.remit.put_writes([entry], mode="first")
+            self._indexed_now(thread, lg_run)
+
+    def _run_index_entry(self, thread: str, lg_run: Any) -> WriteRecord | None:
+        """The index entry of (`thread`, `lg_run`), unless this process stored it already."""
         if not lg_run or (thread, lg_run) in self._indexed:
-            return
-        entry = WriteRecord(rec.RUN_INDEX, str(lg_run), thread, 0, "thread", b"")
-        self.remit.put_writes([entry], mode="first")
+            return None
+        return WriteRecord(rec.RUN_INDEX, str(lg_run), thread, 0, "thread", b"")
+
+    def _indexed_now(self, thread: str, lg_run: Any) -> None:
         if len(self._indexed) > 10_000:
             self._indexed.clear()
         self._indexed.add((thread, lg_run))
@@ -386,17 +400,19 @@ class RemitSaver(BaseCheckpointSaver[str]):
     def get_next_version(self, current: str | None, channel: None = None) -> str:
         """`<counter>.<random>`: monotonic per channel, unique across branches (and values).
 
-        LangGraph calls it between steps of a run: a run whose writes were
-        refused stops here instead of running on.
+        LangGraph calls it between steps of a run (often: once per channel
+        written): a run whose writes were refused stops here instead of running on.
         """
-        self._runs.next_version_guard()
+        run = current_run()
+        if run is not None and run.failed is not None:
+            raise run.failed
         if current is None:
-            n = 0
+            n = 1
         elif isinstance(current, str):
-            n = int(current.split(".", 1)[0])
+            n = int(current.split(".", 1)[0]) + 1
         else:
-            n = int(current)
-        return rec.own_version(n + 1, random.random())
+            n = int(current) + 1
+        return f"{n:032}.{random.random():016}"
 
     def with_allowlist(self, extra_allowlist: Any) -> RemitSaver:
         """A shallow clone whose serializer also allows `extra_allowlist`."""

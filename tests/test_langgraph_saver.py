@@ -90,6 +90,19 @@ def test_a_finished_exit_mode_run_gives_its_claim_up_with_its_last_commit(
     assert saver.get_tuple(cfg).checkpoint["channel_values"]["n"] == 6  # type: ignore[union-attr]
 
 
+def test_an_async_exit_mode_run_gives_its_claim_up_with_its_last_commit(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saver = AsyncRemitSaver(store_url)
+    released = counting_releases(saver, monkeypatch)
+    graph = one_node(Free, lambda s: {"n": s["n"] + 1}, saver)
+    cfg = config()
+    assert asyncio.run(graph.ainvoke({"n": 1}, cfg, durability="exit"))["n"] == 2
+    claim = saver.remit.store.get_claim(cfg["configurable"]["thread_id"], "main")
+    assert claim is not None and claim.holder == ""
+    assert len(released) == (1 if store_url.startswith("redis") else 0)
+
+
 def test_an_interrupted_exit_mode_run_keeps_its_claim_until_its_writes_are_stored(
     store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -33,11 +33,13 @@ from remit_core.records import (
 )
 from remit_core.stores._sql import (
     _CLAIM_ROW,
+    _SELECT_HEAD,
     _TAKE_CLAIM,
     _WRITE_COLS,
     _WRITE_CONFLICTS,
     SqlStore,
     Txn,
+    _ckpt,
     _ckpt_params,
     _claim_of,
     _flat,
@@ -97,6 +99,12 @@ def connect_wal(path: str, *, busy_ms: int, synchronous: str = "NORMAL") -> sqli
     return conn
 
 
+#: A claim's row and the head of the branch it names; parameters: run, ns, run,
+#: ns, branch (the head), run, scope (the claim).
+_CLAIM_ROW_AND_HEAD = (
+    f"SELECT cl.holder, cl.fence, cl.expires_at, head.* FROM remit_claims cl "
+    f"LEFT JOIN ({_SELECT_HEAD}) AS head ON true WHERE cl.run_id = ? AND cl.scope = ?"
+)
 _FENCED = "remit: stale fence"
 _MOVED = "remit: head moved"
 #: Columns of the commit view: a checkpoint's, then the compare-and-set and fence.
@@ -465,6 +473,19 @@ class SQLiteStore(SqlStore):
             txn.execute(_TAKE_CLAIM, (run_id, scope, holder, now + lease, now, now))
             row = txn.execute(_CLAIM_ROW, (run_id, scope)).fetchone()
         return _claim_of(run_id, scope, row if row is not None and row[0] == holder else None)
+
+    def acquire_claim_at_head(
+        self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""
+    ) -> tuple[Claim, CheckpointRecord | None]:
+        # The take, then the claim's row and the head in one read (as `acquire_claim`).
+        failpoints.hit("claim.in_acquire")
+        with self._lease_statement as txn:
+            txn.execute(_TAKE_CLAIM, (run_id, scope, holder, now + lease, now, now))
+            row = txn.execute(
+                _CLAIM_ROW_AND_HEAD, (run_id, ns, run_id, ns, scope, run_id, scope)
+            ).fetchone()
+        claim = _claim_of(run_id, scope, row if row is not None and row[0] == holder else None)
+        return claim, None if row[3] is None else _ckpt(row[3:])
 
     def commit_checkpoint(
         self,
