@@ -592,19 +592,21 @@ class Remit:
         ns: str = "",
         lease: float | None = None,
         heartbeat: bool = True,
-    ) -> tuple[ClaimHandle, CheckpointRecord | None]:
-        """`claim(run_id, branch)` and the branch's head as of the claim, verified
-        (one round trip where the engine allows). The claim is released if the
-        head fails to verify."""
+    ) -> tuple[ClaimHandle, CheckpointRecord | None, list[WriteRecord]]:
+        """`claim(run_id, branch)`, the branch's head as of the claim and the head's
+        writes, verified (one round trip where the engine allows). The claim is
+        released if the head or a write fails to verify."""
         lease = self.lease if lease is None else lease
         holder = f"{self.holder}/{next(_holder_serial)}"
-        claim, record = self.store.acquire_claim_at_head(
+        claim, record, writes = self.store.acquire_claim_at_head(
             run_id, branch, holder, now=self.clock(), lease=lease, ns=ns
         )
         failpoints.hit("claim.after_acquire")
         handle = ClaimHandle(self, claim, lease, heartbeat)
         try:
-            return handle, None if record is None else self._open_ckpt(record)
+            if record is None:
+                return handle, None, []
+            return handle, self._open_ckpt(record), [self._open_write(w) for w in writes]
         except BaseException:
             handle.release()
             raise

@@ -146,24 +146,28 @@ class BlobCache:
 
     A blob key names one version of one channel and its bytes never change,
     so a cached blob is always the stored one; the checkpoint record itself is
-    still read (and verified) on every `get_tuple`.
+    still read (and verified) on every `get_tuple`. A key can also be known
+    absent (None): a version this saver made whose channel had no value when
+    it was saved (an emptied channel) never gets one later.
     """
 
     def __init__(self, size: int = 4096) -> None:
         self._size = size
-        self._items: OrderedDict[tuple[str, str, str], bytes] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str, str], bytes | None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, thread: str, ns: str, keys: Iterable[str]) -> dict[str, bytes]:
+    def get(self, thread: str, ns: str, keys: Iterable[str]) -> dict[str, bytes | None]:
+        """The known keys among `keys`: their bytes, or None if known absent."""
         found = {}
+        items = self._items
         with self._lock:
             for key in keys:
-                raw = self._items.get((thread, ns, key))
-                if raw is not None:
-                    found[key] = raw
+                k = (thread, ns, key)
+                if k in items:
+                    found[key] = items[k]
         return found
 
-    def put(self, thread: str, ns: str, blobs: Mapping[str, bytes]) -> None:
+    def put(self, thread: str, ns: str, blobs: Mapping[str, bytes | None]) -> None:
         with self._lock:
             for key, raw in blobs.items():
                 self._items[(thread, ns, key)] = raw

@@ -54,7 +54,13 @@ from remit_core.errors import (
     ResumeConflict,
     UnknownRecord,
 )
-from remit_core.records import MAIN_BRANCH, CheckpointRecord, FenceRef, InterruptRecord
+from remit_core.records import (
+    MAIN_BRANCH,
+    CheckpointRecord,
+    FenceRef,
+    InterruptRecord,
+    WriteRecord,
+)
 from remit_core.schema import StateSchema
 from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import StrictSerializer
@@ -246,10 +252,14 @@ class Runs:
         thread = str(conf["thread_id"])
         token = conf.get("fork_token")
         checkpoint_id = conf.get("checkpoint_id")
+        writes = None
         if not checkpoint_id and not token and loop.input is not None:
-            # The common start: main's head, read with the claim (one round trip).
+            # The common start: main's head and its writes, read with the claim (one
+            # round trip).
             branch = MAIN_BRANCH
-            handle, record = self.remit.claim_at_head(thread, branch, lease=self.saver.lease)
+            handle, record, writes = self.remit.claim_at_head(
+                thread, branch, lease=self.saver.lease
+            )
         else:
             record, branch = self._where(thread, checkpoint_id, token)
             if record is None and loop.input is None:
@@ -259,8 +269,10 @@ class Runs:
         try:
             if record is not None:
                 run.committed.add(record.checkpoint_id)
-                self._settle_resume(loop, run, record)
-            found = None if record is None else self.saver._tuple(record)
+                if writes is None:
+                    writes = self.remit.writes(thread, record.checkpoint_id)
+                self._settle_resume(loop, run, record, writes)
+            found = None if record is None else self.saver._tuple(record, writes)
         except BaseException:
             handle.release()
             raise
@@ -313,15 +325,25 @@ class Runs:
             return existing.branch
         return self.remit.fork(thread, checkpoint_id, token).branch
 
-    def _settle_resume(self, loop: PregelLoop, run: Run, record: CheckpointRecord) -> None:
-        """Consume what a `Command(resume=...)` answers; re-deliver what a dead resumer took."""
+    def _settle_resume(
+        self,
+        loop: PregelLoop,
+        run: Run,
+        record: CheckpointRecord,
+        writes: Sequence[WriteRecord],
+    ) -> None:
+        """Consume what a `Command(resume=...)` answers; re-deliver what a dead resumer
+        took. `writes` are the checkpoint's."""
+        resume = loop.input.resume if isinstance(loop.input, Command) else None
+        recovering = loop.input is None and record.branch == run.branch
+        if resume is None and not recovering:
+            return  # new input: no interrupt to settle
         here = [
             i
             for i in self.remit.interrupts(run.thread, branch=record.branch)
             if i.checkpoint_id == record.checkpoint_id
         ]
-        command = loop.input if isinstance(loop.input, Command) else None
-        if command is not None and command.resume is not None:
+        if resume is not None:
             if record.branch != run.branch:
                 raise ResumeConflict(
                     "a resume value answers the head of a branch; this checkpoint's interrupts "
@@ -329,10 +351,10 @@ class Runs:
                     run_id=run.thread,
                     checkpoint_id=record.checkpoint_id,
                 )
-            self._consume(run, here, command.resume)
-        elif loop.input is None and record.branch == run.branch:
+            self._consume(run, here, resume)
+        else:
             # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
-            self._redeliver(loop, run, record, here)
+            self._redeliver(loop, run, writes, here)
 
     def _consume(self, run: Run, here: Sequence[InterruptRecord], resume: Any) -> None:
         pending = {i.interrupt_id: i for i in here if i.status == "pending"}
@@ -370,14 +392,13 @@ class Runs:
         self,
         loop: PregelLoop,
         run: Run,
-        record: CheckpointRecord,
+        writes: Sequence[WriteRecord],
         here: Sequence[InterruptRecord],
     ) -> None:
         """Give consumed values back to the tasks that did not finish with them (P5 recovery)."""
         consumed = [i for i in here if i.status == "consumed" and i.value is not None]
         if not consumed:
             return
-        writes = self.remit.writes(run.thread, record.checkpoint_id)
         finished = {w.task_id for w in writes if w.channel not in (INTERRUPT, RESUME, "__error__")}
         raised_by: dict[str, str] = {}
         for w in writes:

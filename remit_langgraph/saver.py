@@ -114,13 +114,18 @@ class RemitSaver(BaseCheckpointSaver[str]):
         blobs = self._blobs.get(record.run_id, record.ns, keys.values())
         missing = [k for k in keys.values() if k not in blobs]
         if missing:
-            fetched = self.remit.blobs(record.run_id, missing, ns=record.ns)
+            fetched: dict[str, bytes | None] = dict(
+                self.remit.blobs(record.run_id, missing, ns=record.ns)
+            )
+            for k in missing:
+                if k not in fetched and rec.is_own_version(k.split(":", 1)[0]):
+                    fetched[k] = None  # an emptied channel's version: never a value
             self._blobs.put(record.run_id, record.ns, fetched)
             blobs.update(fetched)
         values = {
-            ch: rec.decode_value(self.serde, blobs[key], **ids)
+            ch: rec.decode_value(self.serde, raw, **ids)
             for ch, key in keys.items()
-            if key in blobs
+            if (raw := blobs.get(key)) is not None
         }
         for ch, raw in body["inline"].items():
             values[ch] = rec.decode_value(self.serde, raw, **ids)
@@ -293,11 +298,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 run.committed.add(checkpoint_id)
         # Only versions this saver made are unique to one value; a caller reusing a
         # version keeps the first value stored, which the cache must not contradict.
-        self._blobs.put(
-            thread,
-            ns,
-            {k: v for k, v in blobs.items() if rec.is_own_version(k.split(":", 1)[0])},
-        )
+        # A new version of a channel with no value (emptied) never gets a blob.
+        known: dict[str, bytes | None] = {
+            rec.blob_key(ch, v): blobs.get(rec.blob_key(ch, v))
+            for ch, v in new_versions.items()
+            if isinstance(v, str) and rec.is_own_version(v)
+        }
+        self._blobs.put(thread, ns, known)
         return rec.run_config(thread, ns, checkpoint_id)
 
     def put_writes(

@@ -103,6 +103,39 @@ def test_an_async_exit_mode_run_gives_its_claim_up_with_its_last_commit(
     assert len(released) == (1 if store_url.startswith("redis") else 0)
 
 
+@pytest.mark.parametrize("durability", ["exit", "sync"])
+def test_a_run_on_a_thread_starts_from_the_claim_read_alone(
+    store_url: str, durability: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New input on a thread: the claim brings the head and its writes; the channel
+    values this saver wrote (or knows empty) and the interrupts are not read again."""
+    saver = RemitSaver(store_url)
+    builder = StateGraph(Free)
+    builder.add_node("a", lambda s: {"n": s["n"] + 1})
+    builder.add_node("b", lambda s: {"value": [s["n"]]})
+    builder.add_edge(START, "a")
+    builder.add_edge("a", "b")
+    builder.add_edge("b", END)
+    graph = builder.compile(checkpointer=saver)
+    cfg = config()
+    graph.invoke({"n": 1}, cfg, durability=durability)
+    reads: list[str] = []
+    store = saver.remit.store
+    for name in ("get_blobs", "list_interrupts"):
+        real = getattr(store, name)
+
+        def read(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            reads.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(store, name, read)
+    out = graph.invoke({"n": 10}, cfg, durability=durability)
+    assert out == {"n": 11, "value": [11]} and reads == []
+    # Another saver (no cache) reads the same state back from the store.
+    fresh = RemitSaver(store_url).get_tuple(cfg)
+    assert fresh is not None and fresh.checkpoint["channel_values"]["value"] == [11]
+
+
 def test_an_interrupted_exit_mode_run_keeps_its_claim_until_its_writes_are_stored(
     store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

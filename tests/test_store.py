@@ -757,19 +757,36 @@ def test_interrupt_consumed_once_and_second_value_not_stored(store: Store, run_i
 
 
 def test_claim_at_head_returns_the_head_the_claim_starts_from(store: Store, run_id: str) -> None:
-    claim, head = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "A", now=100.0, lease=10.0)
-    assert (claim.holder, claim.fence, head) == ("A", 1, None)
+    claim, head, writes = store.acquire_claim_at_head(
+        run_id, MAIN_BRANCH, "A", now=100.0, lease=10.0
+    )
+    assert (claim.holder, claim.fence, head, writes) == ("A", 1, None, [])
     chain(store, run_id, 2)
     store.commit_checkpoint(ckpt(run_id, "s1", None, ns="sub"), expected_head=None)
-    again, head = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "A", now=101.0, lease=10.0)
+    again, head, writes = store.acquire_claim_at_head(
+        run_id, MAIN_BRANCH, "A", now=101.0, lease=10.0
+    )
     assert again.fence == 1 and head == store.get_head(run_id, "", MAIN_BRANCH)
-    assert head is not None and head.checkpoint_id == "c02"
-    _, sub = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "A", now=102.0, lease=10.0, ns="sub")
-    assert sub is not None and sub.checkpoint_id == "s1"
+    assert head is not None and head.checkpoint_id == "c02" and writes == []
+    # The head's writes come with it, ordered as `get_writes`; not its parent's.
+    store.put_writes(
+        [write(run_id, "c02", "t2", 0, b"c"), write(run_id, "c02", "t1", 1, b"b"),
+         write(run_id, "c02", "t1", 0, b"a"), write(run_id, "c01", "t0", 0, b"z")],
+        mode="overwrite",
+    )
+    _, head, writes = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "A", now=101.5, lease=10.0)
+    assert head is not None and writes == store.get_writes(run_id, "", "c02")
+    assert [(w.task_id, w.idx, w.value) for w in writes] == [
+        ("t1", 0, b"a"), ("t1", 1, b"b"), ("t2", 0, b"c")
+    ]
+    _, sub, writes = store.acquire_claim_at_head(
+        run_id, MAIN_BRANCH, "A", now=102.0, lease=10.0, ns="sub"
+    )
+    assert sub is not None and sub.checkpoint_id == "s1" and writes == []
     with pytest.raises(ResumeConflict):
         store.acquire_claim_at_head(run_id, MAIN_BRANCH, "B", now=103.0, lease=10.0)
     assert store.get_claim(run_id, MAIN_BRANCH).holder == "A"  # type: ignore[union-attr]
-    taken, head = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "B", now=200.0, lease=10.0)
+    taken, head, _ = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "B", now=200.0, lease=10.0)
     assert (taken.holder, taken.fence) == ("B", 2) and head is not None
 
 

@@ -105,13 +105,19 @@ _SELECT_HEAD = (
     "WHERE c.run_id = ? AND c.ns = ? AND c.checkpoint_id = (SELECT b.head_id "
     "FROM remit_branches b WHERE b.run_id = ? AND b.ns = ? AND b.branch = ?)"
 )
-#: A checkpoint and its writes in one statement (one snapshot): a row per write,
-#: or one row with no write; parameters: run, ns, checkpoint id.
+#: The writes of checkpoint `{c}`, joined to it: a row per write, or one with
+#: NULLs (see `_ckpt_and_writes`).
+_JOIN_WRITES = (
+    " LEFT JOIN remit_writes w ON w.run_id = {c}.run_id AND w.ns = {c}.ns "
+    "AND w.checkpoint_id = {c}.checkpoint_id"
+)
+_WRITE_OF_W = "w.task_id, w.idx, w.channel, w.value, w.task_path"
+#: A checkpoint and its writes in one statement (one snapshot); parameters: run,
+#: ns, checkpoint id.
 _CKPT_AND_WRITES = (
-    f"SELECT {_CKPT_COLS_OF_C}, w.task_id, w.idx, w.channel, w.value, w.task_path "
-    "FROM remit_checkpoints c LEFT JOIN remit_writes w ON w.run_id = c.run_id "
-    "AND w.ns = c.ns AND w.checkpoint_id = c.checkpoint_id "
-    "WHERE c.run_id = ? AND c.ns = ? AND c.checkpoint_id = ? ORDER BY w.task_id, w.idx"
+    f"SELECT {_CKPT_COLS_OF_C}, {_WRITE_OF_W} FROM remit_checkpoints c"
+    + _JOIN_WRITES.format(c="c")
+    + " WHERE c.run_id = ? AND c.ns = ? AND c.checkpoint_id = ? ORDER BY w.task_id, w.idx"
 )
 #: Take a claim if it is free, expired, or the holder's own (same fence then);
 #: parameters: run, scope, holder, expires_at, now, now. `{row}` is the one row
@@ -231,6 +237,27 @@ def _claim_of(run_id: str, scope: str, row: Sequence[Any] | None) -> Claim:
             scope=scope,
         )
     return Claim(run_id, scope, row[0], int(row[1]), float(row[2]))
+
+
+def _ckpt_and_writes(
+    rows: Sequence[Sequence[Any]], at: int = 0
+) -> tuple[CheckpointRecord | None, list[WriteRecord]]:
+    """A checkpoint and its writes from the rows of a join: the checkpoint's
+    columns from `at`, then a write's (task id, idx, channel, value, task path)
+    or NULLs, one row per write."""
+    if not rows or rows[0][at] is None:
+        return None, []
+    record = _ckpt(rows[0][at : at + 11])
+    w = at + 11
+    writes = [
+        WriteRecord(
+            record.run_id, record.checkpoint_id, r[w], int(r[w + 1]), r[w + 2],
+            bytes(r[w + 3]), record.ns, r[w + 4],
+        )
+        for r in rows
+        if r[w] is not None
+    ]
+    return record, writes
 
 
 def _release_params(claim: Claim) -> tuple[str, str, int, str]:
@@ -360,14 +387,7 @@ class SqlStore(Store):
     ) -> tuple[CheckpointRecord | None, list[WriteRecord]]:
         with self._read() as txn:
             rows = txn.execute(_CKPT_AND_WRITES, (run_id, ns, checkpoint_id)).fetchall()
-        if not rows:
-            return None, []
-        writes = [
-            WriteRecord(run_id, checkpoint_id, r[11], int(r[12]), r[13], bytes(r[14]), ns, r[15])
-            for r in rows
-            if r[11] is not None
-        ]
-        return _ckpt(rows[0]), writes
+        return _ckpt_and_writes(rows)
 
     def list_checkpoints(
         self,

@@ -225,13 +225,17 @@ class Store(ABC):
 
     def acquire_claim_at_head(
         self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""
-    ) -> tuple[Claim, CheckpointRecord | None]:
-        """`acquire_claim`, then the head of branch `scope` in `ns` as of the claim.
+    ) -> tuple[Claim, CheckpointRecord | None, list[WriteRecord]]:
+        """`acquire_claim`, then the head of branch `scope` in `ns` as of the claim,
+        and the head's writes (as `get_writes`).
 
-        Engines where a round trip costs may do both in one.
+        Engines where a round trip costs may do it all in one.
         """
         claim = self.acquire_claim(run_id, scope, holder, now=now, lease=lease)
-        return claim, self.get_head(run_id, ns, scope)
+        head = self.get_head(run_id, ns, scope)
+        if head is None:
+            return claim, None, []
+        return claim, head, self.get_writes(run_id, ns, head.checkpoint_id)
 
     @abstractmethod
     def renew_claim(self, claim: Claim, *, now: float, lease: float) -> Claim:

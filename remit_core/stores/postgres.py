@@ -31,13 +31,15 @@ from remit_core.stores._sql import (
     _BRANCH_COLS,
     _CKPT_COLS,
     _CLAIM_RETURNING,
+    _JOIN_WRITES,
     _SELECT_HEAD,
     _TAKE_CLAIM_OF,
     _WRITE_COLS,
     _WRITE_CONFLICTS,
+    _WRITE_OF_W,
     SqlStore,
     Txn,
-    _ckpt,
+    _ckpt_and_writes,
     _ckpt_params,
     _claim_of,
     _flat,
@@ -202,7 +204,7 @@ _ACQUIRE_CLAIM_ASYNC = (
     _TAKE_CLAIM_OF.format(row=f"SELECT ?, ?, ?, 1, ? WHERE {_NO_FLUSH}") + _CLAIM_RETURNING
 )
 
-#: A claim and the head it starts from, in one round trip. The head is read in
+#: A claim and the head it starts from (with its writes), in one round trip. The head is read in
 #: the statement's snapshot: a commit that lands while the claim waits on a
 #: fenced-out writer's row lock is missed, and the next commit's compare-and-set
 #: says so (`HeadMoved`), as when the head is read first.
@@ -210,10 +212,11 @@ _CLAIM_AT_HEAD = f"""
 WITH claimed AS (
     {_ACQUIRE_CLAIM_ASYNC}
 )
-SELECT claimed.holder, claimed.fence, claimed.expires_at, head.*
+SELECT claimed.holder, claimed.fence, claimed.expires_at, head.*, {_WRITE_OF_W}
 FROM (SELECT 1) AS one
 LEFT JOIN claimed ON true
-LEFT JOIN ({_SELECT_HEAD}) AS head ON true
+LEFT JOIN ({_SELECT_HEAD}) AS head ON true{_JOIN_WRITES.format(c="head")}
+ORDER BY w.task_id, w.idx
 """
 
 
@@ -382,15 +385,15 @@ class PostgresStore(SqlStore):
 
     def acquire_claim_at_head(
         self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""
-    ) -> tuple[Claim, CheckpointRecord | None]:
+    ) -> tuple[Claim, CheckpointRecord | None, list[WriteRecord]]:
         failpoints.hit("claim.in_acquire")
         with self._atomic() as txn:
-            row = txn.execute(
+            rows = txn.execute(
                 _CLAIM_AT_HEAD,
                 (run_id, scope, holder, now + lease, now, now, run_id, ns, run_id, ns, scope),
-            ).fetchone()
-        claim = _claim_of(run_id, scope, row)
-        return claim, None if row[3] is None else _ckpt(row[3:])
+            ).fetchall()
+        claim = _claim_of(run_id, scope, rows[0])
+        return (claim, *_ckpt_and_writes(rows, 3))
 
     def setup(self) -> None:
         with self._txn() as txn:

@@ -33,13 +33,15 @@ from remit_core.records import (
 )
 from remit_core.stores._sql import (
     _CLAIM_ROW,
+    _JOIN_WRITES,
     _SELECT_HEAD,
     _TAKE_CLAIM,
     _WRITE_COLS,
     _WRITE_CONFLICTS,
+    _WRITE_OF_W,
     SqlStore,
     Txn,
-    _ckpt,
+    _ckpt_and_writes,
     _ckpt_params,
     _claim_of,
     _flat,
@@ -99,11 +101,12 @@ def connect_wal(path: str, *, busy_ms: int, synchronous: str = "NORMAL") -> sqli
     return conn
 
 
-#: A claim's row and the head of the branch it names; parameters: run, ns, run,
-#: ns, branch (the head), run, scope (the claim).
+#: A claim's row, the head of the branch it names and the head's writes;
+#: parameters: run, ns, run, ns, branch (the head), run, scope (the claim).
 _CLAIM_ROW_AND_HEAD = (
-    f"SELECT cl.holder, cl.fence, cl.expires_at, head.* FROM remit_claims cl "
-    f"LEFT JOIN ({_SELECT_HEAD}) AS head ON true WHERE cl.run_id = ? AND cl.scope = ?"
+    f"SELECT cl.holder, cl.fence, cl.expires_at, head.*, {_WRITE_OF_W} FROM remit_claims cl "
+    f"LEFT JOIN ({_SELECT_HEAD}) AS head ON true{_JOIN_WRITES.format(c='head')} "
+    "WHERE cl.run_id = ? AND cl.scope = ? ORDER BY w.task_id, w.idx"
 )
 _FENCED = "remit: stale fence"
 _MOVED = "remit: head moved"
@@ -476,16 +479,17 @@ class SQLiteStore(SqlStore):
 
     def acquire_claim_at_head(
         self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""
-    ) -> tuple[Claim, CheckpointRecord | None]:
+    ) -> tuple[Claim, CheckpointRecord | None, list[WriteRecord]]:
         # The take, then the claim's row and the head in one read (as `acquire_claim`).
         failpoints.hit("claim.in_acquire")
         with self._lease_statement as txn:
             txn.execute(_TAKE_CLAIM, (run_id, scope, holder, now + lease, now, now))
-            row = txn.execute(
+            rows = txn.execute(
                 _CLAIM_ROW_AND_HEAD, (run_id, ns, run_id, ns, scope, run_id, scope)
-            ).fetchone()
+            ).fetchall()
+        row = rows[0] if rows else None
         claim = _claim_of(run_id, scope, row if row is not None and row[0] == holder else None)
-        return claim, None if row[3] is None else _ckpt(row[3:])
+        return (claim, *_ckpt_and_writes(rows, 3))
 
     def commit_checkpoint(
         self,
