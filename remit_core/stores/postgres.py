@@ -204,10 +204,10 @@ _ACQUIRE_CLAIM_ASYNC = (
     _TAKE_CLAIM_OF.format(row=f"SELECT ?, ?, ?, 1, ? WHERE {_NO_FLUSH}") + _CLAIM_RETURNING
 )
 
-#: A claim and the head it starts from (with its writes), in one round trip. The head is read in
-#: the statement's snapshot: a commit that lands while the claim waits on a
-#: fenced-out writer's row lock is missed, and the next commit's compare-and-set
-#: says so (`HeadMoved`), as when the head is read first.
+#: A claim and the head it starts from (with its writes), in one round trip. The
+#: head is read in the statement's snapshot: a commit that lands while the claim
+#: waits on a fenced-out writer's row lock is missed, and the next commit's
+#: compare-and-set says so (`HeadMoved`), as when the head is read first.
 _CLAIM_AT_HEAD = f"""
 WITH claimed AS (
     {_ACQUIRE_CLAIM_ASYNC}
