@@ -11,6 +11,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,6 +305,54 @@ def test_sqlite_file_of_schema_3_gets_commit_views_that_check_the_holder(
     )
     assert head_id(store, "r") == "c01"
     store.close()
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql", "redis"])
+def test_a_store_set_up_by_a_newer_remit_is_refused(engine: str, tmp_path: Path) -> None:
+    """Each in a namespace of its own: a file, a PostgreSQL schema, a Redis database."""
+    import psycopg
+    from conftest import PG_URL
+    from redis import Redis
+
+    from remit_core.stores.redis import MIGRATIONS_KEY, RedisStore
+
+    newer = SCHEMA_VERSION + 1
+    if engine == "sqlite":
+        url = f"sqlite:///{tmp_path}/t.db"
+        setup_store: Any = SQLiteStore(url)
+    elif engine == "postgresql":
+        schema = f"remit_newer_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(PG_URL, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        url = f"{PG_URL}?options=-csearch_path%3D{schema}"
+        setup_store = PostgresStore(url)
+    else:
+        url = "redis://127.0.0.1:6379/15"
+        Redis.from_url(url).delete(MIGRATIONS_KEY)
+        setup_store = RedisStore(url)
+    try:
+        setup_store.setup()
+        if engine == "redis":
+            Redis.from_url(url).hset(MIGRATIONS_KEY, str(newer), "0")
+        else:
+            if engine == "postgresql":  # (never the shared schema's migrations)
+                with setup_store._read() as txn:
+                    assert txn.execute("SELECT current_schema()").fetchone()[0] == schema
+            with setup_store._txn() as txn:
+                txn.execute(
+                    "INSERT INTO remit_migrations (version, applied_at) VALUES (?, 0)", (newer,)
+                )
+        setup_store.close()
+        reopened = type(setup_store)(url)
+        with pytest.raises(VersionMismatch, match=f"schema {newer}.*upgrade remit"):
+            reopened.setup()
+        reopened.close()
+    finally:
+        if engine == "postgresql":
+            with psycopg.connect(PG_URL, autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA {schema} CASCADE")
+        elif engine == "redis":
+            Redis.from_url(url).delete(MIGRATIONS_KEY)
 
 
 def test_sqlite_full_commits_claims_at_normal_and_returns_to_full(tmp_path: Path) -> None:

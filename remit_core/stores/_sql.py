@@ -26,7 +26,7 @@ from remit_core.records import (
     WriteMode,
     WriteRecord,
 )
-from remit_core.stores.base import Store, stale_fence
+from remit_core.stores.base import Store, newer_schema, stale_fence
 
 #: Numbered migration steps; each is a list of statements, applied once, in order.
 MIGRATIONS: dict[int, list[str]] = {
@@ -324,6 +324,9 @@ class SqlStore(Store):
             "version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
         )
         done = {r[0] for r in txn.execute("SELECT version FROM remit_migrations").fetchall()}
+        refusal = newer_schema(done, "this store")
+        if refusal is not None:
+            raise refusal
         for version in sorted(MIGRATIONS.keys() | self._engine_migrations.keys()):
             if version in done:
                 continue

@@ -10,9 +10,9 @@ Deciding *which* primitive to call lives in `remit_core.policy`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from remit_core.errors import Fenced
+from remit_core.errors import Fenced, VersionMismatch
 from remit_core.records import (
     BlobRecord,
     BranchRecord,
@@ -28,6 +28,17 @@ from remit_core.records import (
 #: Migration steps are numbered from 1; a store records each applied number.
 #: A step may change one engine only (2 to 4: SQLite's one-statement commits).
 SCHEMA_VERSION = 4
+
+
+def newer_schema(applied: Iterable[int], where: str) -> VersionMismatch | None:
+    """The refusal of a store that a newer Remit set up (a migration this one lacks)."""
+    newest = max(applied, default=0)
+    if newest <= SCHEMA_VERSION:
+        return None
+    return VersionMismatch(
+        f"{where} has schema {newest}, set up by a newer Remit; this one knows up to "
+        f"{SCHEMA_VERSION}: upgrade remit"
+    )
 
 
 def stale_fence(fence: FenceRef, current: int | None, holder: str | None = None) -> Fenced:

@@ -74,7 +74,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores import _redis_lua as lua
-from remit_core.stores.base import Store, stale_fence
+from remit_core.stores.base import Store, newer_schema, stale_fence
 
 #: Numbered layout versions recorded by `setup()`. Keys are created on first
 #: write, so version 1 creates nothing; a later version would convert keys here.
@@ -313,6 +313,10 @@ class RedisStore(Store):
     def setup(self) -> None:
         """Record the layout versions, and load the scripts so first calls need no reload."""
         now = repr(time.time())
+        applied = self.applied_migrations()
+        refusal = newer_schema(applied, "this store")
+        if refusal is not None:
+            raise refusal
         try:
             pipe = self._client().pipeline(transaction=True)
             for version in sorted(MIGRATIONS):
