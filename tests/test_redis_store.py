@@ -701,3 +701,21 @@ def test_redis_setup_records_each_migration_once(redis_store: RedisStore, raw: R
     assert raw.hgetall("remit:migrations") == before
     assert redis_store.applied_migrations() == sorted(MIGRATIONS)
     assert set(RUN_KEYS) == {k.rsplit(":", 1)[1] for k in run_keys("r")}
+
+
+def test_redis_commit_holds_when_its_release_after_it_fails(
+    redis_store: RedisStore, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Redis gives a claim up with a commit in a call of its own, after the commit.
+    claim = redis_store.acquire_claim(run_id, "main", "A", now=0.0, lease=60.0)
+
+    def unreachable(_claim: Claim) -> None:
+        raise StoreUnavailable("Redis store failed in release: connection lost")
+
+    monkeypatch.setattr(redis_store, "release_claim", unreachable)
+    redis_store.commit_checkpoint(
+        ckpt(run_id, "c01"), expected_head=None, fence=FenceRef.of(claim), release=claim
+    )
+    head = redis_store.get_head(run_id, "", "main")
+    assert head is not None and head.checkpoint_id == "c01"
+    assert redis_store.get_claim(run_id, "main") == claim  # left to lapse with its lease

@@ -42,6 +42,7 @@ the script is sent: a crash there leaves nothing written, as in SQL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -389,7 +390,11 @@ class RedisStore(Store):
                 checkpoint_id=r.checkpoint_id,
             )
         if release is not None:
-            self.release_claim(release)
+            # After the commit, in a call of its own. The commit holds whatever
+            # happens here: a release that fails leaves the claim to lapse with
+            # its lease, as if its holder had died (L1).
+            with contextlib.suppress(StoreUnavailable):
+                self.release_claim(release)
 
     def _checkpoint(self, run_id: str, raw: bytes) -> CheckpointRecord:
         header, state = _unpack(raw, run_id=run_id)
