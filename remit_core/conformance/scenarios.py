@@ -901,13 +901,13 @@ def k8_threads(ctx: Context) -> dict[int, Verdict]:
         return {36: Verdict(False, f"worker: {whole.summary()}")}
     fired = ctx.proceeded(mark)
     acks = sum(r.get("ok", False) for r in whole.value)
-    return {
-        36: Verdict(
-            fired == 1,
-            f"{fired} of {k} proceeded, {acks} acknowledged",
-            saturation(max(fired, 1), k),
+    text = f"{fired} of {k} proceeded, {acks} acknowledged"
+    if fired != 1:  # what the resumers were told, to tell a refusal from a failure
+        told = sorted(
+            {f"{r['error']['class']}: {r['error']['message']}" for r in whole.value if "error" in r}
         )
-    }
+        text += f"; errors: {told}"
+    return {36: Verdict(fired == 1, text, saturation(max(fired, 1), k))}
 
 
 def k8_values(ctx: Context) -> dict[int, Verdict]:
