@@ -575,6 +575,17 @@ def _observable(store: Store, run_id: str) -> tuple[Any, ...]:
     )
 
 
+def _refused(
+    store: Store, primitive: str, run_id: str, fence: FenceRef, match: str | None = None
+) -> Fenced:
+    """`primitive` under `fence` raises `Fenced` and changes nothing observable."""
+    before = _observable(store, run_id)
+    with pytest.raises(Fenced, match=match) as err:
+        _fenced_call(store, primitive, run_id, fence)
+    assert _observable(store, run_id) == before
+    return err.value
+
+
 def _fenced_targets(store: Store, run_id: str) -> None:
     """What `_fenced_call` writes to: a head, an open interrupt, an effect in doubt."""
     store.commit_checkpoint(ckpt(run_id, "c01", None), expected_head=None)
@@ -591,14 +602,9 @@ def test_stale_fence_is_refused_and_writes_nothing(
     new = store.acquire_claim(run_id, "main", "B", now=20.0, lease=10.0)
     assert new.fence == old.fence + 1
     before = _observable(store, run_id)
-    with pytest.raises(Fenced) as err:
-        _fenced_call(store, primitive, run_id, FenceRef.of(old))
-    assert err.value.run_id == run_id
-    assert _observable(store, run_id) == before
+    assert _refused(store, primitive, run_id, FenceRef.of(old)).run_id == run_id
     # A fence for a scope never claimed is stale too.
-    with pytest.raises(Fenced):
-        _fenced_call(store, primitive, run_id, FenceRef(run_id, "never", 1, "A"))
-    assert _observable(store, run_id) == before
+    _refused(store, primitive, run_id, FenceRef(run_id, "never", 1, "A"))
     # The current fence passes.
     _fenced_call(store, primitive, run_id, FenceRef.of(new))
     assert _observable(store, run_id) != before
@@ -626,14 +632,10 @@ def test_a_fence_is_its_holders_only_and_ends_with_release(
     taken = store.acquire_claim(run_id, "main", "B", now=0.0, lease=10.0)
     assert taken.fence == lost.fence
     before = _observable(store, run_id)
-    with pytest.raises(Fenced, match="now held by 'B'"):
-        _fenced_call(store, primitive, run_id, FenceRef.of(lost))
-    assert _observable(store, run_id) == before
+    _refused(store, primitive, run_id, FenceRef.of(lost), match="now held by 'B'")
     # Released, the claim keeps its fence, and refuses writes under it.
     store.release_claim(taken)
-    with pytest.raises(Fenced, match="released"):
-        _fenced_call(store, primitive, run_id, FenceRef.of(taken))
-    assert _observable(store, run_id) == before
+    _refused(store, primitive, run_id, FenceRef.of(taken), match="released")
     again = store.acquire_claim(run_id, "main", "B", now=1.0, lease=10.0)
     assert again.fence == taken.fence + 1
     _fenced_call(store, primitive, run_id, FenceRef.of(again))
