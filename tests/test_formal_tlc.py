@@ -41,7 +41,9 @@ def test_python_encoding_counts_what_tlc_counts(name: str) -> None:
     ours = bfs.explore(CONFIGS[name])
     assert ours.violation is None
     assert (ours.distinct, ours.generated) == (res.distinct, res.generated)
-    assert ours.depth == res.depth
+    # TLC runs these on two workers, whose depth is a bound: a worker can reach a
+    # state first along a path one step longer (one run in many said 36 for 35).
+    assert ours.depth <= res.depth <= ours.depth + 1, (ours.depth, res.depth)
 
 
 @pytest.mark.parametrize("name", SEEDED)
