@@ -193,13 +193,24 @@ class ClaimHandle:
                 return True
             return True
 
+    @property
+    def released(self) -> bool:
+        """Whether the claim was given up (released, or with a commit) or lost."""
+        return self._released or self.lost
+
     def release(self) -> None:
         """Stop renewing and give the claim up (no-op if it was taken over or
-        given up with a commit)."""
+        given up already: a second call makes no round trip)."""
         with self._renewing:  # waits for a renewal in flight
             self._stopped = True
-        if not self.lost and not self._released:
+            if self.released:
+                return
+            self._released = True
+        try:
             self._remit.store.release_claim(self.claim)
+        except BaseException:
+            self._released = False  # not given up: a later call may try again
+            raise
 
     def _given_up(self) -> None:
         """The claim was given up with a commit: stop renewing, release no more."""

@@ -19,6 +19,30 @@ from remit_core.errors import CheckpointInvalid, VersionMismatch
 
 Migration = Callable[[Any], Any]
 
+#: Core-schema node types that validate plain data into plain data: a value
+#: validated by a schema made of these alone has nothing the second, plain-form
+#: pass of `StateSchema.validate` could find (no instance taken as it is).
+_PLAIN_NODES = frozenset(
+    {
+        "any", "none", "bool", "int", "float", "decimal", "str", "bytes", "date", "time",
+        "datetime", "timedelta", "uuid", "literal", "list", "tuple", "set", "frozenset",
+        "dict", "nullable", "union", "default", "typed-dict", "typed-dict-field",
+    }
+)  # fmt: skip
+
+
+def _plain_only(node: Any) -> bool:
+    """Whether every schema node under `node` is one of `_PLAIN_NODES` (a dict
+    with another "type", a model's or a validator function's, says no)."""
+    if isinstance(node, Mapping):
+        kind = node.get("type")
+        if isinstance(kind, str) and kind not in _PLAIN_NODES:
+            return False
+        return all(_plain_only(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return all(_plain_only(v) for v in node)
+    return True
+
 
 def _field_path(loc: tuple[int | str, ...]) -> str:
     out = ""
@@ -85,6 +109,7 @@ class StateSchema:
         else:
             self._adapter = TypeAdapter(type_)
             self._json_schema = None
+        self._plain = self._adapter is not None and _plain_only(self._adapter.core_schema)
 
     def validate(self, value: Any, **ids: Any) -> Any:
         """Return the validated value, or raise `CheckpointInvalid` naming the field.
@@ -108,6 +133,8 @@ class StateSchema:
             value = {k: getattr(value, k) for k in type(value).model_fields if hasattr(value, k)}
         try:
             validated = self._adapter.validate_python(value, strict=self.strict)
+            if self._plain:
+                return validated  # plain data validated into plain data: no second pass
             try:
                 plain = self._adapter.dump_python(
                     validated, round_trip=True, by_alias=True, warnings=False

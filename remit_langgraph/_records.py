@@ -142,35 +142,62 @@ def decode_value(serde: SerializerProtocol, raw: bytes, **ids: Any) -> Any:
 
 
 class BlobCache:
-    """The channel-value blobs this process wrote or read lately, by (thread, ns, key).
+    """The channel-value blobs this process wrote or read lately, by thread and key.
 
     A blob key names one version of one channel and its bytes never change,
     so a cached blob is always the stored one; the checkpoint record itself is
     still read (and verified) on every `get_tuple`. A key can also be known
     absent (None): a version this saver made whose channel had no value when
     it was saved (an emptied channel) never gets one later.
+
+    Entries are kept per (thread, ns), least recently used threads dropped
+    first, at most `size` entries in all: a checkpoint adds one entry per
+    changed channel, and one thread's entries are looked up together.
     """
 
     def __init__(self, size: int = 4096) -> None:
         self._size = size
-        self._items: OrderedDict[tuple[str, str, str], bytes | None] = OrderedDict()
+        self._count = 0
+        self._threads: OrderedDict[tuple[str, str], dict[str, bytes | None]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, thread: str, ns: str, keys: Iterable[str]) -> dict[str, bytes | None]:
         """The known keys among `keys`: their bytes, or None if known absent."""
-        found = {}
-        items = self._items
         with self._lock:
-            for key in keys:
-                k = (thread, ns, key)
-                if k in items:
-                    found[key] = items[k]
-        return found
+            known = self._threads.get((thread, ns))
+            if known is None:
+                return {}
+            return {key: known[key] for key in keys if key in known}
 
     def put(self, thread: str, ns: str, blobs: Mapping[str, bytes | None]) -> None:
         with self._lock:
-            for key, raw in blobs.items():
-                self._items[(thread, ns, key)] = raw
-                self._items.move_to_end((thread, ns, key))
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
+            threads = self._threads
+            known = threads.get((thread, ns))
+            if known is None:
+                known = threads[thread, ns] = {}
+            else:
+                threads.move_to_end((thread, ns))
+            before = len(known)
+            known.update(blobs)
+            self._count += len(known) - before
+            while self._count > self._size:
+                oldest = next(iter(threads.values()))
+                if oldest is known:  # one thread over the budget: drop its oldest half
+                    for key in list(known)[: len(known) // 2 + 1]:
+                        del known[key]
+                    self._count = sum(len(d) for d in threads.values())
+                else:
+                    self._count -= len(threads.popitem(last=False)[1])
+
+
+def own_blobs(
+    new_versions: Mapping[str, Any], blobs: Mapping[str, bytes]
+) -> dict[str, bytes | None]:
+    """The blobs of the versions in `new_versions` that this saver made (see
+    `is_own_version`), None for a channel that had no value (emptied)."""
+    own: dict[str, bytes | None] = {}
+    for channel, version in new_versions.items():
+        if isinstance(version, str) and is_own_version(version):
+            key = blob_key(channel, version)
+            own[key] = blobs.get(key)
+    return own

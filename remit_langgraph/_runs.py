@@ -70,6 +70,20 @@ if TYPE_CHECKING:
 
 #: How many frames above a saver call are searched for the graph that made it.
 _GRAPH_FRAME_DEPTH = 4
+#: How many graphs' checks are remembered by their channels (then forgotten at once).
+_GRAPHS_KEPT = 256
+
+
+def _graph_at(frame: FrameType | None) -> Pregel[Any, Any, Any, Any] | None:
+    """The graph whose method is `frame` or one of the few frames above it."""
+    for _ in range(_GRAPH_FRAME_DEPTH):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Pregel):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 @dataclass
@@ -183,6 +197,8 @@ class Runs:
         self._graphs: weakref.WeakKeyDictionary[Any, StateCheck | None] = (
             weakref.WeakKeyDictionary()
         )
+        #: id(graph channels) -> (those channels, the graph's check), for run starts.
+        self._checks_by_specs: dict[int, tuple[Any, StateCheck | None]] = {}
         self._lock = threading.Lock()
 
     # -- finding LangGraph in the call stack -------------------------------------------
@@ -198,22 +214,28 @@ class Runs:
             return None
         if frame.f_code.co_name not in ("__enter__", "__aenter__") or loop.is_nested:
             return None
-        check = self.learn(frame.f_back)
+        # A graph's runs share its channels (`loop.specs`): the graph's check is
+        # found once, not in the caller's frames on every run.
+        specs = loop.specs
+        known = self._checks_by_specs.get(id(specs))
+        if known is not None and known[0] is specs:
+            check = known[1]
+        else:
+            graph = _graph_at(frame.f_back)
+            check = self._check_of(graph)
+            if graph is not None:
+                if len(self._checks_by_specs) >= _GRAPHS_KEPT:
+                    self._checks_by_specs.clear()
+                self._checks_by_specs[id(specs)] = (specs, check)
         if check is not None:
-            check.with_channels(loop.specs)
+            check.with_channels(specs)
         return LoopCall(loop, check)
 
     def learn(self, frame: FrameType | None) -> StateCheck | None:
         """Find the graph a few frames up; note its state check and its serializable types."""
-        graph = None
-        for _ in range(_GRAPH_FRAME_DEPTH):
-            if frame is None:
-                break
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, Pregel):
-                graph = candidate
-                break
-            frame = frame.f_back
+        return self._check_of(_graph_at(frame))
+
+    def _check_of(self, graph: Pregel[Any, Any, Any, Any] | None) -> StateCheck | None:
         if graph is None:
             return self.declared
         with self._lock:
@@ -418,13 +440,7 @@ class Runs:
     def attach(self, loop: PregelLoop, run: Run) -> None:
         """Bind `run` to this context and release it when the loop exits (or is dropped)."""
         token = _current.set(run)
-        released = threading.Event()
-
-        def finish() -> None:
-            if released.is_set():
-                return
-            released.set()
-            run.claim.release()
+        release = run.claim.release  # a second call is a no-op
 
         def reset() -> None:
             try:
@@ -436,18 +452,21 @@ class Runs:
 
             async def afinish() -> None:
                 reset()
-                await asyncio.to_thread(finish)
+                if run.claim.released:  # given up with the run's last commit
+                    release()
+                else:
+                    await asyncio.to_thread(release)
 
             loop.stack.push_async_callback(afinish)
         elif isinstance(loop, SyncPregelLoop):
 
             def sync_finish() -> None:
                 reset()
-                finish()
+                release()
 
             loop.stack.callback(sync_finish)
         # A loop whose __enter__ fails never unwinds its stack: release when it is dropped.
-        weakref.finalize(loop, finish)
+        weakref.finalize(loop, release)
 
     # -- the writes a run makes ------------------------------------------------------
     def before_put(

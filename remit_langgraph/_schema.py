@@ -54,6 +54,7 @@ class StateCheck:
             version=self.version,
         )
         self._plain: frozenset[str] = frozenset()
+        self._channels: Mapping[str, Any] | None = None
 
     @classmethod
     def of(cls, state: Any) -> StateCheck | None:
@@ -70,9 +71,12 @@ class StateCheck:
 
     def with_channels(self, channels: Mapping[str, Any]) -> StateCheck:
         """Note which keys are plain channels, whose writes are checked one by one."""
+        if channels is self._channels:
+            return self  # every run of a graph passes its graph's channels
         self._plain = frozenset(
             k for k, ch in channels.items() if k in self.fields and isinstance(ch, _PLAIN_CHANNELS)
         )
+        self._channels = channels
         return self
 
     def values(self, values: Mapping[str, Any], keys: Any = None, **ids: Any) -> None:

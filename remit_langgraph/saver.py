@@ -45,11 +45,6 @@ def _conf(config: RunnableConfig | None) -> dict[str, Any]:
     return dict((config or {}).get("configurable") or {})
 
 
-def _own(version: Any) -> bool:
-    """A version this saver made (other callers may pass ints or their own strings)."""
-    return isinstance(version, str) and rec.is_own_version(version)
-
-
 def _ns(config: RunnableConfig) -> str:
     return str(_conf(config).get("checkpoint_ns", ""))
 
@@ -304,8 +299,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         # Only versions this saver made are unique to one value; a caller reusing a
         # version keeps the first value stored, which the cache must not contradict.
         # A new version of a channel with no value (emptied) never gets a blob.
-        own = [rec.blob_key(ch, v) for ch, v in new_versions.items() if _own(v)]
-        self._blobs.put(thread, ns, {key: blobs.get(key) for key in own})
+        self._blobs.put(thread, ns, rec.own_blobs(new_versions, blobs))
         return rec.run_config(thread, ns, checkpoint_id)
 
     def put_writes(

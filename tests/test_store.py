@@ -240,6 +240,79 @@ def test_postgres_head_read_is_a_key_lookup_however_long_the_run(run_id: str) ->
         store.close()
 
 
+def test_postgres_pool_serves_more_threads_than_connections(run_id: str) -> None:
+    # 8 threads on 2 connections: each waits its turn, none times out, and every
+    # connection goes back to the pool (a free list beside the pool once starved
+    # waiters here).
+    from conftest import PG_URL
+
+    store = PostgresStore(f"{PG_URL}?max_size=2")
+    store.setup()
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            parent = None
+            for n in range(15):
+                cid = f"t{i}-{n:02d}"
+                store.commit_checkpoint(
+                    ckpt(f"{run_id}-{i}", cid, parent, seq=n + 1), expected_head=parent
+                )
+                parent = cid
+                assert head_id(store, f"{run_id}-{i}") == cid
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert all(not t.is_alive() for t in threads)
+        assert store._pool is not None and store._pool._count <= 2
+    finally:
+        for i in range(8):
+            store.delete_run(f"{run_id}-{i}")
+        store.close()
+
+
+def test_postgres_pool_drops_a_killed_connection_and_times_out_by_name(run_id: str) -> None:
+    import psycopg
+    from conftest import PG_URL
+
+    store = PostgresStore(f"{PG_URL}?max_size=1")
+    store.setup()
+    try:
+        with store._read() as txn:
+            pid = txn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        with psycopg.connect(PG_URL, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        # The server ended the pooled connection: the next statement says so...
+        with pytest.raises(StoreUnavailable, match="PostgreSQL store failed"):
+            store.get_head(run_id, "", MAIN_BRANCH)
+        # ...and the pool replaced it rather than hand it out again.
+        store.commit_checkpoint(ckpt(run_id, "c1", None, seq=1), expected_head=None)
+        assert head_id(store, run_id) == "c1"
+        with store._read() as txn:
+            assert txn.execute("SELECT pg_backend_pid()").fetchone()[0] != pid
+        # Every connection in use past the timeout: a clear error, not a hang.
+        assert store._pool is not None
+        store._pool._timeout = 0.2
+        with store._read():
+            with pytest.raises(StoreUnavailable, match="max_size"):
+                store.get_head(run_id, "", MAIN_BRANCH)
+        assert head_id(store, run_id) == "c1"
+    finally:
+        store.delete_run(run_id)
+        store.close()
+    with pytest.raises(ValueError, match="max_size"):
+        PostgresStore(f"{PG_URL}?max_size=0")
+
+
 def test_sqlite_file_of_schema_1_is_migrated_and_keeps_its_data(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/t.db"
     old = SQLiteStore(url)

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
@@ -48,11 +49,12 @@ from remit_core.stores.base import stale_fence
 
 try:
     import psycopg
-    from psycopg_pool import ConnectionPool
 except ImportError as exc:  # pragma: no cover - depends on the extra
     raise ImportError('the PostgreSQL store needs: pip install "remit[postgres]"') from exc
 
-_POOL_OPTS = ("min_size", "max_size")
+#: How long a connection serves before it is closed and replaced.
+_CONNECTION_LIFETIME = 3600.0
+_IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
 #: Up to this many rows go in as a `VALUES` list (cheaper to bind than arrays);
@@ -220,6 +222,82 @@ ORDER BY w.task_id, w.idx
 """
 
 
+class _Pool:
+    """At most `size` autocommit connections, each with its cursor, reused last
+    in, first out. A statement's checkout and return cost two lock round trips
+    here; a general-purpose pool's bookkeeping costs about as much as a fast
+    statement. A connection returned broken or inside a transaction is closed,
+    never reused; one past its lifetime is closed and replaced on demand."""
+
+    def __init__(self, conninfo: str, size: int, timeout: float = 30.0) -> None:
+        self._conninfo = conninfo
+        self._size = size
+        self._timeout = timeout
+        self._idle: list[tuple[psycopg.Connection[Any], psycopg.Cursor[Any], float]] = []
+        self._count = 0  # connections open, idle or in use
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+
+    def get(self) -> tuple[psycopg.Connection[Any], psycopg.Cursor[Any], float]:
+        """A connection, its cursor and when it expires; waits while all are in use."""
+        deadline = None
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise StoreUnavailable("the PostgreSQL store is closed")
+                if self._idle:
+                    return self._idle.pop()
+                if self._count < self._size:
+                    self._count += 1
+                    break
+                deadline = deadline or time.monotonic() + self._timeout
+                if not self._cond.wait(deadline - time.monotonic()) and (
+                    time.monotonic() >= deadline
+                ):
+                    raise StoreUnavailable(
+                        f"no PostgreSQL connection came free in {self._timeout:g}s "
+                        f"(all {self._size} in use; raise max_size in the URL)"
+                    )
+        try:
+            conn = psycopg.connect(self._conninfo, autocommit=True)
+        except BaseException as exc:
+            self._forget()
+            if isinstance(exc, psycopg.Error):
+                raise StoreUnavailable(f"cannot reach PostgreSQL store: {exc}") from exc
+            raise
+        return conn, conn.cursor(), time.monotonic() + _CONNECTION_LIFETIME
+
+    def put(self, conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any], expires: float) -> None:
+        """Take a connection back (or close it: broken, in a transaction, expired, closed pool)."""
+        with self._cond:
+            keep = (
+                not self._closed
+                and not conn.closed
+                and conn.pgconn.transaction_status == _IDLE
+                and time.monotonic() < expires
+            )
+            if keep:
+                self._idle.append((conn, cur, expires))
+                self._cond.notify()
+                return
+        conn.close()
+        self._forget()
+
+    def _forget(self) -> None:
+        with self._cond:
+            self._count -= 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+            self._cond.notify_all()
+        for conn, _, _ in idle:
+            conn.close()
+
+
 class PostgresStore(SqlStore):
     """A pooled PostgreSQL store; the pool is re-created in a forked child."""
 
@@ -236,6 +314,11 @@ class PostgresStore(SqlStore):
         query = dict(parse_qsl(parts.query))
         self._min = int(query.pop("min_size", "1"))
         self._max = int(query.pop("max_size", "4"))
+        if self._max < 1 or self._min < 0:
+            raise ValueError(
+                f"PostgreSQL URL: max_size must be >= 1 and min_size >= 0, "
+                f"not {self._max} and {self._min}"
+            )
         # A client paused inside a transaction (a SIGSTOPped "zombie") would keep its
         # row locks and block the takeover that L1 promises; the server ends such a
         # transaction after this long. Remit's own transactions are never idle.
@@ -252,32 +335,35 @@ class PostgresStore(SqlStore):
                 parts.fragment,
             )
         )
-        self._pool: ConnectionPool[Any] | None = None
+        self._pool: _Pool | None = None
         self._pid = -1
         self._lock = threading.Lock()
 
-    def _get_pool(self) -> ConnectionPool[Any]:
+    def _get_pool(self) -> _Pool:
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
-                try:
-                    self._pool = ConnectionPool(
-                        self._conninfo,
-                        min_size=self._min,
-                        max_size=self._max,
-                        open=True,
-                        kwargs={"autocommit": True},
-                        timeout=30,
-                    )
-                    self._pool.wait(timeout=30)
-                except Exception as exc:
-                    raise StoreUnavailable(f"cannot reach PostgreSQL store: {exc}") from exc
-                self._pid = os.getpid()
+                # A forked child opens connections of its own (the parent's stay open).
+                pool = _Pool(self._conninfo, self._max)
+                # Open `min_size` now, so that an unreachable server fails here.
+                opened = [pool.get() for _ in range(min(self._min, self._max))]
+                for conn in opened:
+                    pool.put(*conn)
+                self._pool, self._pid = pool, os.getpid()
             return self._pool
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Cursor[Any]]]:
+        pool = self._get_pool()
+        conn, cur, expires = pool.get()
+        try:
+            yield conn, cur
+        finally:
+            pool.put(conn, cur, expires)
 
     @contextlib.contextmanager
     def _txn(self) -> Iterator[Txn]:
         try:
-            with self._get_pool().connection() as conn, conn.transaction(), conn.cursor() as cur:
+            with self._connection() as (conn, cur), conn.transaction():
                 yield _PgTxn(cur)
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
@@ -286,7 +372,7 @@ class PostgresStore(SqlStore):
     def _read(self) -> Iterator[Txn]:
         # Pooled connections are in autocommit mode: one statement, one round trip.
         try:
-            with self._get_pool().connection() as conn, conn.cursor() as cur:
+            with self._connection() as (_, cur):
                 yield _PgTxn(cur)
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
