@@ -183,9 +183,10 @@ class BlobCache:
             while self._count > self._size:
                 oldest = next(iter(threads.values()))
                 if oldest is known:  # one thread over the budget: drop its oldest half
-                    for key in list(known)[: len(known) // 2 + 1]:
+                    dropped = list(known)[: len(known) // 2 + 1]
+                    for key in dropped:
                         del known[key]
-                    self._count = sum(len(d) for d in threads.values())
+                    self._count -= len(dropped)
                 else:
                     self._count -= len(threads.popitem(last=False)[1])
 

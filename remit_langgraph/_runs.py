@@ -194,11 +194,10 @@ class Runs:
         self.saver = saver
         self.remit = saver.remit
         self.declared = None if state_schema is None else StateCheck.of(state_schema)
-        self._graphs: weakref.WeakKeyDictionary[Any, StateCheck | None] = (
-            weakref.WeakKeyDictionary()
-        )
-        #: id(graph channels) -> (those channels, the graph's check), for run starts.
-        self._checks_by_specs: dict[int, tuple[Any, StateCheck | None]] = {}
+        #: id(a graph's channels) -> (those channels, the graph's check). A run loop
+        #: carries its graph's channels (`loop.specs`), so a run start finds the
+        #: check without looking for the graph in the caller's frames.
+        self._checks: dict[int, tuple[Any, StateCheck | None]] = {}
         self._lock = threading.Lock()
 
     # -- finding LangGraph in the call stack -------------------------------------------
@@ -214,21 +213,10 @@ class Runs:
             return None
         if frame.f_code.co_name not in ("__enter__", "__aenter__") or loop.is_nested:
             return None
-        # A graph's runs share its channels (`loop.specs`): the graph's check is
-        # found once, not in the caller's frames on every run.
-        specs = loop.specs
-        known = self._checks_by_specs.get(id(specs))
-        if known is not None and known[0] is specs:
-            check = known[1]
-        else:
-            graph = _graph_at(frame.f_back)
-            check = self._check_of(graph)
-            if graph is not None:
-                if len(self._checks_by_specs) >= _GRAPHS_KEPT:
-                    self._checks_by_specs.clear()
-                self._checks_by_specs[id(specs)] = (specs, check)
+        known = self._known(loop.specs)
+        check = known[1] if known is not None else self._check_of(_graph_at(frame.f_back))
         if check is not None:
-            check.with_channels(specs)
+            check.with_channels(loop.specs)
         return LoopCall(loop, check)
 
     def learn(self, frame: FrameType | None) -> StateCheck | None:
@@ -238,13 +226,19 @@ class Runs:
     def _check_of(self, graph: Pregel[Any, Any, Any, Any] | None) -> StateCheck | None:
         if graph is None:
             return self.declared
-        with self._lock:
-            if graph in self._graphs:
-                return self.declared or self._graphs[graph]
-        check = self._study(graph)
-        with self._lock:
-            self._graphs[graph] = check
-        return self.declared or check
+        channels = graph.channels
+        known = self._known(channels)
+        if known is None:
+            known = (channels, self._study(graph))
+            with self._lock:
+                if len(self._checks) >= _GRAPHS_KEPT:
+                    self._checks.clear()
+                self._checks[id(channels)] = known
+        return known[1]
+
+    def _known(self, channels: Any) -> tuple[Any, StateCheck | None] | None:
+        known = self._checks.get(id(channels))
+        return known if known is not None and known[0] is channels else None
 
     def _study(self, graph: Pregel[Any, Any, Any, Any]) -> StateCheck | None:
         builder = getattr(graph, "builder", None)

@@ -251,13 +251,13 @@ class _Pool:
                     self._count += 1
                     break
                 deadline = deadline or time.monotonic() + self._timeout
-                if not self._cond.wait(deadline - time.monotonic()) and (
-                    time.monotonic() >= deadline
-                ):
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise StoreUnavailable(
                         f"no PostgreSQL connection came free in {self._timeout:g}s "
                         f"(all {self._size} in use; raise max_size in the URL)"
                     )
+                self._cond.wait(left)
         try:
             conn = psycopg.connect(self._conninfo, autocommit=True)
         except BaseException as exc:
