@@ -77,6 +77,11 @@ def _write_with_value(w: WriteRecord, value: bytes) -> WriteRecord:
     )
 
 
+#: How early (a share of the lease) a heartbeat may renew a claim, to share a wake-up:
+#: a quarter of its period of a third of the lease.
+_EARLY = 1 / 12
+
+
 class _LeaseKeeper:
     """One thread per process renews the lease of every heartbeat claim, each
     every `lease / 3`, instead of one thread per claim: starting a thread costs
@@ -84,7 +89,10 @@ class _LeaseKeeper:
     parent's claims are not its own) and a thread of its own on first use.
 
     `add` appends to an inbox without the lock and wakes the thread only when
-    the new claim is due before the thread's next wake-up.
+    the new claim is due before the thread's next wake-up. A wake-up also renews
+    the claims due within the next quarter of their period (a little early), so
+    a process taking many claims wakes a few times per period, not once per
+    claim; a claim released meanwhile is dropped without a round trip.
     """
 
     def __init__(self) -> None:
@@ -98,6 +106,9 @@ class _LeaseKeeper:
         self._thread: threading.Thread | None = None
         # When the thread next looks at the inbox; +inf while it is between looks.
         self._wake_at = math.inf
+        # Whether this wake-up takes claims that are due soon, not only those due now.
+        self._batching = False
+        self.wakeups = 0
 
     def add(self, handle: ClaimHandle) -> None:
         """Renew `handle` every `handle.lease / 3` seconds until it stops."""
@@ -122,11 +133,17 @@ class _LeaseKeeper:
                 while inbox:
                     at, handle = inbox.popleft()
                     heapq.heappush(due, (at, next(self._order), handle))
-                delay = due[0][0] - time.monotonic() if due else math.inf
-                if delay <= 0:
-                    return heapq.heappop(due)[2]
-                self._wake_at = time.monotonic() + delay
+                now = time.monotonic()
+                if due:
+                    at, _, handle = due[0]
+                    if at <= now or (self._batching and at - handle.lease * _EARLY <= now):
+                        self._batching = True
+                        return heapq.heappop(due)[2]
+                self._batching = False
+                delay = due[0][0] - now if due else math.inf
+                self._wake_at = now + delay
                 self._wake.wait(None if delay == math.inf else delay)
+                self.wakeups += 1
 
     def _run(self) -> None:
         while True:

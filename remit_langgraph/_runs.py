@@ -74,6 +74,14 @@ _GRAPH_FRAME_DEPTH = 4
 _GRAPHS_KEPT = 256
 
 
+def above_saver(frame: FrameType | None) -> FrameType | None:
+    """The first frame at or above `frame` that is not a checkpoint saver's method:
+    a subclass's override that calls `super()` is looked through."""
+    while frame is not None and isinstance(frame.f_locals.get("self"), BaseCheckpointSaver):
+        frame = frame.f_back
+    return frame
+
+
 def _graph_at(frame: FrameType | None) -> Pregel[Any, Any, Any, Any] | None:
     """The graph whose method is `frame` or one of the few frames above it."""
     for _ in range(_GRAPH_FRAME_DEPTH):
@@ -205,8 +213,7 @@ class Runs:
         """The top-level run loop that called the saver from its `__enter__`, if any,
         with the state check of the graph it runs. A subclass's override that calls
         `super()` is looked through."""
-        while frame is not None and isinstance(frame.f_locals.get("self"), BaseCheckpointSaver):
-            frame = frame.f_back
+        frame = above_saver(frame)
         loop = None if frame is None else frame.f_locals.get("self")
         if not isinstance(loop, PregelLoop) or frame is None:
             self.learn(frame)

@@ -36,7 +36,7 @@ from remit_core import Remit, connect, policy
 from remit_core.errors import RemitError
 from remit_core.records import CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
-from remit_langgraph._runs import Run, Runs, current_run
+from remit_langgraph._runs import Run, Runs, above_saver, current_run
 from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import StrictSerializer
 
@@ -238,7 +238,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         """
         # Inside a run the run's check applies; only a put outside one (`update_state`)
         # needs the calling graph found.
-        frame = sys._getframe(1)
+        frame = above_saver(sys._getframe(1))
         run = self._runs.active(_thread(config))
         caller = None if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
@@ -458,7 +458,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        frame = sys._getframe(1)
+        frame = above_saver(sys._getframe(1))
         run = self._runs.active(_thread(config))
         caller = None if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))

@@ -103,6 +103,41 @@ def test_an_async_exit_mode_run_gives_its_claim_up_with_its_last_commit(
     assert len(released) == (1 if store_url.startswith("redis") else 0)
 
 
+class LoggingSaver(RemitSaver):
+    """A user's subclass: overrides that log, then call `super()`."""
+
+    calls: list[str]
+
+    def get_tuple(self, config: Any) -> Any:
+        self.calls.append("get_tuple")
+        return super().get_tuple(config)
+
+    def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+        self.calls.append("put")
+        return super().put(config, checkpoint, metadata, new_versions)
+
+
+def test_a_subclass_that_calls_super_keeps_claims_schemas_and_the_last_commits_release(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saver = LoggingSaver(store_url)
+    saver.calls = []
+    released = counting_releases(saver, monkeypatch)
+    graph = one_node(Priced, lambda s: {"amount": s.amount + 1}, saver)
+    cfg = config()
+    thread = cfg["configurable"]["thread_id"]
+    assert graph.invoke({"amount": 1}, cfg, durability="exit")["amount"] == 2
+    assert saver.calls == ["get_tuple", "put"]
+    claim = saver.remit.store.get_claim(thread, "main")
+    assert claim is not None and claim.holder == "" and claim.fence == 1
+    assert len(released) == (1 if store_url.startswith("redis") else 0)
+    # Outside a run too, the graph above the override is found: its schema applies.
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.update_state(cfg, {"amount": -5})
+    assert err.value.field == "amount"
+    assert graph.get_state(cfg).values["amount"] == 2
+
+
 @pytest.mark.parametrize("durability", ["exit", "sync"])
 def test_a_run_on_a_thread_starts_from_the_claim_read_alone(
     store_url: str, durability: str, monkeypatch: pytest.MonkeyPatch

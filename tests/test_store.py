@@ -45,6 +45,7 @@ from remit_core import (
     open_store,
     policy,
 )
+from remit_core.core import _LeaseKeeper
 from remit_core.records import BlobRecord
 from remit_core.stores.base import SCHEMA_VERSION
 from remit_core.stores.postgres import PostgresStore
@@ -1403,6 +1404,31 @@ def test_facade_heartbeat_notices_a_takeover(store: Store, run_id: str) -> None:
     assert handle.lost
     handle.release()  # leaves the rival's claim alone
     assert store.get_claim(run_id, MAIN_BRANCH) == rival
+
+
+def test_lease_keeper_renews_claims_due_together_in_one_wake_up() -> None:
+    keeper = _LeaseKeeper()
+    added: list[float] = []
+    renewed: list[float] = []
+
+    class Beat:
+        lease = 0.6  # a heartbeat every 0.2 s, at most 0.05 s early
+
+        def _renew(self) -> bool:
+            renewed.append(time.monotonic())
+            return False  # one heartbeat each
+
+    for _ in range(20):
+        added.append(time.monotonic())
+        keeper.add(Beat())  # type: ignore[arg-type]
+        time.sleep(0.001)
+    deadline = time.monotonic() + 5.0
+    while len(renewed) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(renewed) == 20
+    # Never earlier than a quarter period before due; one wake-up per claim would be 20.
+    assert all(r >= a + 0.2 - 0.05 - 1e-3 for a, r in zip(added, renewed, strict=True))
+    assert keeper.wakeups <= 5
 
 
 def test_prune_never_deletes_a_head_or_fork_base(remit: Remit, run_id: str) -> None:

@@ -93,6 +93,12 @@ def _first_per_slot(writes: Iterable[WriteRecord]) -> list[WriteRecord]:
     return list(first.values())
 
 
+@functools.lru_cache(maxsize=1024)
+def _pg_placeholders(sql: str) -> str:
+    """`sql` with psycopg's placeholders for `_sql`'s `?` (the statements are few)."""
+    return sql.replace("?", "%s")
+
+
 class _PgTxn:
     """Adapts a psycopg cursor to the `?`-placeholder statements of `_sql`."""
 
@@ -100,7 +106,7 @@ class _PgTxn:
         self._cur = cur
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
-        return self._cur.execute(sql.replace("?", "%s"), params, prepare=True)
+        return self._cur.execute(_pg_placeholders(sql), params, prepare=True)
 
 
 #: A commit in one statement, so one round trip: the fence check (the claim row
