@@ -215,6 +215,12 @@ class ClaimHandle:
         """Whether the claim was given up (released, or with a commit) or lost."""
         return self._released or self.lost
 
+    @property
+    def given_up(self) -> bool:
+        """Whether this holder gave the claim up (released, or with a commit): its
+        work under the claim is over. A claim taken over is lost, not given up."""
+        return self._released
+
     def release(self) -> None:
         """Stop renewing and give the claim up (no-op if it was taken over or
         given up already: a second call makes no round trip)."""

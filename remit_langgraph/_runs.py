@@ -174,8 +174,14 @@ class LoopCall(NamedTuple):
 _current: contextvars.ContextVar[Run | None] = contextvars.ContextVar(
     "remit_langgraph_run", default=None
 )
-#: The run of this context, if any.
-current_run = _current.get
+
+
+def current_run() -> Run | None:
+    """The run of this context, unless it has ended. LangGraph's async loop unwinds
+    its exit stack in a task of its own, which leaves the caller's context pointing
+    at the finished run; a run that gave its claim up owns no later write."""
+    run = _current.get()
+    return None if run is None or run.claim.given_up else run
 
 
 def _is_resume_map(resume: Any) -> bool:
@@ -262,7 +268,7 @@ class Runs:
 
     def active(self, thread: str) -> Run | None:
         """The run this context belongs to, if it is on `thread`."""
-        run = _current.get()
+        run = current_run()
         return run if run is not None and run.thread == thread else None
 
     # -- run start ---------------------------------------------------------------
@@ -407,9 +413,14 @@ class Runs:
                 schema = codec.loads(interrupt.prompt).get("response_schema")
                 if isinstance(schema, Mapping):
                     StateSchema(schema).validate(value, run_id=run.thread, interrupt_id=iid)
-        for iid, value in answers.items():
-            packed = self.saver._dump(value, "resume", run_id=run.thread, interrupt_id=iid)
-            self.remit.consume(run.thread, iid, packed, branch=run.branch, fence=run.fence)
+        # Every value is checked and encoded before the first is consumed: a map with
+        # one refused value consumes none of its interrupts.
+        packed = {
+            iid: self.saver._dump(value, "resume", run_id=run.thread, interrupt_id=iid)
+            for iid, value in answers.items()
+        }
+        for iid, value in packed.items():
+            self.remit.consume(run.thread, iid, value, branch=run.branch, fence=run.fence)
 
     def _redeliver(
         self,
@@ -605,7 +616,7 @@ def effect_scope() -> StepScope | None:
     own id dropped, so a replay after a crash in "exit" durability keys the
     same), step number and task path. Registered with the core at import.
     """
-    run = _current.get()
+    run = current_run()
     if run is None:
         return None
     try:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import operator
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from langgraph.graph import END, START, StateGraph
@@ -136,6 +137,31 @@ def test_a_subclass_that_calls_super_keeps_claims_schemas_and_the_last_commits_r
         graph.update_state(cfg, {"amount": -5})
     assert err.value.field == "amount"
     assert graph.get_state(cfg).values["amount"] == 2
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "astream"])
+def test_an_update_after_an_async_run_in_the_same_task_is_not_the_runs_write(
+    store_url: str, how: str
+) -> None:
+    """LangGraph's async loop unwinds its exit stack in a task of its own: the caller's
+    context still names the finished run, whose claim is given up."""
+    saver = AsyncRemitSaver(store_url)
+    graph = one_node(Free, lambda s: {"n": s["n"] + 1}, saver)
+    cfg = config()
+
+    async def run_then_update() -> Any:
+        if how == "ainvoke":
+            await graph.ainvoke({"n": 1}, cfg)
+        else:
+            async for _ in graph.astream({"n": 1}, cfg):
+                pass
+        await graph.aupdate_state(cfg, {"n": 7})
+        await graph.ainvoke({"n": 10}, cfg)  # and the next run in the task claims anew
+        return (await graph.aget_state(cfg)).values["n"]
+
+    assert asyncio.run(run_then_update()) == 11
+    updates = [s for s in graph.get_state_history(cfg) if s.metadata["source"] == "update"]
+    assert [s.values["n"] for s in updates] == [7]
 
 
 @pytest.mark.parametrize("durability", ["exit", "sync"])
@@ -391,6 +417,35 @@ def test_an_explicit_state_schema_applies_to_any_graph(store_url: str) -> None:
     with pytest.raises(CheckpointInvalid) as err:
         graph.invoke({"n": 1}, config())
     assert err.value.field == "value"
+
+
+class Answers(TypedDict):
+    answers: Annotated[list[str], operator.add]
+
+
+class Unlisted:
+    """A type no serializer allowlist names."""
+
+
+def test_a_resume_map_with_one_refused_value_consumes_none_of_its_interrupts(
+    store_url: str,
+) -> None:
+    builder = StateGraph(Answers)
+    for name in ("n1", "n2"):
+        builder.add_node(name, lambda s, name=name: {"answers": [f"{name}={interrupt(name)}"]})
+        builder.add_edge(START, name)
+    saver = RemitSaver(store_url)
+    graph = builder.compile(checkpointer=saver)
+    cfg = config()
+    graph.invoke({"answers": []}, cfg)
+    ids = {i.value: i.id for i in graph.get_state(cfg).interrupts}
+    with pytest.raises(CheckpointInvalid):
+        graph.invoke(Command(resume={ids["n1"]: "ok", ids["n2"]: Unlisted()}), cfg)
+    thread = cfg["configurable"]["thread_id"]
+    assert {i.status for i in saver.remit.interrupts(thread)} == {"pending"}
+    # Nothing was taken: a corrected map answers both, with its own values.
+    out = graph.invoke(Command(resume={ids["n1"]: "ok2", ids["n2"]: "fine"}), cfg)
+    assert sorted(out["answers"]) == ["n1=ok2", "n2=fine"]
 
 
 def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
