@@ -22,6 +22,9 @@ context manager for `with` and `async with`.
   core's `DEFAULT_LEASE`.
 - `workflow_version` / `accept_versions`: the version label recorded on every
   checkpoint and the labels a reader accepts (`VersionMismatch` otherwise).
+- `serde`: a serializer of your own (LangGraph's `SerializerProtocol`, e.g. its
+  `EncryptedSerializer`) in place of Remit's. Values still pass the allowlist at
+  write time, and pickle is neither stored nor loaded, whatever it is configured to do.
 
 Config keys (`config["configurable"]`):
 

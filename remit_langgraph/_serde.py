@@ -19,6 +19,7 @@ adds more.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import threading
@@ -73,7 +74,7 @@ class StrictSerializer(SerializerProtocol):
         extra_keys = frozenset(_key(i) for i in extra)
         if extra_keys <= self.allowlist:
             return self
-        clone = StrictSerializer()
+        clone = copy.copy(self)
         clone.allowlist = self.allowlist | extra_keys
         return clone
 
@@ -93,6 +94,19 @@ class StrictSerializer(SerializerProtocol):
             return "bytes", obj
         if isinstance(obj, bytearray):
             return "bytearray", bytes(obj)
+        self.check(obj, path, **ids)
+        try:
+            return "msgpack", jsonplus._msgpack_enc(obj)
+        except (TypeError, ormsgpack.MsgpackEncodeError) as exc:
+            raise CheckpointInvalid(
+                f"value at {path} cannot be serialized ({exc}); store plain data or "
+                "allowlisted types",
+                field=path,
+                **ids,
+            ) from exc
+
+    def check(self, obj: Any, path: str, **ids: Any) -> None:
+        """`CheckpointInvalid` naming the first type in `obj` the allowlist does not name."""
         bad = self._refused(obj)
         if bad is not None:
             steps, cls = bad
@@ -104,15 +118,6 @@ class StrictSerializer(SerializerProtocol):
                 field=where,
                 **ids,
             )
-        try:
-            return "msgpack", jsonplus._msgpack_enc(obj)
-        except (TypeError, ormsgpack.MsgpackEncodeError) as exc:
-            raise CheckpointInvalid(
-                f"value at {path} cannot be serialized ({exc}); store plain data or "
-                "allowlisted types",
-                field=path,
-                **ids,
-            ) from exc
 
     def _refused(self, obj: Any) -> tuple[list[str], type] | None:
         """The first object (walking containers and fields) whose type is neither plain
@@ -231,3 +236,39 @@ class StrictSerializer(SerializerProtocol):
                 f"stored value of type {module}.{name} does not rebuild: {exc}"
             ) from exc
         raise CorruptRecord(f"stored value has unknown extension code {code}")
+
+
+def _is_pickle(type_: str) -> bool:
+    """Whether a serializer's type tag says pickle (alone, or wrapped: `pickle+aes`)."""
+    return type_.split("+", 1)[0] == "pickle"
+
+
+class GuardedSerializer(StrictSerializer):
+    """A serializer the user passed (`serde=`, e.g. LangGraph's `EncryptedSerializer`),
+    held to the same rules: the allowlist at write time, and pickle never, neither
+    stored nor loaded. The encoding itself is the user's serializer's."""
+
+    def __init__(
+        self, inner: SerializerProtocol, allowlist: Iterable[tuple[str, ...] | type] = ()
+    ) -> None:
+        super().__init__(allowlist)
+        self.inner = inner
+
+    def dumps_at(self, obj: Any, path: str, **ids: Any) -> tuple[str, bytes]:
+        self.check(obj, path, **ids)
+        typed = self.inner.dumps_typed(obj)
+        if _is_pickle(typed[0]):
+            raise CheckpointInvalid(
+                f"the serializer stored the value at {path} with pickle ({typed[0]!r}); "
+                "Remit never stores pickle",
+                field=path,
+                **ids,
+            )
+        return typed
+
+    def loads_typed(self, data: tuple[str, bytes]) -> Any:
+        if _is_pickle(data[0]):
+            raise CorruptRecord(
+                f"stored value has serialization type {data[0]!r}; Remit never loads pickle"
+            )
+        return self.inner.loads_typed(data)

@@ -38,7 +38,7 @@ from remit_core.records import CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
 from remit_langgraph._runs import Run, Runs, above_saver, current_run
 from remit_langgraph._schema import StateCheck
-from remit_langgraph._serde import StrictSerializer
+from remit_langgraph._serde import GuardedSerializer, StrictSerializer
 
 
 def _conf(config: RunnableConfig | None) -> dict[str, Any]:
@@ -64,6 +64,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
     options and the config keys it reads.
     """
 
+    serde: StrictSerializer
+
     def __init__(
         self,
         store: str | Remit,
@@ -75,7 +77,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
         accept_versions: Iterable[str] | None = None,
         serde: SerializerProtocol | None = None,
     ) -> None:
-        super().__init__(serde=serde or StrictSerializer(allowlist))
+        super().__init__(
+            serde=StrictSerializer(allowlist)
+            if serde is None
+            else GuardedSerializer(serde, allowlist)
+        )
         self.remit = connect(store) if isinstance(store, str) else store
         self.lease = self.remit.lease if lease is None else lease
         self.workflow_version = workflow_version
@@ -95,9 +101,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     # -- helpers ------------------------------------------------------------------
     def _dump(self, value: Any, field: str, **ids: Any) -> bytes:
-        if isinstance(self.serde, StrictSerializer):
-            return rec.pack(self.serde.dumps_at(value, field, **ids))
-        return rec.pack(self.serde.dumps_typed(value))
+        return rec.pack(self.serde.dumps_at(value, field, **ids))
 
     def _decode(self, raw: bytes, **ids: Any) -> Any:
         return rec.decode_value(self.serde, raw, **ids)
@@ -418,8 +422,6 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     def with_allowlist(self, extra_allowlist: Any) -> RemitSaver:
         """A shallow clone whose serializer also allows `extra_allowlist`."""
-        if not isinstance(self.serde, StrictSerializer):
-            return self
         serde = self.serde.with_allowlist(extra_allowlist)
         if serde is self.serde:
             return self

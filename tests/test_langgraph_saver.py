@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import operator
+import pickle
 import time
 import uuid
 from typing import Annotated, Any
@@ -311,6 +312,47 @@ def test_pickle_is_never_loaded(store_url: str) -> None:
     with pytest.raises(CorruptRecord) as err:
         saver.get_tuple(cfg)
     assert "pickle" in str(err.value)
+
+
+class Explosive:
+    """Unpickling it runs code: it touches a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (self.marker, "w"))
+
+
+def test_a_serializer_passed_in_is_held_to_the_allowlist_and_never_pickles(
+    store_url: str, tmp_path: Any
+) -> None:
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+    marker = tmp_path / "unpickled"
+    saver = RemitSaver(store_url, serde=JsonPlusSerializer(pickle_fallback=True))
+    # Plain values go through the user's serializer and read back.
+    graph = one_node(Free, lambda s: {"value": {"k": [1, "a"]}}, saver)
+    cfg = config()
+    graph.invoke({"n": 1}, cfg)
+    assert graph.get_state(cfg).values == {"n": 1, "value": {"k": [1, "a"]}}
+    # A type outside the allowlist is refused at write time, pickle fallback or not.
+    bad = one_node(Free, lambda s: {"value": Explosive(str(marker))}, saver)
+    with pytest.raises(CheckpointInvalid) as err:
+        bad.invoke({"n": 1}, config())
+    assert err.value.field == "value"
+    # A pickled record is refused on read, wrapped or not, and nothing runs.
+    for tag in (b"pickle", b"pickle+aes"):
+        cfg = config()
+        graph.invoke({"n": 1}, cfg)
+        head = saver.get_tuple(cfg)
+        assert head is not None
+        payload = tag + b"\x00" + pickle.dumps(Explosive(str(marker)))
+        thread = cfg["configurable"]["thread_id"]
+        saver.remit.put_writes([WriteRecord(thread, head.checkpoint["id"], "t", 0, "n", payload)])
+        with pytest.raises(CorruptRecord, match="never loads pickle"):
+            saver.get_tuple(cfg)
+    assert not marker.exists()
 
 
 # -- records that do not verify ----------------------------------------------------------
