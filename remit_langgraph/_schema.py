@@ -7,6 +7,12 @@ Ge(0)]`, `Field(ge=0)`). Reducer metadata in `Annotated` (e.g.
 `operator.add`) is ignored by validation. The field types are gathered from a
 TypedDict, a Pydantic model or a dataclass into a `total=False` TypedDict,
 which the core validates and which names the failing field.
+
+A node's write is checked before it is stored, so that a refused write never
+becomes a pending write that every later read of the thread re-applies: a
+plain key's write is its new value; a reducer key's writes are checked as the
+reducer makes them of the key's empty value, against the key's type without
+its outer constraints (those hold of the whole value, not of one write).
 """
 
 from __future__ import annotations
@@ -16,14 +22,24 @@ import typing
 from collections.abc import Mapping
 from typing import Annotated, Any
 
+from langgraph._internal._typing import MISSING
+from langgraph.channels.binop import BinaryOperatorAggregate
 from langgraph.channels.last_value import LastValue, LastValueAfterFinish
 from pydantic import BaseModel
 from typing_extensions import TypedDict
 
+from remit_core.errors import CheckpointInvalid
 from remit_core.schema import StateSchema
 
 #: Channel kinds whose every write is a whole new value of the key (so a write can be checked).
 _PLAIN_CHANNELS = (LastValue, LastValueAfterFinish)
+
+
+def _bare(field_type: Any) -> Any:
+    """`field_type` without its outer `Annotated` metadata (reducer, constraints)."""
+    while typing.get_origin(field_type) is Annotated:
+        field_type = typing.get_args(field_type)[0]
+    return field_type
 
 
 def _field_types(state_type: Any) -> dict[str, Any]:
@@ -53,7 +69,10 @@ class StateCheck:
             TypedDict("PartialState", dict(fields), total=False),  # type: ignore[operator]
             version=self.version,
         )
+        self._types = dict(fields)
         self._plain: frozenset[str] = frozenset()
+        self._reducers: dict[str, BinaryOperatorAggregate[Any]] = {}
+        self._reduced: StateSchema | None = None
         self._channels: Mapping[str, Any] | None = None
 
     @classmethod
@@ -76,6 +95,20 @@ class StateCheck:
         self._plain = frozenset(
             k for k, ch in channels.items() if k in self.fields and isinstance(ch, _PLAIN_CHANNELS)
         )
+        self._reducers = {
+            k: ch
+            for k, ch in channels.items()
+            if k in self.fields and isinstance(ch, BinaryOperatorAggregate)
+        }
+        self._reduced = (
+            StateSchema(
+                TypedDict(  # type: ignore[operator]
+                    "ReducedWrites", {k: _bare(self._types[k]) for k in self._reducers}, total=False
+                )
+            )
+            if self._reducers
+            else None
+        )
         self._channels = channels
         return self
 
@@ -87,10 +120,40 @@ class StateCheck:
             self._partial.validate(present, **ids)
 
     def writes(self, writes: Any, **ids: Any) -> None:
-        """Check a task's writes to plain state channels (reducer inputs are checked at put)."""
-        present = {ch: v for ch, v in writes if ch in self._plain}
+        """Check a task's writes to state channels (see the module docstring)."""
+        present: dict[str, Any] = {}
+        reduced: dict[str, list[Any]] = {}
+        for ch, v in writes:
+            if ch in self._plain:
+                present[ch] = v
+            elif ch in self._reducers:
+                reduced.setdefault(ch, []).append(v)
         if present:
             self._partial.validate(present, **ids)
+        if reduced and self._reduced is not None:
+            made = {}
+            for ch, values in reduced.items():
+                value = self._reduce(ch, values, **ids)
+                if value is not MISSING:
+                    made[ch] = value
+            if made:
+                self._reduced.validate(made, **ids)
+
+    def _reduce(self, channel: str, values: list[Any], **ids: Any) -> Any:
+        """What the reducer of `channel` makes of its empty value and `values`; MISSING
+        where that says nothing (no empty value, or the reducer needs the real one)."""
+        empty = self._reducers[channel].from_checkpoint(MISSING)
+        if empty.value is MISSING:
+            return MISSING  # the first write would stand for the whole value
+        try:
+            empty.update(values)
+        except TypeError as exc:  # e.g. a string added to a list
+            raise CheckpointInvalid(
+                f"the write to {channel!r} does not fit its reducer: {exc}", field=channel, **ids
+            ) from exc
+        except Exception:  # e.g. removing a message the empty value lacks
+            return MISSING
+        return empty.value
 
     def upgrade(self, values: dict[str, Any], written_version: int, **ids: Any) -> dict[str, Any]:
         """Migrate a state written with an older schema version (or refuse, `VersionMismatch`)."""

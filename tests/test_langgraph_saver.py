@@ -11,7 +11,10 @@ import uuid
 from typing import Annotated, Any
 
 import pytest
+from annotated_types import MinLen
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, RemoveMessage
 from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
 from langgraph.types import Command, interrupt
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
@@ -488,6 +491,51 @@ def test_a_resume_map_with_one_refused_value_consumes_none_of_its_interrupts(
     # Nothing was taken: a corrected map answers both, with its own values.
     out = graph.invoke(Command(resume={ids["n1"]: "ok2", ids["n2"]: "fine"}), cfg)
     assert sorted(out["answers"]) == ["n1=ok2", "n2=fine"]
+
+
+class Logged(TypedDict):
+    amount: int
+    log: Annotated[list[str], operator.add]
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "notalist", None], ids=["ints", "str", "none"])
+@pytest.mark.parametrize("durability", ["sync", "async"])
+def test_a_refused_reducer_write_is_not_stored_and_the_thread_stays_readable(
+    store_url: str, bad: Any, durability: str
+) -> None:
+    saver = RemitSaver(store_url)
+    builder = StateGraph(Logged)
+    builder.add_node("ok", lambda s: {"log": ["ok"]})
+    builder.add_node("bad", lambda s: {"log": bad})
+    builder.add_edge(START, "ok")
+    builder.add_edge("ok", "bad")
+    graph = builder.compile(checkpointer=saver)
+    cfg = config()
+    with pytest.raises((CheckpointInvalid, TypeError)):  # (the reducer may raise first)
+        graph.invoke({"amount": 1, "log": []}, cfg, durability=durability)
+    head = saver.get_tuple(cfg)
+    assert head is not None and head.pending_writes == []
+    state = graph.get_state(cfg)
+    assert state.values == {"amount": 1, "log": ["ok"]} and state.next == ("bad",)
+
+
+class Counted(TypedDict):
+    log: Annotated[list[str], MinLen(2), operator.add]
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+def test_a_reducer_write_is_checked_as_a_part_not_as_the_whole(store_url: str) -> None:
+    """One write of a list that must hold two items, and the removal of a message,
+    are parts of the new value: neither is refused for what holds of the whole."""
+    saver = RemitSaver(store_url)
+    builder = StateGraph(Counted)
+    builder.add_node("one", lambda s: {"log": ["c"], "messages": [RemoveMessage(id="m1")]})
+    builder.add_edge(START, "one")
+    graph = builder.compile(checkpointer=saver)
+    cfg = config()
+    start = {"log": ["a", "b"], "messages": [HumanMessage("hi", id="m1"), AIMessage("yo", id="m2")]}
+    out = graph.invoke(start, cfg, durability="sync")
+    assert out["log"] == ["a", "b", "c"] and [m.id for m in out["messages"]] == ["m2"]
 
 
 def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
