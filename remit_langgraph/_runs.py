@@ -109,6 +109,8 @@ class Run:
     _settled: threading.Condition = field(default_factory=threading.Condition)
     #: The run loop (weakly: the loop's exit stack holds this run).
     loop: weakref.ref[PregelLoop] | None = None
+    #: The loops of its subgraphs, by their namespace (see `task_identity`).
+    nested: dict[str, weakref.ref[PregelLoop]] = field(default_factory=dict)
 
     def is_last_put(self, frame: FrameType | None, metadata: Any, ns: str) -> bool:
         """Whether a put called from `frame` is the last write of this run: the
@@ -126,6 +128,20 @@ class Run:
             and metadata is getattr(loop, "checkpoint_metadata", None)
             and getattr(loop, "checkpoint_pending_writes", None) == []
         )
+
+    def task_identity(self, parent_ns: str, part: str) -> str:
+        """A namespace part `name:task_id` as the task's place in its run: the name,
+        step and path of the task of the loop at `parent_ns`. A task id comes from its
+        checkpoint's id, and in "exit" durability a replay makes new checkpoint ids;
+        the step and path are the same on every replay. `part` itself if unknown."""
+        ref = self.loop if parent_ns == "" else self.nested.get(parent_ns)
+        loop = None if ref is None else ref()
+        name, _, task_id = part.partition(":")
+        task = None if loop is None else loop.tasks.get(task_id)
+        if task is None:
+            return part
+        meta = task.config.get("metadata") or {}
+        return f"{name}@{meta.get('langgraph_step')}@{meta.get('langgraph_path')}"
 
     @property
     def fence(self) -> FenceRef:
@@ -224,7 +240,13 @@ class Runs:
         if not isinstance(loop, PregelLoop) or frame is None:
             self.learn(frame)
             return None
-        if frame.f_code.co_name not in ("__enter__", "__aenter__") or loop.is_nested:
+        if frame.f_code.co_name not in ("__enter__", "__aenter__"):
+            return None
+        if loop.is_nested:
+            run = current_run()
+            if run is not None:  # a subgraph of the run: its tasks name effects' steps
+                ns = str((loop.config.get("configurable") or {}).get("checkpoint_ns", ""))
+                run.nested[ns] = weakref.ref(loop)
             return None
         known = self._known(loop.specs)
         check = known[1] if known is not None else self._check_of(_graph_at(frame.f_back))
@@ -629,7 +651,10 @@ def effect_scope() -> StepScope | None:
         return None
     run.settle()
     parts = str(conf.get("checkpoint_ns", "")).split("|")
-    parts[-1] = parts[-1].split(":", 1)[0]
+    # The node's own task: its step and path below; each enclosing task by its place.
+    parts = [
+        run.task_identity("|".join(parts[:i]), part) for i, part in enumerate(parts[:-1])
+    ] + [parts[-1].split(":", 1)[0]]
     step = meta["langgraph_step"]
     step_key = f"{run.branch}/{'|'.join(parts)}/{step}/{meta.get('langgraph_path')}"
     return StepScope(run.remit, run.thread, step_key, run.fence)

@@ -8,18 +8,22 @@ are files shared by all processes (see `test_langgraph_support`).
 from __future__ import annotations
 
 import multiprocessing as mp
+import operator
 import os
 import signal
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from langgraph.types import Command
+from langgraph.graph import START, StateGraph
+from langgraph.types import Command, Send, interrupt
 from test_langgraph_support import INITIAL, World, build
+from typing_extensions import TypedDict
 
+import remit_core
 from remit_core import (
     CheckpointInvalid,
     Fenced,
@@ -186,6 +190,75 @@ def test_sigkill_after_effect_recovery_applies_it_once(
     assert "prepare" not in recovered
     if durability != "exit":  # "exit" stores nothing until the run ends: approve re-runs
         assert "approve" not in recovered
+
+
+class Order(TypedDict):
+    approved_by: str | None
+    log: Annotated[list[str], operator.add]
+
+
+class Payee(TypedDict):
+    who: str
+    log: Annotated[list[str], operator.add]
+
+
+def nested_payments(world: World, saver: RemitSaver) -> Any:
+    """approve (interrupt) -> one subgraph per payee (Send), each with a subgraph that
+    charges that payee: effects two namespaces deep, in parallel instances."""
+
+    @remit_core.effect(name="charge", reconcile=world.reconcile("charge"))
+    def charge(who: str, *, idempotency_key: str) -> str:
+        return world.apply("charge", f"{who}:{idempotency_key}")
+
+    def pay(state: Payee) -> dict[str, Any]:
+        world.enter(f"pay-{state['who']}")
+        charge(state["who"])
+        world.point(f"pay-{state['who']}.after_effect")
+        return {"log": [f"paid-{state['who']}"]}
+
+    innermost = StateGraph(Payee)
+    innermost.add_node("pay", pay)
+    innermost.add_edge(START, "pay")
+    middle = StateGraph(Payee)
+    middle.add_node("charge", innermost.compile())
+    middle.add_edge(START, "charge")
+
+    def approve(state: Order) -> dict[str, Any]:
+        return {"approved_by": interrupt("approve?")}
+
+    top = StateGraph(Order)
+    top.add_node("approve", approve)
+    top.add_node("payee", middle.compile())
+    top.add_edge(START, "approve")
+    top.add_conditional_edges(
+        "approve", lambda s: [Send("payee", {"who": w, "log": []}) for w in ("x", "y")]
+    )
+    return top.compile(checkpointer=saver)
+
+
+@pytest.mark.parametrize("durability", ["async", "sync", "exit"])
+def test_effects_in_nested_subgraphs_apply_once_across_a_sigkill(
+    store_url: str, tmp_path: Path, durability: str
+) -> None:
+    """A subgraph's task ids come from checkpoint ids, which an "exit" replay makes
+    anew: an effect's key names each enclosing task by its step and path instead."""
+    world = World(tmp_path)
+    saver = RemitSaver(store_url, lease=LEASE)
+    graph = nested_payments(world, saver)
+    config = thread_config()
+    graph.invoke({"approved_by": None, "log": []}, config, durability=durability)
+
+    def doomed() -> None:
+        world.armed["pay-y.after_effect"] = "kill"
+        graph.invoke(Command(resume="alice"), config, durability=durability)
+
+    assert run_in_process(doomed) == -signal.SIGKILL
+    time.sleep(LEASE + 0.2)
+    final = graph.invoke(None, config, durability=durability)
+    assert sorted(final["log"]) == ["paid-x", "paid-y"]
+    # One charge per payee: neither re-applied by the replay, nor shared between them.
+    payees = [line.split(" ", 1)[1].split(":", 1)[0] for line in world.applications("charge")]
+    assert sorted(payees) == ["x", "y"]
 
 
 def test_zombie_resumer_is_fenced(store_url: str, tmp_path: Path) -> None:
