@@ -1,7 +1,8 @@
 """Validation on write (P4) and numbered state-schema migrations.
 
 `StateSchema(OrderState)` accepts a Pydantic model, a TypedDict, a dataclass,
-any type pydantic's `TypeAdapter` understands, or a JSON Schema dict. It
+any type pydantic's `TypeAdapter` understands, or a JSON Schema dict (all of
+it: the `jsonschema` validator of its draft, 2020-12 by default). It
 raises `CheckpointInvalid` naming the first failing field before anything is
 written. `Migrations` upgrades a decoded state from the version it was
 written with to the reader's, step by step, or refuses with `VersionMismatch`.
@@ -10,8 +11,9 @@ written with to the reader's, step by step, or refuses with `VersionMismatch`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
+import jsonschema
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
@@ -105,10 +107,10 @@ class StateSchema:
         self.migrations = migrations or Migrations()
         if isinstance(type_, Mapping):
             self._adapter: TypeAdapter[Any] | None = None
-            self._json_schema: Mapping[str, Any] | None = type_
+            self._json: jsonschema.protocols.Validator | None = _json_validator(type_)
         else:
             self._adapter = TypeAdapter(type_)
-            self._json_schema = None
+            self._json = None
         self._plain = self._adapter is not None and _plain_only(self._adapter.core_schema)
 
     def validate(self, value: Any, **ids: Any) -> Any:
@@ -120,8 +122,10 @@ class StateSchema:
         value's plain form (what a checkpoint stores) is therefore validated
         too; that second pass is lax, since strict mode wants instances.
         """
-        if self._json_schema is not None:
-            _validate_json_schema(self._json_schema, value, ids)
+        if self._json is not None:
+            invalid = _json_invalid(self._json, value, ids)
+            if invalid is not None:
+                raise invalid
             return value
         assert self._adapter is not None
         if (
@@ -161,60 +165,32 @@ def _invalid(exc: ValidationError, ids: Mapping[str, Any]) -> CheckpointInvalid:
     )
 
 
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "array": (list, tuple),
-    "object": (dict,),
-    "null": (type(None),),
-}
+def _json_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
+    """A validator for `schema` (its `$schema` draft, else 2020-12) whose arrays include
+    tuples (a Python state holds either); `ValueError` if `schema` is not a JSON Schema."""
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(dict(schema))
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"state schema is not a valid JSON Schema: {exc.message}") from exc
+    arrays = cls.TYPE_CHECKER.redefine("array", lambda _, v: isinstance(v, (list, tuple)))
+    extended: Any = jsonschema.validators.extend(cls, type_checker=arrays)  # type: ignore[no-untyped-call]
+    return cast(jsonschema.protocols.Validator, extended(schema))
 
 
-def _validate_json_schema(schema: Mapping[str, Any], value: Any, ids: Mapping[str, Any]) -> None:
-    """A small JSON Schema subset: type, properties, required, items, enum, minimum,
-    maximum, minLength, maxLength."""
-
-    def fail(path: str, msg: str) -> None:
-        raise CheckpointInvalid(
-            f"state does not satisfy its schema at {path or '<root>'}: {msg}",
-            field=path or "<root>",
-            **ids,
-        )
-
-    def check(s: Mapping[str, Any], v: Any, path: str) -> None:
-        types = s.get("type")
-        if types is not None:
-            names = [types] if isinstance(types, str) else list(types)
-            ok = any(
-                isinstance(v, _JSON_TYPES[n]) and not (n in ("integer", "number") and v is True)
-                and not (n in ("integer", "number") and v is False)
-                for n in names
-            )
-            if not ok:
-                fail(path, f"expected {' or '.join(names)}, got {type(v).__name__}")
-        if "enum" in s and v not in s["enum"]:
-            fail(path, f"value {v!r} is not one of {s['enum']!r}")
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            if "minimum" in s and v < s["minimum"]:
-                fail(path, f"{v} is less than the minimum {s['minimum']}")
-            if "maximum" in s and v > s["maximum"]:
-                fail(path, f"{v} is more than the maximum {s['maximum']}")
-        if isinstance(v, str):
-            if "minLength" in s and len(v) < s["minLength"]:
-                fail(path, f"string is shorter than {s['minLength']} characters")
-            if "maxLength" in s and len(v) > s["maxLength"]:
-                fail(path, f"string is longer than {s['maxLength']} characters")
-        if isinstance(v, dict):
-            for req in s.get("required", ()):
-                if req not in v:
-                    fail(f"{path}.{req}" if path else req, "field required")
-            for key, sub in s.get("properties", {}).items():
-                if key in v:
-                    check(sub, v[key], f"{path}.{key}" if path else key)
-        if isinstance(v, (list, tuple)) and "items" in s:
-            for i, item in enumerate(v):
-                check(s["items"], item, f"{path}[{i}]")
-
-    check(schema, value, "")
+def _json_invalid(
+    validator: jsonschema.protocols.Validator, value: Any, ids: Mapping[str, Any]
+) -> CheckpointInvalid | None:
+    """`CheckpointInvalid` for the most relevant way `value` breaks the schema, naming
+    the field (for a missing property, that property), or None if it holds."""
+    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    if error is None:
+        return None
+    loc = tuple(error.absolute_path)
+    if error.validator == "required" and isinstance(error.instance, Mapping):
+        missing = [k for k in error.validator_value if k not in error.instance]
+        loc += tuple(missing[:1])
+    path = _field_path(loc)
+    return CheckpointInvalid(
+        f"state does not satisfy its schema at {path}: {error.message}", field=path, **ids
+    )

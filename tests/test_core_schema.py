@@ -177,6 +177,33 @@ def test_json_schema_dict() -> None:
     assert field_of(schema, []) == "<root>"
 
 
+@pytest.mark.parametrize(
+    ("keyword", "schema", "good", "bad"),
+    [
+        ("pattern", {"type": "string", "pattern": "^o[0-9]+$"}, "o12", "x12"),
+        ("exclusiveMinimum", {"type": "number", "exclusiveMinimum": 0}, 0.5, 0),
+        ("multipleOf", {"type": "integer", "multipleOf": 5}, 10, 12),
+        ("minItems", {"type": "array", "minItems": 2}, [1, 2], [1]),
+        ("uniqueItems", {"type": "array", "uniqueItems": True}, (1, 2), [1, 1]),
+        ("anyOf/const", {"anyOf": [{"const": "a"}, {"type": "integer"}]}, 3, "b"),
+        ("additionalProperties", {"type": "object", "additionalProperties": False}, {}, {"x": 1}),
+        ("$ref", {"$ref": "#/$defs/positive"}, 1, 0),
+    ],
+)
+def test_json_schema_keywords_are_all_enforced(
+    keyword: str, schema: dict[str, Any], good: Any, bad: Any
+) -> None:
+    defs = {"positive": {"minimum": 1}}
+    state = StateSchema({"type": "object", "$defs": defs, "properties": {"v": schema}})
+    assert state.validate({"v": good}) == {"v": good}
+    assert field_of(state, {"v": bad}) == "v"
+
+
+def test_a_json_schema_that_is_not_one_is_refused_when_declared() -> None:
+    with pytest.raises(ValueError, match="not a valid JSON Schema"):
+        StateSchema({"type": "object", "properties": {"v": {"minimum": "one"}}})
+
+
 # -- migrations --------------------------------------------------------------------------------
 
 
