@@ -7,36 +7,45 @@ keyed by its snapshot id; its status (`created` -> `pending` -> `running` ->
 checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
 
 - P1 / L1: `load_next` takes the run's leased claim and hands out the head
-  node, also one whose process died (`pending` / `running` under an expired
-  lease), with the same snapshot id. `success` is committed in the
-  transaction that appends the next snapshot; a cancelled node is given back.
+  node, also one whose process died (`pending` / `running` / `success` under
+  an expired lease), with the same snapshot id. A node is done once the next
+  snapshot is committed (its `success`, stored when `record_run` exits, is
+  not enough); a cancelled node is given back.
 - P2: a node's body runs under `remit_core.step_scope` keyed by its snapshot
   id, so `remit_core.effect` functions inside it apply once.
 - P3: starting a new node on a run that already has a head, or running a
   snapshot that is not the head, is a fork and needs `fork_token`.
 - P4: every snapshot round-trips through the graph's own type adapter before
-  it is written; stored bytes are verified and version-checked on read.
-- P5: `resume(node)` delivers a human's answer to a paused run, once.
+  it is written (`_codec`); stored bytes are verified and version-checked on read.
+- P5: `resume(node)` delivers a human's answer to a paused run, once, and
+  gives the run back: any process may continue it.
 
-Store calls are blocking; every async method runs them in a worker thread.
+Each asyncio task (or thread) calling an instance is a resumer of its own,
+with its own holder identity: tasks sharing one instance exclude each other
+as processes do. Store calls are blocking; every async method runs them in a
+worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import re
+import itertools
+import math
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from time import perf_counter
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 import pydantic
-from pydantic_core import PydanticSerializationError
 from pydantic_graph import BaseNode, End
 from pydantic_graph.exceptions import GraphNodeStatusError
 from pydantic_graph.persistence import (
@@ -62,6 +71,7 @@ from remit_core.errors import (
     VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, FenceRef, WriteRecord
+from remit_pydantic_graph._codec import SnapshotCodec, Unfit
 
 if TYPE_CHECKING:
     from pydantic_graph.graph import Graph
@@ -101,25 +111,76 @@ class _Head:
     top: _Stored
 
 
-_UNEXPECTED = re.compile(
-    r"Expected `([^`]+)`[^\[]*\[field_name='([^']*)', input_value=(.*?), input_type=(\w+)\]"
-)
+_serials = itertools.count(1)
+#: The resumer each instance made in this context, by instance id (weakly: a
+#: resumer lives while its instance keeps it). Tasks inherit it from their starter.
+_MADE_HERE: ContextVar[dict[str, weakref.ref[_Resumer]]] = ContextVar("remit_pg_resumers")
 
 
-def _serialization_problem(text: str) -> tuple[str, str]:
-    """(field, what was wrong) from pydantic's serializer warnings, skipping union tries."""
-    found = [m for m in _UNEXPECTED.finditer(text) if m.group(2) != "node"]
-    if not found:
-        return "<root>", text.replace("\n", " ")[:300]
-    expected, field, value, kind = found[0].groups()
-    return field, f"expected {expected}, got {kind} {value}"
+@dataclass
+class _Resumer:
+    """One caller of an instance (an asyncio task, or a thread outside one) and
+    what it holds between calls: its claim, the node `load_next` handed it, the
+    node it ran. Each has its own holder identity, so callers sharing an
+    instance exclude each other as separate processes do (K8-THREADS)."""
+
+    driver: object
+    holder: str
+    claim: ClaimHandle | None = None
+    loaded: str | None = None
+    ran: tuple[_Head, float] | None = None
+    started: _Head | None = None
 
 
-def _field(loc: Iterable[int | str]) -> str:
-    parts = [str(p) for p in loc]
-    if parts and parts[0] in ("node", "end"):  # the `kind` discriminator's tag
-        parts = parts[1:]
-    return ".".join(parts) or "<root>"
+def _driver() -> object:
+    """Who is calling: the running asyncio task, or the thread outside any task."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop in this thread
+        task = None
+    return task if task is not None else threading.current_thread()
+
+
+def _ended(driver: object) -> bool:
+    if isinstance(driver, asyncio.Future):
+        return driver.done()
+    return isinstance(driver, threading.Thread) and not driver.is_alive()
+
+
+def _check_token(name: str, value: object, *, optional: bool = False) -> None:
+    """A run id or fork token: a non-empty str (or None where `optional`)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r}")
+    if not value:
+        raise ValueError(f"{name} must not be empty")
+
+
+def _check_lease(lease: object) -> float:
+    """A claim lease: a finite number of seconds above 0 (0 or less would end mutual
+    exclusion: every claim would be expired as it is taken)."""
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)):
+        raise TypeError(f"lease must be a number of seconds, got {type(lease).__name__}")
+    if not (math.isfinite(lease) and lease > 0):
+        raise ValueError(f"lease must be a finite number of seconds above 0, got {lease!r}")
+    return float(lease)
+
+
+def _check_versions(workflow_version: object, accept_versions: object) -> frozenset[str]:
+    if not isinstance(workflow_version, str):
+        raise TypeError(f"workflow_version must be a str, got {workflow_version!r}")
+    if accept_versions is None:
+        return frozenset((workflow_version,))
+    if isinstance(accept_versions, (str, bytes)) or not isinstance(accept_versions, Iterable):
+        raise TypeError(
+            f"accept_versions must be a collection of str (e.g. {{'v1', 'v2'}}), "
+            f"got {accept_versions!r}"
+        )
+    versions = frozenset(accept_versions)
+    if not all(isinstance(v, str) for v in versions):
+        raise TypeError(f"accept_versions must hold str only, got {sorted(map(repr, versions))}")
+    return versions
 
 
 class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
@@ -129,8 +190,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     `redis://...`) or a `Remit`. `fork_token` allows this instance to fork
     (start a new node on a run that already has one, or run an old snapshot
     again); the same token from any process names the same branch.
-    `workflow_version` is recorded on every snapshot; a run written by a
+    `lease` (seconds, above 0) is how long a dead resumer's claim blocks the
+    run. `workflow_version` is recorded on every snapshot; a run written by a
     version outside `accept_versions` (default: only this one) is refused.
+    Bad options raise `TypeError` / `ValueError` before the store is opened.
     """
 
     def __init__(
@@ -143,25 +206,26 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         workflow_version: str = "",
         accept_versions: Iterable[str] | None = None,
     ) -> None:
-        self.remit = url if isinstance(url, Remit) else Remit(url, lease=lease)
+        if not isinstance(url, (str, Remit)):
+            raise TypeError(f"url must be a store URL or a Remit, got {url!r}")
+        _check_token("run_id", run_id)
+        _check_token("fork_token", fork_token, optional=True)
+        self.lease = _check_lease(lease)
+        self.accept_versions = _check_versions(workflow_version, accept_versions)
+        self.remit = url if isinstance(url, Remit) else Remit(url, lease=self.lease)
         self.run_id = run_id
         self.fork_token = fork_token
-        self.lease = lease
         self.workflow_version = workflow_version
-        self.accept_versions = frozenset(
-            accept_versions if accept_versions is not None else (workflow_version,)
-        )
         self.branch = MAIN_BRANCH
         if fork_token is not None:
             made = self.remit.fork_branch(run_id, fork_token)
             if made is not None:
                 self.branch = made.branch
-        self._adapter: pydantic.TypeAdapter[Snapshot[StateT, RunEndT]] | None = None
+        self._codec: SnapshotCodec[StateT, RunEndT] | None = None
         self._edges: dict[str, tuple[frozenset[str], bool]] = {}
         self._instance = uuid.uuid4().hex[:8]
-        self._claim: ClaimHandle | None = None
-        self._started: _Head | None = None  # the node `record_run` marked running
-        self._ran: tuple[_Head, float] | None = None
+        self._resumers: dict[object, _Resumer] = {}
+        self._resumers_lock = threading.Lock()
 
     # -- types (the graph's own adapters) ---------------------------------------
     def set_graph_types(self, graph: Graph[StateT, Any, RunEndT]) -> None:
@@ -173,50 +237,34 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         super().set_graph_types(graph)
 
     def should_set_types(self) -> bool:
-        return self._adapter is None
+        return self._codec is None
 
     def set_types(self, state_type: type[StateT], run_end_type: type[RunEndT]) -> None:
-        """Build the snapshot adapter (called inside the graph's node-type context)."""
-        snapshot = Snapshot[state_type, run_end_type]  # type: ignore[valid-type,misc]
-        self._adapter = pydantic.TypeAdapter(Annotated[snapshot, pydantic.Discriminator("kind")])
+        """Build the snapshot codec (called inside the graph's node-type context)."""
+        self._codec = SnapshotCodec(state_type, run_end_type, self._edges)
 
-    def _types(self) -> pydantic.TypeAdapter[Snapshot[StateT, RunEndT]]:
-        if self._adapter is None:
+    def _types(self) -> SnapshotCodec[StateT, RunEndT]:
+        if self._codec is None:
             raise RemitError(
                 "snapshot types are not set: call persistence.set_graph_types(graph) first "
                 "(Graph.run, iter and iter_from_persistence do it)",
                 run_id=self.run_id,
             )
-        return self._adapter
+        return self._codec
 
     def _encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:
-        """The snapshot's bytes, after a round trip through the graph's adapter (P4)."""
-        adapter = self._types()
+        """The snapshot's bytes, if they read back as this snapshot (P4)."""
         if isinstance(snapshot, NodeSnapshot):  # status lives in the log, not in the bytes
             snapshot = dataclasses.replace(snapshot, status="created", start_ts=None, duration=None)
-        ids = {"run_id": self.run_id, "checkpoint_id": snapshot.id}
         try:
-            body = adapter.dump_json(snapshot, warnings="error")
-        except PydanticSerializationError as exc:
-            field, expected = _serialization_problem(str(exc))
+            return self._types().encode(snapshot)
+        except Unfit as exc:
             raise CheckpointInvalid(
-                f"snapshot does not fit the graph's types at {field}: {expected}; "
-                "nothing was written",
-                field=field,
-                **ids,
+                f"snapshot refused at {exc.field}: {exc.problem}; nothing was written",
+                field=exc.field,
+                run_id=self.run_id,
+                checkpoint_id=snapshot.id,
             ) from exc
-        try:
-            adapter.validate_json(body)
-        except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            path = _field(first.get("loc", ()))
-            raise CheckpointInvalid(
-                f"snapshot does not satisfy the graph's types at {path}: {first.get('msg')}; "
-                "nothing was written",
-                field=path,
-                **ids,
-            ) from exc
-        return body
 
     # -- reads -------------------------------------------------------------------
     def _status_log(self, checkpoint_id: str) -> dict[str, list[WriteRecord]]:
@@ -237,7 +285,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         policy.check_workflow_version(record, self.accept_versions)
         try:
-            snapshot = self._types().validate_json(record.state)
+            snapshot = self._types().decode(record.state)
         except pydantic.ValidationError as exc:
             raise VersionMismatch(
                 f"stored snapshot does not fit this graph's types ({exc.errors()[0].get('msg')}); "
@@ -267,33 +315,64 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return None
         return _Head(branch, self._read(branch.head_id, branch.base_id))
 
-    # -- claims --------------------------------------------------------------
-    @property
-    def _holder(self) -> str:
-        return f"{self.remit.holder}/{self._instance}"
+    # -- resumers and their claims -------------------------------------------------
+    def _resumer(self, *, keep: bool = True) -> _Resumer:
+        """The caller's resumer, made on its first call and kept until `_drop` (not
+        kept if `keep` is false: a read that takes no claim).
 
-    def _acquire(self, *, heartbeat: bool) -> ClaimHandle:
-        """Take (or keep) this instance's leased claim on its branch: `ResumeConflict` if held."""
-        if self._claim is not None:
-            self._claim.abandon()
-        self._claim = self.remit.claim(
-            self.run_id, self.branch, lease=self.lease, heartbeat=heartbeat, holder=self._holder
+        A task started by a caller that holds a claim, and so awaited by it (as
+        `asyncio.wait_for(run.next())` starts one on Python 3.11), acts for that
+        caller: it finds the caller's resumer in the context it inherited.
+        """
+        driver = _driver()
+        with self._resumers_lock:
+            resumer = self._resumers.get(driver)
+        if resumer is not None:
+            return resumer
+        made = _MADE_HERE.get({})
+        ref = made.get(self._instance)
+        caller = None if ref is None else ref()
+        if caller is not None and caller.claim is not None and not caller.claim.released:
+            return caller
+        resumer = _Resumer(driver, f"{self.remit.holder}/{self._instance}.{next(_serials)}")
+        if keep:
+            with self._resumers_lock:
+                for gone in [d for d, r in self._resumers.items() if r.claim is None and _ended(d)]:
+                    del self._resumers[gone]  # ended holding nothing: nothing to release
+                self._resumers[driver] = resumer
+            live = {k: r for k, r in made.items() if r() is not None}
+            _MADE_HERE.set({**live, self._instance: weakref.ref(resumer)})
+        return resumer
+
+    def _acquire(self, resumer: _Resumer, *, heartbeat: bool) -> ClaimHandle:
+        """Take (or keep) the resumer's leased claim on its branch: `ResumeConflict` if held."""
+        if resumer.claim is not None:
+            resumer.claim.abandon()
+        resumer.claim = self.remit.claim(
+            self.run_id, self.branch, lease=self.lease, heartbeat=heartbeat, holder=resumer.holder
         )
-        return self._claim
+        return resumer.claim
 
-    def _drop(self) -> None:
-        claim, self._claim, self._ran = self._claim, None, None
+    def _drop(self, resumer: _Resumer) -> None:
+        """Give the resumer's claim back and forget it: it holds nothing now."""
+        claim = resumer.claim
+        resumer.claim = resumer.loaded = resumer.ran = resumer.started = None
+        with self._resumers_lock:
+            if self._resumers.get(resumer.driver) is resumer:
+                del self._resumers[resumer.driver]
         if claim is not None:
             claim.release()
 
-    def _fence(self) -> FenceRef:
-        assert self._claim is not None, "a write needs the run's claim"
-        return self._claim.fence
+    def _fence(self, resumer: _Resumer) -> FenceRef:
+        assert resumer.claim is not None, "a write needs the run's claim"
+        return resumer.claim.fence
 
-    def _switch(self, branch: str, *, heartbeat: bool) -> None:
-        self._drop()
+    def _switch(self, resumer: _Resumer, branch: str, *, heartbeat: bool) -> None:
+        if resumer.claim is not None:
+            resumer.claim.release()
+            resumer.claim = None
         self.branch = branch
-        self._acquire(heartbeat=heartbeat)
+        self._acquire(resumer, heartbeat=heartbeat)
 
     # -- writes --------------------------------------------------------------
     def _status_write(
@@ -319,10 +398,15 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         return write, entry
 
     def _set_status(
-        self, stored: _Stored, status: SnapshotStatus, *, duration: float | None = None
+        self,
+        resumer: _Resumer,
+        stored: _Stored,
+        status: SnapshotStatus,
+        *,
+        duration: float | None = None,
     ) -> None:
         write, entry = self._status_write(stored, status, duration)
-        self.remit.put_writes([write], mode="expect_absent", fence=self._fence())
+        self.remit.put_writes([write], mode="expect_absent", fence=self._fence(resumer))
         snapshot = stored.snapshot
         assert isinstance(snapshot, NodeSnapshot)
         stored.status_idx = write.idx
@@ -330,14 +414,18 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _commit(
         self,
+        resumer: _Resumer,
         snapshot: Snapshot[StateT, RunEndT],
         body: bytes,
         parent: _Head | None,
         *,
-        writes: Iterable[WriteRecord] = (),
+        release: bool = False,
         **metadata: str,
     ) -> None:
-        """Append `snapshot` after `parent` on this branch: a fenced compare-and-set."""
+        """Append `snapshot` after `parent` on this branch: a fenced compare-and-set.
+        `release`: give the claim up in the same transaction."""
+        claim = resumer.claim
+        assert claim is not None, "a write needs the run's claim"
         plan = policy.CommitPlan(
             self.branch,
             None if parent is None else parent.top.id,
@@ -350,9 +438,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             state=body,
             metadata={"kind": snapshot.kind, **metadata},
             workflow_version=self.workflow_version,
-            writes=list(writes),
-            fence=self._fence(),
+            fence=claim.fence,
             plan=plan,
+            release=claim if release else None,
         )
 
     def _refuse_fork(self, base_id: str, why: str) -> ForkWithoutIntent:
@@ -364,12 +452,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             checkpoint_id=base_id,
         )
 
-    def _fork(self, base_id: str, *, heartbeat: bool, why: str) -> _Head:
+    def _fork(self, resumer: _Resumer, base_id: str, *, heartbeat: bool, why: str) -> _Head:
         """Move to the branch `fork_token` names from `base_id` (P3); its head must be the base."""
         if self.fork_token is None:
             raise self._refuse_fork(base_id, why)
         made = self.remit.fork(self.run_id, base_id, self.fork_token)
-        self._switch(made.branch, heartbeat=heartbeat)
+        self._switch(resumer, made.branch, heartbeat=heartbeat)
         head = self._read_head()
         if head is None or head.top.id != base_id:
             raise HeadMoved(
@@ -387,89 +475,108 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             "and starting a new node there"
         )
 
-    def _start(self, snapshot: Snapshot[StateT, RunEndT], *, keep_claim: bool) -> None:
-        """A snapshot that does not follow a node this instance ran: a root, or a fork."""
+    def _start(
+        self, resumer: _Resumer, snapshot: Snapshot[StateT, RunEndT], *, keep_claim: bool
+    ) -> None:
+        """A snapshot that does not follow a node this resumer ran: a root, or a fork."""
         body = self._encode(snapshot)
         try:
             # Refuse from a read first: a refused writer never holds the claim.
             head = self._read_head()
             if head is not None and self.fork_token is None:
                 raise self._refuse_fork(head.top.id, self._start_reason(head))
-            self._acquire(heartbeat=False)
+            self._acquire(resumer, heartbeat=False)
             head = self._read_head()
             if head is not None:
-                head = self._fork(head.top.id, heartbeat=False, why=self._start_reason(head))
-            self._commit(snapshot, body, head)
+                head = self._fork(
+                    resumer, head.top.id, heartbeat=False, why=self._start_reason(head)
+                )
+            self._commit(resumer, snapshot, body, head, release=not keep_claim)
         except BaseException:
-            self._drop()
+            self._drop(resumer)
             raise
         if not keep_claim:
-            self._drop()
+            self._drop(resumer)
 
-    def _advance(self, snapshot: Snapshot[StateT, RunEndT]) -> None:
-        """The snapshot after the node this instance ran, with that node's `success` (P1)."""
-        if self._ran is None:
-            self._start(snapshot, keep_claim=False)
+    def _advance(self, resumer: _Resumer, snapshot: Snapshot[StateT, RunEndT]) -> None:
+        """The snapshot after the node this resumer ran: that node's completion (P1)."""
+        if resumer.ran is None:
+            self._start(resumer, snapshot, keep_claim=False)
             return
-        ran, duration = self._ran
+        ran, duration = resumer.ran
         try:
             try:
                 body = self._encode(snapshot)
             except CheckpointInvalid:
-                self._set_status(ran.top, "error", duration=duration)
+                self._set_status(resumer, ran.top, "error", duration=duration)
                 raise
-            done, _ = self._status_write(ran.top, "success", duration)
-            self._commit(snapshot, body, ran, writes=[done])
+            self._commit(resumer, snapshot, body, ran, release=True)
         finally:
-            self._drop()
+            self._drop(resumer)
 
     # -- the interface pydantic-graph calls ----------------------------------------
     async def snapshot_node(self, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]) -> None:
-        await anyio.to_thread.run_sync(self._advance, NodeSnapshot(state=state, node=next_node))
+        snapshot = NodeSnapshot(state=state, node=next_node)
+        await anyio.to_thread.run_sync(self._advance, self._resumer(), snapshot)
 
     async def snapshot_node_if_new(
         self, snapshot_id: str, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]
     ) -> None:
         snapshot = NodeSnapshot(state=state, node=next_node)
+        resumer = self._resumer()
         try:
-            await anyio.to_thread.run_sync(self._snapshot_if_new, snapshot_id, snapshot)
+            await anyio.to_thread.run_sync(self._snapshot_if_new, resumer, snapshot_id, snapshot)
         except BaseException:
-            self._drop()  # cut short (cancelled): the node will not run now
+            self._drop(resumer)  # cut short (cancelled): the node will not run now
             raise
 
-    def _snapshot_if_new(self, snapshot_id: str, snapshot: NodeSnapshot[StateT, RunEndT]) -> None:
+    def _snapshot_if_new(
+        self, resumer: _Resumer, snapshot_id: str, snapshot: NodeSnapshot[StateT, RunEndT]
+    ) -> None:
         if self.remit.checkpoint(self.run_id, snapshot_id) is None:
-            self._start(snapshot, keep_claim=True)
+            self._start(resumer, snapshot, keep_claim=True)
 
     async def snapshot_end(self, state: StateT, end: End[RunEndT]) -> None:
-        await anyio.to_thread.run_sync(self._advance, EndSnapshot(state=state, result=end))
+        snapshot = EndSnapshot(state=state, result=end)
+        await anyio.to_thread.run_sync(self._advance, self._resumer(), snapshot)
 
     @asynccontextmanager
     async def record_run(self, snapshot_id: str) -> AsyncIterator[None]:
-        """Run the head node under the claim and `step_scope` (effects keyed by its id)."""
-        self._started = None
+        """Run the head node under the claim and `step_scope` (effects keyed by its id).
+
+        `running` is stored as the body starts, `success` or `error` with the
+        duration as it ends, as pydantic-graph documents. The node is done once
+        the next snapshot is committed: until then, one whose process died is
+        handed out again (P1).
+        """
+        resumer = self._resumer()
+        resumer.started = None
         try:
-            head = await anyio.to_thread.run_sync(self._begin_run, snapshot_id)
+            head = await anyio.to_thread.run_sync(self._begin_run, resumer, snapshot_id)
         except BaseException:
-            if self._started is not None:  # cancelled while the node was being marked running
-                self._end_run(self._started, "created", None)
+            if resumer.started is not None:  # cancelled while the node was being marked running
+                self._end_run(resumer, resumer.started, "created", None)
             raise
-        claim = self._claim
+        claim = resumer.claim
         assert claim is not None
         start = perf_counter()
         try:
             with step_scope(self.remit, self.run_id, snapshot_id, fence=claim.fence):
                 yield
         except Exception:
-            await anyio.to_thread.run_sync(self._end_run, head, "error", perf_counter() - start)
+            duration = perf_counter() - start
+            await anyio.to_thread.run_sync(self._end_run, resumer, head, "error", duration)
             raise
         except BaseException:
             # Cancelled: give the node back now, on this thread; it has no result.
-            self._end_run(head, "created", None)
+            self._end_run(resumer, head, "created", None)
             raise
-        # Success is committed with the next snapshot; the lease lapses if none follows.
-        self._ran = (head, perf_counter() - start)
-        claim.abandon()
+        duration = perf_counter() - start
+        try:
+            await anyio.to_thread.run_sync(self._finish_run, resumer, head, duration)
+        except BaseException:
+            self._drop(resumer)  # no next snapshot will follow: let another resumer rerun it
+            raise
 
     def _run_reason(self, snapshot_id: str, head: _Head | None) -> str | None:
         if head is not None and head.top.id == snapshot_id:
@@ -480,55 +587,72 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             f"{'none' if head is None else head.top.id}) and running it again"
         )
 
-    def _begin_run(self, snapshot_id: str) -> _Head:
+    def _begin_run(self, resumer: _Resumer, snapshot_id: str) -> _Head:
         try:
             why = self._run_reason(snapshot_id, self._read_head())
             if why is not None and self.fork_token is None:
                 raise self._refuse_fork(snapshot_id, why)
-            self._acquire(heartbeat=True)
+            self._acquire(resumer, heartbeat=True)
+            resumer.loaded = None
             head = self._read_head()
             why = self._run_reason(snapshot_id, head)
             if head is None or why is not None:
-                head = self._fork(snapshot_id, heartbeat=True, why=why or "")
+                head = self._fork(resumer, snapshot_id, heartbeat=True, why=why or "")
             if not head.top.is_node:
                 raise GraphNodeStatusError(head.top.status)
             GraphNodeStatusError.check(head.top.status)
-            self._set_status(head.top, "running")
-            self._started = head
+            self._set_status(resumer, head.top, "running")
+            resumer.started = head
         except BaseException:
-            self._drop()
+            self._drop(resumer)
             raise
         return head
 
-    def _end_run(self, head: _Head, status: SnapshotStatus, duration: float | None) -> None:
+    def _finish_run(self, resumer: _Resumer, head: _Head, duration: float) -> None:
+        """Store `success`; keep the claim (no heartbeat) for the next snapshot's commit."""
+        self._set_status(resumer, head.top, "success", duration=duration)
+        resumer.ran = (head, duration)
+        assert resumer.claim is not None
+        resumer.claim.abandon()  # the lease lapses if no snapshot follows
+
+    def _end_run(
+        self, resumer: _Resumer, head: _Head, status: SnapshotStatus, duration: float | None
+    ) -> None:
         try:
-            self._set_status(head.top, status, duration=duration)
+            self._set_status(resumer, head.top, status, duration=duration)
         except RemitError:
             pass  # fenced out or store gone: the claim holder now decides this node
         finally:
-            self._drop()
+            self._drop(resumer)
 
     async def load_next(self) -> NodeSnapshot[StateT, RunEndT] | None:
+        """The head node if it is free to run, marked `pending`; None if there is none,
+        or if this caller already loaded it and has not run it yet (as pydantic-graph's
+        own backends answer a second call)."""
+        resumer = self._resumer()
         try:
-            return await anyio.to_thread.run_sync(self._load_next)
+            return await anyio.to_thread.run_sync(self._load_next, resumer)
         except BaseException:
-            self._drop()  # cut short (cancelled): the node stays free to load
+            self._drop(resumer)  # cut short (cancelled): the node stays free to load
             raise
 
-    def _load_next(self) -> NodeSnapshot[StateT, RunEndT] | None:
-        """Claim the head node: new, pending, or left running by a dead process (L1)."""
+    def _load_next(self, resumer: _Resumer) -> NodeSnapshot[StateT, RunEndT] | None:
+        """Claim the head node: new, pending, or left by a dead process (L1)."""
         self._types()
-        self._acquire(heartbeat=False)
+        self._acquire(resumer, heartbeat=False)
         try:
             head = self._read_head()
             if head is not None:
-                head = self._settle_resume(head)
+                head = self._settle_resume(resumer, head)
             if head is None or not head.top.is_node or head.top.status == "error":
-                self._drop()
+                self._drop(resumer)
                 return None
-            self._set_status(head.top, "pending")
+            if head.top.id == resumer.loaded and head.top.status == "pending":
+                return None  # handed out by this caller's last load_next; still its to run
+            self._set_status(resumer, head.top, "pending")
+            resumer.loaded = head.top.id
         except BaseException:
-            self._drop()
+            self._drop(resumer)
             raise
         snapshot = head.top.snapshot
         assert isinstance(snapshot, NodeSnapshot)
@@ -558,16 +682,45 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         stopped before it, as in pydantic-graph's human-in-the-loop pattern).
         `node` must be a node the paused one may lead to; it is validated,
         then consumed once across all processes and committed as the new head,
-        with the paused snapshot's state. Continue with
-        `graph.iter_from_persistence(persistence)`. A second or late answer
-        raises `ResumeConflict` and nothing is stored; an invalid one raises
-        `CheckpointInvalid` and the run stays paused.
+        with the paused snapshot's state, and the run is given back: continue
+        it with `graph.iter_from_persistence(...)` in this or any process. A
+        second or late answer raises `ResumeConflict` and nothing is stored; an
+        invalid one raises `CheckpointInvalid` and the run stays paused.
         """
-        return await anyio.to_thread.run_sync(self._resume, node)
+        self._check_answer(node)
+        return await anyio.to_thread.run_sync(self._resume, self._resumer(), node)
 
-    def _resume(self, node: BaseNode[StateT, Any, RunEndT]) -> NodeSnapshot[StateT, RunEndT]:
+    def _check_answer(self, node: object) -> None:
+        """`TypeError` / `ValueError` for an answer that cannot be a node of this graph."""
+        if isinstance(node, End):
+            raise TypeError(
+                "resume() takes the node that follows the pause, not End: a run ends by "
+                "running its nodes"
+            )
+        if not isinstance(node, BaseNode):
+            raise TypeError(
+                f"resume() takes the node that follows the pause (a BaseNode of the graph), "
+                f"got {type(node).__name__} {node!r}"
+            )
+        if self._edges and node.get_node_id() not in self._edges:
+            raise ValueError(
+                f"resume() got {node.get_node_id()}, which is not a node of this graph "
+                f"({', '.join(sorted(self._edges))})"
+            )
+
+    def _resume(
+        self, resumer: _Resumer, node: BaseNode[StateT, Any, RunEndT]
+    ) -> NodeSnapshot[StateT, RunEndT]:
+        try:
+            return self._answer(resumer, node)
+        finally:
+            self._drop(resumer)
+
+    def _answer(
+        self, resumer: _Resumer, node: BaseNode[StateT, Any, RunEndT]
+    ) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
-        paused = self._paused_head()
+        paused = self._paused_head(resumer)
         self._check_successor(paused.top, node)
         snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
         body = self._encode(snapshot)
@@ -578,37 +731,37 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         # The one atomic step: of all resumers, exactly one gets past it. Losers never
         # take the run's claim, so they cannot get in the way of the winner's run.
         self.remit.consume(self.run_id, pause_id, body, branch=self.branch)
-        if not self._acquire_patiently():
+        if not self._acquire_patiently(resumer):
             return snapshot  # accepted; the claim's holder settles it in its load_next
-        try:
-            head = self._read_head()
-            if head is not None and head.top.id == pause_id:
-                self._commit(snapshot, body, head, via="resume", replaces=pause_id)
-            elif self.remit.checkpoint(self.run_id, snapshot.id) is None:
-                raise HeadMoved(
-                    "the run moved on from its pause while the value was delivered; the value "
-                    "was recorded with the pause and is not used",
-                    run_id=self.run_id,
-                    checkpoint_id=pause_id,
-                )
-        except BaseException:
-            self._drop()
-            raise
+        head = self._read_head()
+        if head is not None and head.top.id == pause_id:
+            # Committed and given back at once: the answer is the head now, so the
+            # run is no longer paused and a second answer is refused (P5).
+            self._commit(
+                resumer, snapshot, body, head, release=True, via="resume", replaces=pause_id
+            )
+        elif self.remit.checkpoint(self.run_id, snapshot.id) is None:
+            raise HeadMoved(
+                "the run moved on from its pause while the value was delivered; the value "
+                "was recorded with the pause and is not used",
+                run_id=self.run_id,
+                checkpoint_id=pause_id,
+            )
         return snapshot
 
-    def _acquire_patiently(self) -> bool:
+    def _acquire_patiently(self, resumer: _Resumer) -> bool:
         """Take the claim, waiting out at most one lease of its current holder."""
         deadline = time.monotonic() + self.lease + 1.0
         while True:
             try:
-                self._acquire(heartbeat=False)
+                self._acquire(resumer, heartbeat=False)
                 return True
             except ResumeConflict:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.05)
 
-    def _paused_head(self) -> _Head:
+    def _paused_head(self, resumer: _Resumer) -> _Head:
         """The head if the run is paused: a node not started, not holding an answer, unclaimed."""
         head = self._read_head()
         if head is None:
@@ -629,7 +782,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 **ids,
             )
         claim = self.remit.store.get_claim(self.run_id, self.branch)
-        if policy.decide_claim(claim, self._holder, self.remit.clock()) == "conflict":
+        if policy.decide_claim(claim, resumer.holder, self.remit.clock()) == "conflict":
             raise ResumeConflict(
                 "another process holds the run (it is loading or running the paused node); "
                 "the value was not stored",
@@ -650,27 +803,27 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             checkpoint_id=paused.id,
         )
 
-    def _settle_resume(self, head: _Head) -> _Head:
+    def _settle_resume(self, resumer: _Resumer, head: _Head) -> _Head:
         """Commit an answer that was consumed by a resumer that died before committing it."""
         if not head.top.is_node or head.top.status not in _NOT_STARTED:
             return head
         pause = self.remit.interrupt(self.run_id, head.top.id, branch=self.branch)
         if pause is None or pause.status != "consumed" or pause.value is None:
             return head
-        snapshot = self._types().validate_json(pause.value)
-        self._commit(snapshot, pause.value, head, via="resume", replaces=head.top.id)
+        snapshot = self._types().decode(pause.value)
+        self._commit(resumer, snapshot, pause.value, head, via="resume", replaces=head.top.id)
         settled = self._read_head()
         assert settled is not None
         return settled
 
     async def paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
         """The head snapshot if the run is paused and free to resume, else None."""
-        return await anyio.to_thread.run_sync(self._paused)
+        return await anyio.to_thread.run_sync(self._paused, self._resumer(keep=False))
 
-    def _paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
+    def _paused(self, resumer: _Resumer) -> NodeSnapshot[StateT, RunEndT] | None:
         self._types()
         try:
-            head = self._paused_head()
+            head = self._paused_head(resumer)
         except (ResumeConflict, UnknownRecord):
             return None
         pause = self.remit.interrupt(self.run_id, head.top.id, branch=self.branch)
@@ -686,23 +839,24 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         Commits the paused node again with `state` as the new head; the old
         head stays in the history. `CheckpointInvalid` leaves the run as it was.
         """
-        return await anyio.to_thread.run_sync(self._update_state, state)
+        return await anyio.to_thread.run_sync(self._update_state, self._resumer(), state)
 
-    def _update_state(self, state: StateT) -> NodeSnapshot[StateT, RunEndT]:
+    def _update_state(self, resumer: _Resumer, state: StateT) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
-        self._acquire(heartbeat=False)
+        self._acquire(resumer, heartbeat=False)
         try:
-            paused = self._paused_head()
+            paused = self._paused_head(resumer)
             node = paused.top.snapshot.node
             assert isinstance(node, BaseNode)
             again = node.deep_copy()
             again.set_snapshot_id(f"{node.get_node_id()}:{uuid.uuid4().hex}")
             snapshot = NodeSnapshot(state=state, node=again)
+            body = self._encode(snapshot)
             self._commit(
-                snapshot, self._encode(snapshot), paused, via="update", replaces=paused.top.id
+                resumer, snapshot, body, paused, release=True, via="update", replaces=paused.top.id
             )
         finally:
-            self._drop()
+            self._drop(resumer)
         return snapshot
 
     async def fork(
@@ -714,6 +868,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         for another snapshot raises `ForkWithoutIntent`. The branch's head is
         the snapshot itself, to run again with `iter_from_persistence`.
         """
+        _check_token("snapshot_id", snapshot_id)
+        _check_token("fork_token", fork_token)
         await anyio.to_thread.run_sync(self.remit.fork, self.run_id, snapshot_id, fork_token)
         other: RemitStatePersistence[StateT, RunEndT] = RemitStatePersistence(
             self.remit,
@@ -723,9 +879,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             workflow_version=self.workflow_version,
             accept_versions=self.accept_versions,
         )
-        other._adapter, other._edges = self._adapter, self._edges
+        other._codec, other._edges = self._codec, self._edges
         return other
 
     def release(self) -> None:
-        """Give up this instance's claim (e.g. after `load_next` on a run you leave paused)."""
-        self._drop()
+        """Give up the claims this instance holds for the caller and for callers that
+        have ended (e.g. after `load_next` on a run you leave paused)."""
+        mine = self._resumer(keep=False)
+        with self._resumers_lock:
+            ended = [r for d, r in self._resumers.items() if _ended(d) and r is not mine]
+        for resumer in (mine, *ended):
+            self._drop(resumer)

@@ -128,10 +128,12 @@ STEP_OF = {
 class _ChargeStepPoint:
     """Hits `charge.after_step` once charge's completion is stored, before what follows it.
 
-    FileStatePersistence stores a node's `success` when its body returns and
-    the next snapshot in a later write: the point sits between the two. Remit
-    stores `success` in the transaction that appends the next snapshot, so the
-    earliest moment charge's completion is stored is right after that commit.
+    FileStatePersistence completes a node with its `success`, stored when its
+    body returns, and stores the next snapshot in a later write: the point
+    sits between the two. Remit also stores `success` then, but a node is
+    completed only by the commit that appends the next snapshot (until then,
+    one whose process died runs again), so charge's completion is stored
+    right after that commit.
     """
 
     env: ProbeEnv

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,6 +24,7 @@ from pydantic_graph import BaseNode, End, GraphRunContext
 from pydantic_graph.exceptions import GraphNodeStatusError
 from pydantic_graph.graph import Graph
 from pydantic_graph.persistence import EndSnapshot, NodeSnapshot
+from pydantic_graph.persistence.in_mem import FullStatePersistence
 from typing_extensions import TypedDict
 
 from remit_core import (
@@ -144,7 +145,9 @@ def world(tmp_path: Path) -> World:
 
 
 def persistence(url: str, run_id: str, **kw: Any) -> RemitStatePersistence[Order, str]:
-    p: RemitStatePersistence[Order, str] = RemitStatePersistence(url, run_id, lease=LEASE, **kw)
+    p: RemitStatePersistence[Order, str] = RemitStatePersistence(
+        url, run_id, **{"lease": LEASE, **kw}
+    )
     p.set_graph_types(GRAPH)
     return p
 
@@ -372,16 +375,16 @@ def test_wrong_types_never_reach_the_store(url: str, run_id: str, world: World) 
     async def go() -> None:
         p = await to_pause(url, run_id, world)
         head = (await p.load_all())[-1]
-        for state, field in (
-            ({**head.state, "amount": "many"}, "amount"),
+        for state, path in (
+            ({**head.state, "amount": "many"}, "state.amount"),
             ({**head.state, "amount": -1}, "state.amount"),
         ):
             with pytest.raises(CheckpointInvalid) as bad:
                 await p.update_state(state)
-            assert bad.value.field == field
+            assert bad.value.field == path
         with pytest.raises(CheckpointInvalid) as bad:
             await p.resume(Answer(12345))  # type: ignore[arg-type]
-        assert bad.value.field == "value"
+        assert bad.value.field == "node.value"
         assert (await p.paused()) is not None  # still paused, still answerable
         assert [s.id for s in await p.load_all()][-1] == head.id
 
@@ -592,3 +595,306 @@ def test_threads_of_a_process_share_one_holder_identity(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert len(seen) == 16 and len(set(seen)) == 1 and str(os.getpid()) in seen[0]
+
+
+# -- resumers: the answer gives the run back; tasks sharing an instance ----------------------
+
+
+def test_resume_gives_the_run_back_to_any_process(url: str, run_id: str, world: World) -> None:
+    """P5 with a 30 s lease: once the answer is committed, another instance, or a process
+    after the resumer exited, continues at once; the answer is still taken once."""
+    lease = {"lease": 30.0}
+    asyncio.run(to_pause(url, run_id, world))
+
+    def answer() -> None:
+        asyncio.run(persistence(url, run_id, **lease).resume(Answer("ann")))
+
+    assert in_child(answer).ok
+    with pytest.raises(ResumeConflict):  # consumed once: a second answer is refused
+        asyncio.run(persistence(url, run_id, **lease).resume(Answer("bob")))
+    began = time.monotonic()
+    assert asyncio.run(drive(persistence(url, run_id, **lease), world)) == "paid 100"
+    assert time.monotonic() - began < 10  # no lease waited out
+    final = asyncio.run(persistence(url, run_id, **lease).load_all())[-1]
+    assert final.state["approved_by"] == "ann"
+
+    other = f"{run_id}-b"  # in one process: the resuming instance is not the continuing one
+    asyncio.run(to_pause(url, other, world))
+
+    async def two_instances() -> Any:
+        await persistence(url, other, **lease).resume(Answer("eve"))
+        return await drive(persistence(url, other, **lease), world)
+
+    assert asyncio.run(two_instances()) == "paid 100"
+    assert world.entered()["answer"] == 2 and world.sink.counts() == {"charge": 2}
+
+
+def test_tasks_sharing_one_instance_exclude_each_other(url: str, run_id: str, world: World) -> None:
+    """K8-THREADS on one instance: of 8 asyncio tasks, one proceeds and 7 get
+    ResumeConflict before running a node, whether they continue or answer."""
+
+    async def outcome(work: Any) -> Any:
+        try:
+            return await work
+        except ResumeConflict:
+            return "conflict"
+
+    async def go() -> tuple[list[Any], list[Any]]:
+        p = persistence(url, run_id)
+        await GRAPH.initialize(Start(), p, state=fresh())
+        started = await asyncio.gather(*(outcome(drive(p, world)) for _ in range(8)))
+
+        async def answer(i: int) -> Any:
+            await p.resume(Answer(f"v{i}"))
+            return i, await drive(p, world)
+
+        answered = await asyncio.gather(*(outcome(answer(i)) for i in range(8)))
+        return started, answered
+
+    started, answered = asyncio.run(go())
+    assert sorted(started, key=str) == ["conflict"] * 7 + ["paused"]
+    winners = [a for a in answered if a != "conflict"]
+    assert len(winners) == 1 and winners[0][1] == "paid 100", answered
+    final = asyncio.run(persistence(url, run_id).load_all())[-1]
+    assert final.state["approved_by"] == f"v{winners[0][0]}"
+    assert world.entered() == {"start": 1, "answer": 1, "pay": 1, "pay.after_effect": 1, "done": 1}
+    assert world.sink.counts() == {"charge": 1}
+
+
+def test_a_task_its_caller_awaits_acts_for_it(url: str, run_id: str, world: World) -> None:
+    """`asyncio.wait_for(run.next())` runs each node in a task of its own (Python 3.11):
+    that task acts for the caller that loaded the node, it is no rival resumer."""
+
+    async def go() -> Any:
+        p = persistence(url, run_id)
+        await GRAPH.initialize(Start(), p, state=fresh())
+        async with GRAPH.iter_from_persistence(p, deps=world) as run:
+            node: Any = run.next_node
+            while not isinstance(node, Ask):
+                node = await asyncio.wait_for(run.next(node), 30)
+        await p.resume(Answer("ann"))
+        async with GRAPH.iter_from_persistence(p, deps=world) as run:
+            node = run.next_node
+            while not isinstance(node, End):
+                node = await asyncio.wait_for(run.next(node), 30)
+        return node.data
+
+    assert asyncio.run(go()) == "paid 100"
+    assert world.sink.counts() == {"charge": 1}
+
+
+# -- options and arguments: typed errors, before anything is opened or written ---------------
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "named"),
+    [
+        ({"lease": 0}, ValueError, "lease"),
+        ({"lease": -1.0}, ValueError, "lease"),
+        ({"lease": float("nan")}, ValueError, "lease"),
+        ({"lease": float("inf")}, ValueError, "lease"),
+        ({"lease": "30"}, TypeError, "lease"),
+        ({"fork_token": ""}, ValueError, "fork_token"),
+        ({"fork_token": 7}, TypeError, "fork_token"),
+        ({"workflow_version": 2}, TypeError, "workflow_version"),
+        ({"accept_versions": "v1"}, TypeError, "accept_versions"),
+        ({"accept_versions": ["v1", 2]}, TypeError, "accept_versions"),
+    ],
+)
+def test_bad_options_are_refused_before_the_store_is_opened(
+    tmp_path: Path, run_id: str, options: dict[str, Any], error: type[Exception], named: str
+) -> None:
+    """A lease of 0 or less would expire every claim as it is taken (two processes in one
+    node): it, and every other bad option, raises at construction, naming the option."""
+    db = tmp_path / "never.db"
+    with pytest.raises(error, match=named):
+        RemitStatePersistence(f"sqlite:///{db}", run_id, **options)
+    assert not db.exists()
+
+
+def test_bad_inputs_raise_typed_errors_and_write_nothing(
+    url: str, run_id: str, world: World, tmp_path: Path
+) -> None:
+    """run_id and resume()'s answer are checked before any store call, alike on every
+    engine: TypeError / ValueError naming what was wrong; the run stays as it was."""
+    for bad_id, error in ((None, TypeError), (123, TypeError), ("", ValueError)):
+        with pytest.raises(error, match="run_id"):
+            RemitStatePersistence(url, bad_id)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="url"):
+        RemitStatePersistence(tmp_path, run_id)  # type: ignore[arg-type]
+
+    async def go() -> None:
+        p = await to_pause(url, run_id, world)
+        before = [s.id for s in await p.load_all()]
+        for answer, error in (
+            (End("x"), TypeError),
+            ("str", TypeError),
+            (None, TypeError),
+            (Pay, TypeError),  # the class, not a node
+            (Stray(), ValueError),  # a node of another graph
+        ):
+            with pytest.raises(error, match="resume"):
+                await p.resume(answer)  # type: ignore[arg-type]
+        assert [s.id for s in await p.load_all()] == before
+        assert p.remit.interrupts(run_id) == []  # not even the pause was opened
+        assert await p.paused() is not None
+
+    asyncio.run(go())
+
+
+@dataclass
+class Stray(BaseNode[Order, World, str]):
+    """A node of no graph here (for `resume`'s check)."""
+
+    async def run(self, ctx: Ctx) -> End[str]:
+        return End("slow")
+
+
+# -- P4: the bad value's full path; values JSON cannot carry ---------------------------------
+
+
+@dataclass
+class Inner:
+    amount: Annotated[int, Ge(0)] = 0
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Form:
+    name: str = "x"
+    blob: bytes = b""
+    inner: Inner = field(default_factory=Inner)
+    limit: float | None = None
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Spoil:
+    """What `Fill` does to the state, the field it gives `Check`, and the run's result."""
+
+    state: Callable[[Form], Any] = lambda form: None
+    k: Any = 1
+    result: Any = 5
+
+
+@dataclass
+class Fill(BaseNode[Form, Spoil, int]):
+    async def run(self, ctx: GraphRunContext[Form, Spoil]) -> Check:
+        ctx.deps.state(ctx.state)
+        return Check(k=ctx.deps.k)
+
+
+@dataclass
+class Check(BaseNode[Form, Spoil, int]):
+    k: int
+
+    async def run(self, ctx: GraphRunContext[Form, Spoil]) -> End[int]:
+        return End(ctx.deps.result)
+
+
+FORMS = Graph(nodes=(Fill, Check), name="forms")
+
+
+class Opaque:
+    """An object pydantic cannot serialize."""
+
+
+def refused(url: str, run_id: str, spoil: Spoil) -> tuple[CheckpointInvalid, list[Any]]:
+    """Run FORMS with `spoil`: the CheckpointInvalid it raises, and the history after it."""
+
+    async def go() -> tuple[CheckpointInvalid, list[Any]]:
+        p: RemitStatePersistence[Form, int] = RemitStatePersistence(url, run_id, lease=LEASE)
+        with pytest.raises(CheckpointInvalid) as bad:
+            await FORMS.run(Fill(), state=Form(), deps=spoil, persistence=p)
+        again: RemitStatePersistence[Form, int] = RemitStatePersistence(url, run_id)
+        again.set_graph_types(FORMS)
+        return bad.value, await again.load_all()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("spoil", "path"),
+    [
+        (Spoil(state=lambda f: setattr(f.inner, "amount", -1)), "state.inner.amount"),
+        (Spoil(state=lambda f: f.inner.tags.append(3)), "state.inner.tags.0"),
+        (Spoil(state=lambda f: f.sizes.update(a="big")), "state.sizes.a"),
+        (Spoil(state=lambda f: setattr(f, "name", Opaque())), "state.name"),
+        (Spoil(state=lambda f: setattr(f, "blob", b"\x00\xff")), "state.blob"),
+        (Spoil(state=lambda f: setattr(f, "inner", {"amount": 1})), "state.inner"),
+        (Spoil(k="zz"), "node.k"),
+        (Spoil(result="s"), "result.data"),
+    ],
+)
+def test_checkpoint_invalid_names_the_full_path(
+    url: str, run_id: str, spoil: Spoil, path: str
+) -> None:
+    """P4: whichever check refuses (pydantic's serializer or its validator), the error
+    names the bad value by its full path from the snapshot; nothing is written."""
+    bad, history = refused(url, run_id, spoil)
+    assert bad.field == path and path in str(bad) and run_id in str(bad)
+    kinds = [type(getattr(s, "node", s)).__name__ for s in history]
+    assert kinds == (["Fill", "Check"] if path == "result.data" else ["Fill"])
+    assert statuses(history)[-1] == "error"
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_values_json_cannot_carry_are_refused(url: str, run_id: str, value: float) -> None:
+    """P4: pydantic writes inf and nan as null, which reads back as None: refused at
+    write time (naming the field), so no run resumes with a state it never had."""
+    bad, history = refused(url, run_id, Spoil(state=lambda f: setattr(f, "limit", value)))
+    assert bad.field == "state.limit" and "None" in str(bad)
+    assert [s.state.limit for s in history] == [None] and statuses(history) == ["error"]
+
+
+def test_values_that_read_back_equal_are_stored(url: str, run_id: str) -> None:
+    """P4's round-trip check refuses only what changes: bytes, a float limit, nested
+    lists and dicts are stored, and read back as they were."""
+
+    def fill(form: Form) -> None:
+        form.limit, form.blob = 2.5, b"ok"
+        form.inner.tags.extend(("a", "b"))
+        form.sizes.update(a=1)
+
+    async def go() -> Form:
+        p: RemitStatePersistence[Form, int] = RemitStatePersistence(url, run_id, lease=LEASE)
+        result = await FORMS.run(Fill(), state=Form(), deps=Spoil(state=fill), persistence=p)
+        assert result.output == 5
+        again: RemitStatePersistence[Form, int] = RemitStatePersistence(url, run_id)
+        again.set_graph_types(FORMS)
+        return (await again.load_all())[-1].state
+
+    assert asyncio.run(go()) == Form("x", b"ok", Inner(0, ["a", "b"]), 2.5, {"a": 1})
+
+
+# -- the interface as pydantic-graph documents it ---------------------------------------------
+
+
+def test_record_run_and_load_next_as_the_interface_documents(url: str, run_id: str) -> None:
+    """Used directly, the interface answers as FullStatePersistence does: a second
+    load_next finds nothing to load; record_run stores success and the duration as it
+    exits; running the node again is refused."""
+
+    async def script(p: Any) -> list[Any]:
+        p.set_graph_types(GRAPH)
+        seen: list[Any] = []
+        await p.snapshot_node(fresh(), Start())
+        first = await p.load_next()
+        seen.append((first.status, await p.load_next()))
+        async with p.record_run(first.id):
+            pass
+        (done,) = await p.load_all()
+        seen.append((done.status, done.start_ts is not None, done.duration is not None))
+        with pytest.raises(GraphNodeStatusError):
+            async with p.record_run(first.id):
+                pass
+        return seen
+
+    remit = persistence(url, run_id)
+    assert asyncio.run(script(remit)) == asyncio.run(script(FullStatePersistence()))
+    assert asyncio.run(script(persistence(url, f"{run_id}-b"))) == [
+        ("pending", None),
+        ("success", True, True),
+    ]
+    (stored,) = asyncio.run(persistence(url, run_id).load_all())  # seen by another instance
+    assert stored.status == "success" and stored.duration is not None

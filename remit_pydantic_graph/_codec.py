@@ -1,0 +1,276 @@
+"""P4 for pydantic-graph snapshots: their bytes, through the graph's own type adapter.
+
+A snapshot is written only if it serializes under the graph's types without
+a warning, validates back, and reads back equal to the snapshot the run
+holds: a value JSON cannot carry (`inf` in a `float | None` field, which
+pydantic writes as null) is refused, never stored as another value. A
+refusal names the bad value by its full path from the snapshot
+(`state.inner.amount`, `state.items.1`, `node.value`, `result.data`), in
+the same form whichever check found it. No I/O here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Annotated, Any, Generic, Union
+
+import pydantic
+from pydantic_core import PydanticSerializationError
+from pydantic_graph import End
+from pydantic_graph.persistence import NodeSnapshot, RunEndT, Snapshot, StateT
+from typing_extensions import is_typeddict
+
+__all__ = ["SnapshotCodec", "Unfit"]
+
+_Path = tuple[str | int, ...]
+#: How deep `_unfit` looks for the bad part of a value.
+_DEEPEST = 32
+
+_UNEXPECTED = re.compile(
+    r"Expected `([^`]+)`[^\[]*\[(?:field_name='[^']*', )?input_value=(.*?), input_type=(\w+)\]"
+)
+
+
+class Unfit(ValueError):
+    """A snapshot that may not be written: where (`field`, a dotted path) and why."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
+class SnapshotCodec(Generic[StateT, RunEndT]):
+    """The graph's snapshot adapter and the types it was built from.
+
+    Build it inside the graph's node-type context (`set_types`); `node_ids`
+    are the graph's nodes, whose tags pydantic puts in a validation path.
+    """
+
+    def __init__(
+        self, state_type: type[StateT], run_end_type: type[RunEndT], node_ids: Collection[str]
+    ) -> None:
+        self.state_type, self.run_end_type = state_type, run_end_type
+        snapshot = Snapshot[state_type, run_end_type]  # type: ignore[valid-type]
+        self.adapter: pydantic.TypeAdapter[Snapshot[StateT, RunEndT]] = pydantic.TypeAdapter(
+            Annotated[snapshot, pydantic.Discriminator("kind")]
+        )
+        self.node_ids = frozenset(node_ids)
+
+    def decode(self, body: bytes) -> Snapshot[StateT, RunEndT]:
+        """A stored snapshot (`pydantic.ValidationError` if it does not fit these types)."""
+        return self.adapter.validate_json(body)
+
+    def encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:
+        """The snapshot's bytes, or `Unfit` if they would not read back as this snapshot."""
+        try:
+            body = self.adapter.dump_json(snapshot, warnings="error")
+        except PydanticSerializationError as exc:
+            path, problem = self._unserializable(snapshot) or ((), _problem(str(exc)))
+            raise Unfit(_dotted(path), f"does not fit the graph's types: {problem}") from exc
+        try:
+            back = self.adapter.validate_json(body)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            raise Unfit(
+                _dotted(self._path_of(first.get("loc", ()))),
+                f"does not satisfy the graph's types: {first.get('msg')}",
+            ) from exc
+        if not _equal(back, snapshot):
+            found = _difference(snapshot, back, ())
+            if found is not None:
+                path, ours, read = found
+                raise Unfit(
+                    _dotted(path),
+                    f"{ours!r} would read back as {read!r}",
+                )
+        return body
+
+    def _path_of(self, loc: Sequence[int | str]) -> _Path:
+        """A pydantic validation path without its union tags (`kind`, then the node's id)."""
+        parts = tuple(loc)
+        if parts and parts[0] in ("node", "end"):
+            parts = parts[1:]
+        if len(parts) > 1 and parts[0] == "node" and parts[1] in self.node_ids:
+            parts = parts[:1] + parts[2:]
+        return parts
+
+    def _unserializable(self, snapshot: Snapshot[StateT, RunEndT]) -> tuple[_Path, str] | None:
+        """The first part of `snapshot` that fails to serialize, looked for field by field."""
+        parts: list[tuple[str, Any, Any]] = [("state", snapshot.state, self.state_type)]
+        if isinstance(snapshot, NodeSnapshot):
+            parts.append(("node", snapshot.node, type(snapshot.node)))
+        else:
+            parts.append(("result", snapshot.result, End[self.run_end_type]))  # type: ignore[name-defined]
+        for key, value, declared in parts:
+            found = _unfit(value, declared, (key,))
+            if found is not None:
+                return found
+        return None
+
+
+def _dotted(path: _Path) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
+
+
+def _problem(text: str) -> str:
+    """What pydantic's serializer complained of, without its union tries' noise."""
+    found = _UNEXPECTED.search(text)
+    if found is None:
+        return text.replace("\n", " ")[:300]
+    expected, value, kind = found.groups()
+    return f"expected {expected}, got {kind} {value}"
+
+
+def _dump_problem(value: Any, declared: Any) -> str | None:
+    """Why `value` does not serialize as `declared`; None if it does or cannot be told."""
+    try:
+        adapter = pydantic.TypeAdapter(declared)
+    except Exception:  # a type pydantic cannot build alone (an unresolved name)
+        return None
+    try:
+        adapter.dump_json(value, warnings="error")
+    except PydanticSerializationError as exc:
+        return _problem(str(exc))
+    return None
+
+
+def _unfit(value: Any, declared: Any, path: _Path) -> tuple[_Path, str] | None:
+    """The deepest part of `value` that does not serialize as `declared`, and why."""
+    problem = _dump_problem(value, declared)
+    if problem is None:
+        return None
+    if len(path) > _DEEPEST:  # a cycle, most likely: its path so far is answer enough
+        return path, problem
+    for key, child, child_type in _parts(value, declared):
+        found = _unfit(child, child_type, (*path, key))
+        if found is not None:
+            return found
+    return path, problem
+
+
+def _parts(value: Any, declared: Any) -> Iterator[tuple[str | int, Any, Any]]:
+    """`value`'s fields or items, each with its declared type (Any where none is known)."""
+    while typing.get_origin(declared) is Annotated:
+        declared = typing.get_args(declared)[0]
+    if declared is Any:
+        declared = type(value)
+    origin, args = typing.get_origin(declared) or declared, typing.get_args(declared)
+    if origin in (Union, types.UnionType):
+        member = next((m for m in args if _is_instance(value, m)), None)
+        if member is not None:
+            yield from _parts(value, member)
+        return
+    if not isinstance(origin, type):
+        return
+    if dataclasses.is_dataclass(origin) and isinstance(value, origin):
+        hints = _hints(origin, args)
+        for f in dataclasses.fields(origin):
+            yield f.name, getattr(value, f.name, None), hints.get(f.name, Any)
+    elif issubclass(origin, pydantic.BaseModel) and isinstance(value, origin):
+        for name, info in origin.model_fields.items():
+            yield name, getattr(value, name, None), info.annotation
+    elif is_typeddict(origin) and isinstance(value, dict):
+        hints = _hints(origin, ())
+        for key, item in value.items():
+            yield key, item, hints.get(key, Any)
+    elif issubclass(origin, Mapping) and isinstance(value, Mapping):
+        item_type = args[1] if len(args) == 2 else Any
+        for key, item in value.items():
+            yield key, item, item_type
+    elif origin is tuple and isinstance(value, (list, tuple)):
+        fixed = args and not (len(args) == 2 and args[1] is Ellipsis)
+        for i, item in enumerate(value):
+            yield i, item, (args[i] if fixed and i < len(args) else args[0] if args else Any)
+    elif issubclass(origin, Collection) and isinstance(value, (list, tuple, set, frozenset)):
+        for i, item in enumerate(value):
+            yield i, item, args[0] if args else Any
+
+
+def _is_instance(value: Any, declared: Any) -> bool:
+    origin = typing.get_origin(declared) or declared
+    try:
+        return isinstance(value, origin)
+    except TypeError:  # Literal, Annotated and the like
+        return False
+
+
+def _hints(cls: type, args: tuple[Any, ...]) -> dict[str, Any]:
+    """`cls`'s field types, with its type parameters bound to `args` (as in `End[int]`)."""
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except Exception:  # an annotation that does not resolve here: types unknown
+        return {}
+    params: tuple[Any, ...] = getattr(cls, "__parameters__", ())
+    if not args or len(args) != len(params):
+        return hints
+    bound = dict(zip(params, args, strict=True))
+    return {name: _bind(hint, bound) for name, hint in hints.items()}
+
+
+def _bind(hint: Any, bound: Mapping[Any, Any]) -> Any:
+    if hint in bound:
+        return bound[hint]
+    inner = getattr(hint, "__parameters__", ())
+    return hint[tuple(bound.get(p, p) for p in inner)] if inner else hint
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an __eq__ that refuses to answer
+        return False
+
+
+def _difference(ours: Any, read: Any, path: _Path) -> tuple[_Path, Any, Any] | None:
+    """The first place where `read` (a round trip) differs from `ours`, by value.
+
+    Objects are compared field by field (so a class compared by identity is
+    compared by its data), sequences item by item (a tuple read back as a list
+    of equal items is equal), NaN equals NaN; anything else by `==`.
+    """
+    children: Callable[[Any], Mapping[Any, Any]] | None = None
+    if dataclasses.is_dataclass(ours) and not isinstance(ours, type):
+        children = _dataclass_fields
+    elif isinstance(ours, pydantic.BaseModel):
+        children = _model_fields
+    elif isinstance(ours, Mapping) and isinstance(read, Mapping):
+        children = dict
+    elif isinstance(ours, (list, tuple)) and isinstance(read, (list, tuple)):
+        children = _indexed
+    if children is None:
+        if isinstance(ours, float) and isinstance(read, float) and math.isnan(ours):
+            return None if math.isnan(read) else (path, ours, read)
+        return None if _equal(ours, read) else (path, ours, read)
+    if type(ours) is not type(read) and not isinstance(ours, (Mapping, list, tuple)):
+        return path, ours, read
+    mine, theirs = children(ours), children(read)
+    if mine.keys() != theirs.keys():
+        return path, ours, read
+    for key, value in mine.items():
+        found = _difference(value, theirs[key], (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _dataclass_fields(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+
+
+def _model_fields(model: pydantic.BaseModel) -> dict[str, Any]:
+    """A model's stored data: its fields (those not excluded from dumps) and extras."""
+    fields = {
+        name: getattr(model, name)
+        for name, info in type(model).model_fields.items()
+        if not info.exclude
+    }
+    return {**fields, **(model.model_extra or {})}
+
+
+def _indexed(items: Sequence[Any]) -> dict[int, Any]:
+    return dict(enumerate(items))
