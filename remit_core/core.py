@@ -77,6 +77,16 @@ def _write_with_value(w: WriteRecord, value: bytes) -> WriteRecord:
     )
 
 
+def checked_lease(lease: float) -> float:
+    """`lease` if it is a finite number of seconds above 0, else `ValueError`: a claim
+    with no lease left would let every resumer take it (no mutual exclusion)."""
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)):
+        raise TypeError(f"lease must be a number of seconds, got {type(lease).__name__}")
+    if not (math.isfinite(lease) and lease > 0):
+        raise ValueError(f"lease must be a finite number of seconds above 0, got {lease!r}")
+    return float(lease)
+
+
 #: How early (a share of the lease) a heartbeat may renew a claim, to share a wake-up:
 #: a quarter of its period of a third of the lease.
 _EARLY = 1 / 12
@@ -270,8 +280,8 @@ class Remit:
         clock: Callable[[], float] = time.time,
         holder: str | None = None,
     ) -> None:
+        self.lease = checked_lease(lease)
         self.store = open_store(store) if isinstance(store, str) else store
-        self.lease = lease
         self.clock = clock
         self._holder = holder
         self._holder_forks = -1
@@ -612,7 +622,7 @@ class Remit:
         unless `holder` is given: a caller that presents the holder of a live
         claim gets that claim back, same fence.
         """
-        lease = self.lease if lease is None else lease
+        lease = self.lease if lease is None else checked_lease(lease)
         holder = holder or f"{self.holder}/{next(_holder_serial)}"
         claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
         failpoints.hit("claim.after_acquire")
@@ -630,7 +640,7 @@ class Remit:
         """`claim(run_id, branch)`, the branch's head as of the claim and the head's
         writes, verified (one round trip where the engine allows). The claim is
         released if the head or a write fails to verify."""
-        lease = self.lease if lease is None else lease
+        lease = self.lease if lease is None else checked_lease(lease)
         holder = f"{self.holder}/{next(_holder_serial)}"
         claim, record, writes = self.store.acquire_claim_at_head(
             run_id, branch, holder, now=self.clock(), lease=lease, ns=ns

@@ -33,6 +33,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from remit_core import Remit, connect, policy
+from remit_core.core import checked_lease
 from remit_core.errors import RemitError
 from remit_core.records import CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
@@ -82,6 +83,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             if serde is None
             else GuardedSerializer(serde, allowlist)
         )
+        lease = None if lease is None else checked_lease(lease)  # before the store opens
         self.remit = connect(store) if isinstance(store, str) else store
         self.lease = self.remit.lease if lease is None else lease
         self.workflow_version = workflow_version

@@ -108,6 +108,16 @@ def test_an_async_exit_mode_run_gives_its_claim_up_with_its_last_commit(
     assert len(released) == (1 if store_url.startswith("redis") else 0)
 
 
+@pytest.mark.parametrize("lease", [0, -5, float("nan")])
+def test_a_lease_that_would_end_mutual_exclusion_is_refused_before_the_store_opens(
+    tmp_path: Any, lease: float
+) -> None:
+    path = tmp_path / "never.db"
+    with pytest.raises(ValueError, match="lease"):
+        RemitSaver(f"sqlite:///{path}", lease=lease)
+    assert not path.exists()
+
+
 class LoggingSaver(RemitSaver):
     """A user's subclass: overrides that log, then call `super()`."""
 

@@ -1406,6 +1406,20 @@ def test_facade_heartbeat_notices_a_takeover(store: Store, run_id: str) -> None:
     assert store.get_claim(run_id, MAIN_BRANCH) == rival
 
 
+@pytest.mark.parametrize("lease", [0, -1, float("nan"), float("inf")])
+def test_a_lease_that_would_end_mutual_exclusion_is_refused(
+    store: Store, run_id: str, lease: float
+) -> None:
+    with pytest.raises(ValueError, match="lease"):
+        Remit(store, lease=lease)
+    remit = Remit(store)
+    with pytest.raises(ValueError, match="lease"):
+        remit.claim(run_id, lease=lease)
+    with pytest.raises(ValueError, match="lease"):
+        remit.claim_at_head(run_id, lease=lease)
+    assert store.get_claim(run_id, MAIN_BRANCH) is None  # nothing was taken
+
+
 def test_lease_keeper_renews_claims_due_together_in_one_wake_up() -> None:
     keeper = _LeaseKeeper()
     added: list[float] = []
