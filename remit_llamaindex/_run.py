@@ -13,7 +13,11 @@ moved the branch on meanwhile.
 Events from outside pass the gate (`deliver`): an event that resolves a
 waiter consumes that waiter's Remit interrupt, once across all processes,
 before the control loop sees it; an event for a waiter that was already
-resolved is refused with `ResumeConflict`.
+resolved is refused with `ResumeConflict`. The classic human in the loop has
+no waiter: a step returns an `InputRequiredEvent` (an *ask*, opened as an
+interrupt with the step's result) and another step takes the
+`HumanResponseEvent`. An answer consumes the oldest open ask the same way; an
+answer when every ask was answered already is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -39,15 +43,18 @@ from remit_core import codec, failpoints
 from remit_core.core import ClaimHandle, Remit
 from remit_core.errors import (
     CheckpointInvalid,
+    Fenced,
     ForkWithoutIntent,
     HeadMoved,
     RemitError,
     ResumeConflict,
 )
+from remit_core.policy import CommitPlan
 from remit_core.records import MAIN_BRANCH, FenceRef, WriteRecord
 from remit_core.schema import StateSchema
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._state import RemitStateStore
+from remit_llamaindex._storable import unstorable
 
 if TYPE_CHECKING:
     from workflows.context.serializers import JsonSerializer
@@ -121,6 +128,7 @@ class Session:
         schema: StateSchema | None,
         schema_version: int,
         workflow_version: str,
+        asks: Mapping[str, dict[str, Any]] | None = None,
     ) -> None:
         self.remit = remit
         self.workflow = workflow
@@ -139,6 +147,10 @@ class Session:
         self.unsaved: list[tuple[int, WorkflowTick]] = []
         self.injections: deque[TickAddEvent] = deque()
         self.expected: set[int] = set()
+        # Open asks (interrupt id -> prompt) in journal order, as of the mirror, and
+        # the ask each delivered answer (by event identity) consumed until it is reduced.
+        self.asks: dict[str, dict[str, Any]] = dict(asks or {})
+        self.answering: dict[int, str] = {}
         self.claim: ClaimHandle | None = None
         self.opened: set[str] = set()
         self.done = False
@@ -148,6 +160,7 @@ class Session:
         self.store: RemitStateStore[Any] = RemitStateStore(
             state,
             schema=schema,
+            serializer=serializer,
             ids=lambda: {"run_id": self.run_id, "checkpoint_id": self.head_id},
             handle=self.handle,
             after_write=self._after_state_write,
@@ -210,34 +223,54 @@ class Session:
         """Mirror the control loop's reduction of `tick`, and commit it if claimed."""
         async with self.lock():
             seq = self.mirror.journal_seq
+            before = self.mirror
             replay = await replay_ticks_stream(self.mirror, _one(tick), run_id=self.key)
             self.mirror = replay.state
-            if isinstance(tick, TickAddEvent):
-                self.expected.discard(id(tick.event))
+            self._track_asks(tick, before)
             self.ticks.append(tick)
             self.unsaved.append((seq, tick))
             failure = _remit_failure(tick)
             if failure is not None:
                 raise failure
             status = snap.status_of(self.mirror, replay.exit_command)
+            if status in snap.TERMINAL:
+                self.asks.clear()
             if self.claim is None:
                 if status == snap.WAITING:
                     return
                 await asyncio.to_thread(self.take_claim)
-            await asyncio.to_thread(self._commit, status, replay.exit_command)
+            try:
+                await asyncio.to_thread(self._commit, status, replay.exit_command)
+            except _Unstorable as exc:
+                found = unstorable(await self.store.get_state(), self.serializer)
+                await asyncio.to_thread(self._commit_failed, exc.__cause__, found)
             if isinstance(tick, TickStepResult):
                 failpoints.hit("step.after")
             if status in snap.TERMINAL or (status == snap.WAITING and not self.expected):
                 await asyncio.to_thread(self.release_claim)
 
+    def _track_asks(self, tick: WorkflowTick, before: BrokerState) -> None:
+        """Open the asks a step result put on their way out; close the one an answer
+        consumed once the answer is reduced (the journal then holds it)."""
+        if isinstance(tick, TickAddEvent):
+            self.expected.discard(id(tick.event))
+            answered = self.answering.pop(id(tick.event), None)
+            if answered is not None:
+                self.asks.pop(answered, None)
+        elif isinstance(tick, TickStepResult):
+            for ask in snap.new_asks(before, self.mirror):
+                self.asks.setdefault(ask.interrupt_id, ask.prompt())
+
     def _metadata(self, status: str, exit_command: object | None) -> dict[str, Any]:
         last = self.unsaved[-1][1] if self.unsaved else None
+        waiting = [w.interrupt_id for w in snap.waiters(self.mirror) if w.pending]
         meta: dict[str, Any] = {
             "source": "llamaindex",
             "status": status,
             "tick": getattr(last, "type", "update_state"),
             "next": snap.busy_steps(self.mirror),
-            "waiting": [w.interrupt_id for w in snap.waiters(self.mirror) if w.pending],
+            "waiting": [*waiting, *self.asks],
+            "asks": dict(self.asks),
             "journal_seq": self.mirror.journal_seq,
         }
         if isinstance(last, TickStepResult):
@@ -254,58 +287,136 @@ class Session:
         """Commit the mirrored state as the branch's next checkpoint (blocking)."""
         assert self.claim is not None
         fence = self.claim.fence
-        body = snap.encode(self.mirror, self.store.payload(self.serializer), self.serializer)
         checkpoint_id = new_checkpoint_id()
-        writes = [
-            WriteRecord(
-                run_id=self.run_id,
-                checkpoint_id=checkpoint_id,
-                task_id=JOURNAL_TASK,
-                idx=seq,
-                channel=tick.type,
-                value=self.serializer.serialize(tick).encode(),
-            )
-            for seq, tick in self.unsaved
-        ]
-        plan = self.remit.plan(self.run_id, self.head_id, fork_token=self.fork_token)
+        try:
+            body = snap.encode(self.mirror, self.store.payload(self.serializer), self.serializer)
+            writes = [
+                WriteRecord(
+                    run_id=self.run_id,
+                    checkpoint_id=checkpoint_id,
+                    task_id=JOURNAL_TASK,
+                    idx=seq,
+                    channel=tick.type,
+                    value=self.serializer.serialize(tick).encode(),
+                )
+                for seq, tick in self.unsaved
+            ]
+            metadata = self._metadata(status, exit_command)
+        except (TypeError, ValueError) as exc:  # the framework's serializer refused a value
+            raise _Unstorable() from exc
+        self.remit.commit(
+            run_id=self.run_id,
+            checkpoint_id=checkpoint_id,
+            parent_id=self.head_id,
+            state=body,
+            metadata=metadata,
+            fork_token=self.fork_token,
+            schema_version=self.schema_version,
+            workflow_version=self.workflow_version,
+            writes=writes,
+            fence=fence,
+            plan=self._plan(fence),
+        )
+        self.head_id = checkpoint_id
+        self.unsaved.clear()
+        self._open_interrupts(fence)
+
+    def _plan(self, fence: FenceRef) -> CommitPlan:
+        """Where the next checkpoint goes: after this session's head, on its branch.
+
+        If the head moved, a holder whose claim was taken over learns that (`Fenced`),
+        not that its write would fork the run."""
+        try:
+            plan = self.remit.plan(self.run_id, self.head_id, fork_token=self.fork_token)
+        except ForkWithoutIntent:
+            self._check_fence(fence)
+            raise
         if plan.branch != self.branch or plan.fork is not None:
+            self._check_fence(fence)
             raise HeadMoved(
                 f"branch {self.branch!r} of run {self.run_id!r} no longer has head "
                 f"{self.head_id!r}",
                 run_id=self.run_id,
                 checkpoint_id=self.head_id,
             )
-        self.remit.commit(
+        return plan
+
+    def _check_fence(self, fence: FenceRef) -> None:
+        """Raise `Fenced` unless `fence` is still the branch claim's current one."""
+        current = self.remit.store.get_claim(self.run_id, self.branch)
+        if current is not None and (current.fence, current.holder) == (fence.fence, fence.holder):
+            return
+        raise Fenced(
+            f"this process's claim on run {self.run_id!r} ran out and another resumer took "
+            "the run over; its writes are refused and its copy of the run stops",
             run_id=self.run_id,
-            checkpoint_id=checkpoint_id,
-            parent_id=self.head_id,
-            state=body,
-            metadata=self._metadata(status, exit_command),
-            fork_token=self.fork_token,
-            schema_version=self.schema_version,
-            workflow_version=self.workflow_version,
-            writes=writes,
-            fence=fence,
-            plan=plan,
+            checkpoint_id=self.head_id,
         )
-        self.head_id = checkpoint_id
-        self.unsaved.clear()
-        self._open_interrupts(fence)
+
+    def _commit_failed(self, cause: BaseException | None, found: tuple[str, str] | None) -> None:
+        """A tick the framework's serializer cannot store ends the run: commit it as failed,
+        with the state of its last checkpoint, and raise `CheckpointInvalid`.
+
+        Left as it was, the run would look "running" and every recovery would redo the
+        step and fail the same way."""
+        assert self.claim is not None
+        field, reason = found if found is not None else (None, f"{cause}"[:300])
+        where = f"state value at {field}" if field is not None else "an event or result"
+        error = CheckpointInvalid(
+            f"the run cannot be checkpointed: {where} cannot be stored ({reason}); it was "
+            "stopped and committed as failed with the state of its last checkpoint",
+            field=field,
+            run_id=self.run_id,
+            checkpoint_id=self.head_id,
+        )
+        if self.head_id is not None:
+            fence = self.claim.fence
+            record = self.remit.checkpoint(self.run_id, self.head_id)
+            assert record is not None
+            ctx = snap.decode(record.state, run_id=self.run_id, checkpoint_id=self.head_id)
+            checkpoint_id = new_checkpoint_id()
+            self.remit.commit(
+                run_id=self.run_id,
+                checkpoint_id=checkpoint_id,
+                parent_id=self.head_id,
+                state=codec.dumps({"ctx": {**ctx, "is_running": False}}),
+                metadata={
+                    "source": "llamaindex",
+                    "status": snap.FAILED,
+                    "tick": "unstorable",
+                    "next": [],
+                    "waiting": [],
+                    "journal_seq": record.metadata.get("journal_seq"),
+                    "error": f"{type(error).__name__}: {error}",
+                },
+                fork_token=self.fork_token,
+                schema_version=self.schema_version,
+                workflow_version=self.workflow_version,
+                fence=fence,
+                plan=self._plan(fence),
+            )
+            self.head_id = checkpoint_id
+            self.unsaved.clear()
+        self.release_claim()
+        raise error from cause
 
     def _open_interrupts(self, fence: FenceRef | None) -> None:
-        fresh = [
-            w for w in snap.waiters(self.mirror) if w.pending and w.interrupt_id not in self.opened
-        ]
+        fresh = {
+            w.interrupt_id: _prompt(w)
+            for w in snap.waiters(self.mirror)
+            if w.pending and w.interrupt_id not in self.opened
+        }
+        fresh.update((i, p) for i, p in self.asks.items() if i not in self.opened)
         if not fresh:
             return
         self.remit.open_interrupts(
             self.run_id,
-            {w.interrupt_id: codec.dumps(_prompt(w)) for w in fresh},
+            {i: codec.dumps(p) for i, p in fresh.items()},
             branch=self.branch,
             checkpoint_id=self.head_id,
             fence=fence,
         )
-        self.opened.update(w.interrupt_id for w in fresh)
+        self.opened.update(fresh)
 
     async def _after_state_write(self) -> None:
         """A state write while parked comes from outside the run: commit it at once."""
@@ -322,20 +433,25 @@ class Session:
     async def deliver(self, tick: WorkflowTick) -> None:
         """Deliver an event from outside, consuming the interrupt it resolves (P5)."""
         async with self.lock():
-            newly: list[snap.Waiter] = []
+            targets: dict[str, dict[str, Any]] = {}
             value = b""
             if isinstance(tick, TickAddEvent):
-                newly = await self._resolved_by(tick)
+                targets = await self._resolved_by(tick)
                 value = self.serializer.serialize(tick.event).encode()
             took = self.claim is None
             if took:
                 try:
                     await asyncio.to_thread(self.take_claim)
-                except ForkWithoutIntent:
-                    await asyncio.to_thread(self._refuse_consumed, newly)
-                    raise
+                except ForkWithoutIntent as exc:
+                    await asyncio.to_thread(self._refuse_consumed, targets)
+                    raise ResumeConflict(
+                        "another resumer moved the run on since this copy of it was "
+                        "restored; the event was not delivered",
+                        run_id=self.run_id,
+                        checkpoint_id=self.head_id,
+                    ) from exc
             try:
-                await asyncio.to_thread(self._consume, newly, value)
+                await asyncio.to_thread(self._consume, targets, value)
             except BaseException:
                 if took:
                     await asyncio.to_thread(self.release_claim)
@@ -343,27 +459,33 @@ class Session:
             assert self.inner is not None
             if isinstance(tick, TickAddEvent):
                 self.expected.add(id(tick.event))
+                for interrupt_id in targets.keys() & self.asks.keys():
+                    self.answering[id(tick.event)] = interrupt_id
             await self.inner.send_event(tick)
 
-    def inject(self, event: Event) -> None:
+    def inject(self, event: Event, ask: str | None = None) -> None:
         """Queue an accepted resume value whose delivery a crash interrupted."""
         self.expected.add(id(event))
+        if ask is not None:
+            self.answering[id(event)] = ask
         self.injections.append(TickAddEvent(event=event))
 
-    def _refuse_consumed(self, waiters: list[snap.Waiter]) -> None:
-        """A resumer that lost the race for a waiter gets `ResumeConflict`, not a fork error."""
-        for w in waiters:
-            record = self.remit.interrupt(self.run_id, w.interrupt_id, branch=self.branch)
+    def _refuse_consumed(self, targets: Mapping[str, Any]) -> None:
+        """A resumer that lost the race for an interrupt gets `ResumeConflict`."""
+        for interrupt_id in targets:
+            record = self.remit.interrupt(self.run_id, interrupt_id, branch=self.branch)
             if record is not None and record.status == "consumed":
                 raise ResumeConflict(
                     "interrupt was already consumed by another resumer; the value was not "
                     "delivered",
                     run_id=self.run_id,
-                    interrupt_id=w.interrupt_id,
+                    interrupt_id=interrupt_id,
                 )
 
-    async def _resolved_by(self, tick: TickAddEvent) -> list[snap.Waiter]:
-        """The pending waiters `tick` resolves; refuses a response to a resolved waiter."""
+    async def _resolved_by(self, tick: TickAddEvent) -> dict[str, dict[str, Any]]:
+        """The interrupts `tick` resolves (id -> prompt): the pending waiters it answers,
+        else for an answer the oldest open ask. Refuses a response to a resolved waiter,
+        an answer when every ask was answered, and any event once the run has ended."""
         ids = {"run_id": self.run_id, "checkpoint_id": self.head_id}
         _validated_event(tick.event, **ids)
         before = {w.interrupt_id: w for w in snap.waiters(self.mirror)}
@@ -379,13 +501,28 @@ class Session:
                 **ids,
             )
         if hit:
-            return hit
+            return {w.interrupt_id: _prompt(w) for w in hit}
+        answer = snap.is_answer(tick.event)
+        if answer:
+            taken = set(self.answering.values())
+            for interrupt_id, prompt in self.asks.items():
+                if interrupt_id not in taken:
+                    return {interrupt_id: prompt}
         types = snap.event_types(tick.event)
         for record in await asyncio.to_thread(
             self.remit.interrupts, self.run_id, branch=self.branch
         ):
+            if record.status != "consumed":
+                continue
             prompt = codec.loads(record.prompt) if record.prompt else {}
-            if record.status == "consumed" and prompt.get("event_type") in types:
+            if prompt.get("kind") == "ask" and answer:
+                raise ResumeConflict(
+                    "every input this run asked for was answered already; the value was "
+                    "not delivered",
+                    interrupt_id=record.interrupt_id,
+                    **ids,
+                )
+            if prompt.get("kind") != "ask" and prompt.get("event_type") in types:
                 raise ResumeConflict(
                     "interrupt was already consumed; the value was not delivered",
                     interrupt_id=record.interrupt_id,
@@ -393,23 +530,23 @@ class Session:
                 )
         if not self.mirror.is_running and self.ticks:
             raise ResumeConflict("the run has ended; the event was not delivered", **ids)
-        return []
+        return {}
 
-    def _consume(self, waiters: list[snap.Waiter], value: bytes) -> None:
-        for w in waiters:
-            existing = self.remit.interrupt(self.run_id, w.interrupt_id, branch=self.branch)
+    def _consume(self, targets: Mapping[str, dict[str, Any]], value: bytes) -> None:
+        for interrupt_id, prompt in targets.items():
+            existing = self.remit.interrupt(self.run_id, interrupt_id, branch=self.branch)
             if existing is None:
                 self.remit.open_interrupts(
                     self.run_id,
-                    {w.interrupt_id: codec.dumps(_prompt(w))},
+                    {interrupt_id: codec.dumps(prompt)},
                     branch=self.branch,
                     checkpoint_id=self.head_id,
                     fence=self.fence,
                 )
             self.remit.consume(
-                self.run_id, w.interrupt_id, value, branch=self.branch, fence=self.fence
+                self.run_id, interrupt_id, value, branch=self.branch, fence=self.fence
             )
-            self.opened.add(w.interrupt_id)
+            self.opened.add(interrupt_id)
 
     # -- lifecycle ------------------------------------------------------------------
     def abort(self) -> None:
@@ -426,3 +563,8 @@ class Session:
 
 def _prompt(w: snap.Waiter) -> dict[str, Any]:
     return {"step": w.step, "waiter_id": w.waiter_id, "event_type": w.event_type}
+
+
+class _Unstorable(Exception):
+    """Raised from a commit whose checkpoint the serializer could not encode (the
+    framework's error is its cause)."""

@@ -15,7 +15,7 @@ from typing import Any
 from workflows.context.context_types import SerializedContext
 from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
 from workflows.errors import WorkflowCancelledByUser
-from workflows.events import Event
+from workflows.events import Event, HumanResponseEvent, InputRequiredEvent
 from workflows.runtime.types.commands import CommandCompleteRun, CommandFailWorkflow, CommandHalt
 from workflows.runtime.types.internal_state import BrokerState
 from workflows.workflow import Workflow
@@ -93,6 +93,39 @@ def waiters(state: BrokerState) -> list[Waiter]:
     return found
 
 
+@dataclass(frozen=True)
+class Ask:
+    """An `InputRequiredEvent` a step returned for the outside: the classic human in the
+    loop, answered by a `HumanResponseEvent` that some step takes (no waiter involved)."""
+
+    interrupt_id: str
+    event_type: str
+
+    def prompt(self) -> dict[str, Any]:
+        return {"kind": "ask", "event_type": self.event_type}
+
+
+def new_asks(before: BrokerState, after: BrokerState) -> list[Ask]:
+    """The asks a reduced step result opened: `InputRequiredEvent`s it put on their way
+    out. Named by the emission key, the same in every process that reduces the journal
+    (the "-" keeps the name apart from a waiter's, which starts with a step name)."""
+    seen = {key for _, broker in walk_brokers(before) for key in broker.deliveries}
+    return [
+        Ask(
+            interrupt_id=f"input-required:{key.invocation_id}#{key.index}",
+            event_type=_qualname(type(delivery.event)),
+        )
+        for _, broker in walk_brokers(after)
+        for key, delivery in broker.deliveries.items()
+        if key not in seen and isinstance(delivery.event, InputRequiredEvent)
+    ]
+
+
+def is_answer(event: Event) -> bool:
+    """Whether `event` answers an ask (the framework's human-response type)."""
+    return isinstance(event, HumanResponseEvent)
+
+
 def event_types(event: Event) -> set[str]:
     """Qualified names of an event's class and its bases (what a waiter may wait for)."""
     return {_qualname(c) for c in type(event).__mro__}
@@ -109,10 +142,18 @@ def busy_steps(state: BrokerState) -> list[str]:
 
 
 def is_idle(state: BrokerState) -> bool:
-    """Running with nothing left to do: the run waits for an event from outside."""
+    """Running with nothing left to do: the run waits for an event from outside.
+
+    An `InputRequiredEvent` still on its way out does not count as work: it is the
+    question the run waits on, so a step that returns one parks the run at once."""
     if not state.is_running:
         return False
-    return not any(broker.deliveries for _, broker in walk_brokers(state)) and not busy_steps(state)
+    outbound = (
+        delivery.event
+        for _, broker in walk_brokers(state)
+        for delivery in broker.deliveries.values()
+    )
+    return all(isinstance(e, InputRequiredEvent) for e in outbound) and not busy_steps(state)
 
 
 def status_of(state: BrokerState, exit_command: object | None) -> str:

@@ -6,7 +6,10 @@ committed checkpoint), never half-way through the step. Every writer
 (`set`, `set_state`, `edit_state`, `clear`) goes through `_write_state`,
 where the state is re-validated against the run's declared model, so a value
 that slipped past the model (`validate_assignment` off, `model_construct`)
-is refused with `CheckpointInvalid` and the stored state stays as it was.
+is refused with `CheckpointInvalid` and the stored state stays as it was. A
+value the checkpoint could not hold as it is (a datetime or bytes in an
+untyped store, a tuple that would come back as a list) is refused there too,
+inside the step, naming its key, rather than failing the commit afterwards.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel
-from workflows.context.serializers import BaseSerializer
+from workflows.context.serializers import BaseSerializer, JsonSerializer
 from workflows.context.state_store import MODEL_T, InMemoryStateStore
 
 from remit_core.schema import StateSchema
+from remit_llamaindex._storable import check_storable
 
 
 class RemitStateStore(InMemoryStateStore[MODEL_T]):
@@ -34,19 +38,23 @@ class RemitStateStore(InMemoryStateStore[MODEL_T]):
         initial_state: MODEL_T,
         *,
         schema: StateSchema | None,
+        serializer: JsonSerializer,
         ids: Callable[[], dict[str, Any]],
         handle: Callable[[], dict[str, Any]],
         after_write: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         super().__init__(initial_state)
         self._schema = schema
+        self._checkpoint_serializer = serializer
         self._ids = ids
         self._handle = handle
         self._after_write = after_write
 
     async def _write_state(self, state: BaseModel, storage: Any = None) -> None:
+        ids = self._ids()
         if self._schema is not None:
-            state = self._schema.validate(state, **self._ids())
+            state = self._schema.validate(state, **ids)
+        check_storable(state, self._checkpoint_serializer, **ids)
         await super()._write_state(state, storage)
         if self._after_write is not None:
             await self._after_write()

@@ -77,6 +77,7 @@ from remit_core.records import MAIN_BRANCH, CheckpointRecord
 from remit_core.schema import StateSchema
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import Session, new_checkpoint_id, public_run_id, split_run_id
+from remit_llamaindex._storable import check_storable
 
 logger = logging.getLogger("remit_llamaindex")
 _FIRST_ATTEMPT = RetryAttempt()
@@ -260,12 +261,18 @@ class RemitRuntime(BaseRuntimeDecorator):
             record.checkpoint_id,
             init,
             state,
+            asks=record.metadata.get("asks") or {},
         )
         pending = {w.interrupt_id for w in snap.waiters(init) if w.pending}
         for interrupt in remit.interrupts(run_id, branch=branch.branch):
-            if interrupt.status == "consumed" and interrupt.interrupt_id in pending:
-                assert interrupt.value is not None
-                session.inject(serializer.deserialize(interrupt.value.decode()))
+            if interrupt.status != "consumed":
+                continue
+            assert interrupt.value is not None
+            value = serializer.deserialize(interrupt.value.decode())
+            if interrupt.interrupt_id in pending:
+                session.inject(value)
+            elif interrupt.interrupt_id in session.asks:
+                session.inject(value, ask=interrupt.interrupt_id)
         return session
 
     def _session(
@@ -278,6 +285,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         head_id: str | None,
         init_state: BrokerState,
         state: BaseModel,
+        asks: dict[str, dict[str, Any]] | None = None,
     ) -> Session:
         schema = self._schema(workflow)
         return Session(
@@ -293,6 +301,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             schema=schema,
             schema_version=schema.version if schema is not None else 1,
             workflow_version=self.workflow_version,
+            asks=asks,
         )
 
     async def _watch(self, session: Session) -> None:
@@ -493,9 +502,10 @@ class RemitRuntime(BaseRuntimeDecorator):
 
         `handler.ctx.send_event` is fire-and-forget: a refused event is logged
         and not delivered. This method raises the refusal instead:
-        `ResumeConflict` when the waiter it answers was already resolved or
-        another resumer holds the run, `CheckpointInvalid` for an event that
-        fails its own model.
+        `ResumeConflict` when the waiter it answers was already resolved, when
+        it is a `HumanResponseEvent` and every `InputRequiredEvent` the run
+        returned was answered already, or when another resumer holds the run or
+        moved it on; `CheckpointInvalid` for an event that fails its own model.
         """
         session = self._live(handler.run_id)
         await session.deliver(
@@ -506,9 +516,12 @@ class RemitRuntime(BaseRuntimeDecorator):
         """Resume a stored run with `event` (e.g. a `HumanResponseEvent`), in any process.
 
         The event's interrupt is claimed and consumed before any step runs;
-        of k concurrent resumers one proceeds and the others get `ResumeConflict`.
+        of k concurrent resumers one proceeds and the others get `ResumeConflict`,
+        as does an event for a run that has ended (nothing runs, nothing is stored).
         """
         ctx = await asyncio.to_thread(self.context, workflow, run_id)
+        if not ctx.is_running:  # running it would start the workflow over
+            raise await asyncio.to_thread(self._ended, run_id, event)
         try:
             handler = workflow.run(ctx=ctx)
         except ForkWithoutIntent as exc:
@@ -525,6 +538,27 @@ class RemitRuntime(BaseRuntimeDecorator):
             session.close()
             raise
         return handler
+
+    def _ended(self, run_id: str, event: Event) -> ResumeConflict:
+        """The refusal of an event for a run that has ended, naming the interrupt the
+        event would have answered if there is one."""
+        record = self._head(run_id)
+        types = snap.event_types(event)
+        for interrupt in self.remit.interrupts(record.run_id, branch=record.branch):
+            prompt = codec.loads(interrupt.prompt) if interrupt.prompt else {}
+            asked = prompt.get("kind") == "ask" and snap.is_answer(event)
+            if interrupt.status == "consumed" and (asked or prompt.get("event_type") in types):
+                return ResumeConflict(
+                    "interrupt was already consumed and the run has ended; the value was "
+                    "not delivered",
+                    run_id=run_id,
+                    interrupt_id=interrupt.interrupt_id,
+                )
+        return ResumeConflict(
+            f"the run has ended ({record.metadata.get('status')}); the event was not delivered",
+            run_id=run_id,
+            checkpoint_id=record.checkpoint_id,
+        )
 
     async def update_state(self, workflow: Workflow, run_id: str, values: Mapping[str, Any]) -> str:
         """Edit a stored run's state (validated; `CheckpointInvalid` commits nothing).
@@ -548,6 +582,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             schema = self._schema(workflow)
             if schema is not None:
                 state = schema.validate(state, **ids)
+            check_storable(state, serializer, **ids)
             body = codec.dumps(
                 {"ctx": {**ctx, "state": create_in_memory_payload(state, serializer).model_dump()}}
             )

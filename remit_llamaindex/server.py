@@ -18,15 +18,22 @@ Where the server's own stores fall short, this one keeps the contract:
   cancels the run's task itself, and refuses every later write of that run
   in this process, so the run never runs on with a gap in its journal. The
   stored run stays as it was: "running", resumable from its last tick.
+- A run waiting for an event stays alive. The framework keeps a run's
+  in-memory state only while something references it, and while the run
+  waits nothing does: a garbage collection would destroy it and the next
+  event would be acknowledged and lost. The store holds the task of every
+  run it appends ticks for, until the task ends.
 - State is validated on every write against the workflow's state model:
   an invalid value (even one built with `model_construct`) raises
-  `CheckpointInvalid` in the step and nothing is stored. Each state write is
+  `CheckpointInvalid` naming the field in the step, and nothing is stored; so
+  does a value the JSON serializer cannot store as it is. Each state write is
   a compare-and-set of the state's head, so a lost update raises `HeadMoved`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -47,15 +54,23 @@ from llama_agents.server._store.abstract_workflow_store import (
     is_terminal_status,
 )
 from pydantic import BaseModel, ValidationError
-from workflows.context.serializers import BaseSerializer
-from workflows.context.state_store import DictState, StateRecord, StateStoreFacade, decode_state
+from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
+from workflows.context.state_store import (
+    MODEL_T,
+    DictState,
+    StateRecord,
+    StateStoreFacade,
+    decode_state,
+)
 
 from remit_core import connect
 from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit
 from remit_core.errors import CheckpointInvalid, RemitError
 from remit_core.records import FenceRef, WriteRecord
 from remit_core.schema import StateSchema
+from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import new_checkpoint_id
+from remit_llamaindex._storable import check_storable
 
 logger = logging.getLogger("remit_llamaindex.server")
 
@@ -109,6 +124,7 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         self._claims: dict[str, ClaimHandle] = {}
         self._next: dict[tuple[str, str], int] = {}
         self._stopped: dict[str, RemitError] = {}
+        self._runs: dict[str, asyncio.Task[Any]] = {}
 
     @property
     def remit(self) -> Remit:
@@ -216,13 +232,27 @@ class RemitWorkflowStore(AbstractWorkflowStore):
 
     async def append_tick(self, run_id: str, tick_data: dict[str, Any]) -> None:
         """Append the next tick; on refusal the run's task is cancelled (see module doc)."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._keep(run_id, task)
         try:
             await self._guarded(run_id, lambda: self._append(run_id, "ticks", {"tick": tick_data}))
         except RemitError:
-            task = asyncio.current_task()
             if task is not None:
                 task.cancel()
             raise
+
+    def _keep(self, run_id: str, task: asyncio.Task[Any]) -> None:
+        """Hold the run's task (its control loop) until it ends (see module doc)."""
+        if self._runs.get(run_id) is task:
+            return
+        self._runs[run_id] = task
+
+        def forget(done: asyncio.Task[Any]) -> None:
+            if self._runs.get(run_id) is done:
+                del self._runs[run_id]
+
+        task.add_done_callback(forget)
 
     def _replay(self, run_id: str) -> list[tuple[int, dict[str, Any]]]:
         """Read the journal; this process's next appends follow what it read."""
@@ -276,9 +306,28 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         serializer: BaseSerializer | None,
     ) -> StateStoreFacade[Any]:
         storage = _RemitStateStorage(self, run_id, namespace)
-        facade: StateStoreFacade[Any] = StateStoreFacade(storage, state_type, serializer)
+        facade: _RemitStateFacade[Any] = _RemitStateFacade(storage, state_type, serializer)
         storage.facade = facade
         return facade
+
+
+class _RemitStateFacade(StateStoreFacade[MODEL_T]):
+    """The framework's state facade, checking a state before it is encoded: against the
+    state model (`CheckpointInvalid` naming the field), then that the serializer stores
+    it as it is (the framework would raise a bare `ValueError`, or turn a tuple into a
+    list)."""
+
+    @functools.cached_property
+    def schema(self) -> StateSchema | None:
+        return None if self.state_type is DictState else StateSchema(self.state_type)
+
+    async def _write_state(self, state: BaseModel, storage: Any = None) -> None:
+        if self.schema is not None:
+            state = self.schema.validate(state, run_id=self.run_id)
+        serializer = self._serializer
+        if isinstance(serializer, JsonSerializer) and not isinstance(serializer, PickleSerializer):
+            check_storable(state, serializer, run_id=self.run_id)
+        await super()._write_state(state, storage)
 
 
 class _RemitStateStorage:
@@ -299,7 +348,7 @@ class _RemitStateStorage:
         self._ns = "llamaindex.state/" + "/".join(namespace)
         self._parent = parent
         self._bound = bound
-        self.facade: StateStoreFacade[Any] | None = None
+        self.facade: _RemitStateFacade[Any] | None = None
 
     @property
     def run_id(self) -> str:
@@ -327,15 +376,20 @@ class _RemitStateStorage:
         yield bound
 
     def _validate(self, data: str) -> None:
+        """Refuse a state record that does not satisfy the workflow's state model, naming
+        the field: the stored fields are checked against the model before decoding."""
         assert self.facade is not None
         ids = {"run_id": self._run_id}
+        schema = self.facade.schema
+        fields = snap.state_fields({"state_data": data})
+        if schema is not None and fields is not None:
+            schema.validate(fields, **ids)
         try:
             state = decode_state(data, self.facade._serializer)
         except (ValidationError, ValueError) as exc:
             raise CheckpointInvalid(f"state does not decode as its model: {exc}", **ids) from exc
-        state_type = self.facade.state_type
-        if isinstance(state, BaseModel) and state_type is not DictState:
-            StateSchema(state_type).validate(state, **ids)
+        if schema is not None and isinstance(state, BaseModel):
+            schema.validate(state, **ids)
 
     async def save(self, record: StateRecord) -> None:
         data = record.data if isinstance(record.data, str) else json.dumps(record.data)

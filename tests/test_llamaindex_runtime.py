@@ -9,9 +9,14 @@ holds afterwards.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -102,6 +107,27 @@ class OrderFlow(Workflow):
         charge_card(await ctx.store.get("amount"))
         await ctx.store.set("charged", True)
         return StopEvent(result="charged")
+
+
+class Classic(Workflow):
+    """The framework's classic human in the loop: `ask` returns an `InputRequiredEvent`,
+    `answer` takes the `HumanResponseEvent` (no `wait_for_event`)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(timeout=None, **kw)
+
+    @step
+    async def ask(self, ctx: Context[Order], ev: StartEvent) -> InputRequiredEvent:
+        ENTERED["ask"] += 1
+        await ctx.store.set("amount", ev.get("amount", 100))
+        return InputRequiredEvent(prefix="ok?")
+
+    @step
+    async def answer(self, ctx: Context[Order], ev: HumanResponseEvent) -> StopEvent:
+        ENTERED["answer"] += 1
+        await ctx.store.set("approved_by", ev.response)
+        charge_card(await ctx.store.get("amount"))
+        return StopEvent(result=ev.response)
 
 
 @pytest.fixture(autouse=True)
@@ -327,3 +353,313 @@ def test_a_taken_over_run_is_fenced_and_stops(store_url: str) -> None:
 
     asyncio.run(go())
     assert CHARGED == {}
+
+
+# -- classic human in the loop: InputRequiredEvent returned, HumanResponseEvent taken --
+
+
+async def asked(rt: RemitRuntime, run: str) -> WorkflowHandler:
+    handler = Classic(runtime=rt).run(run_id=run, amount=100)
+    assert await settle(handler) == "paused"
+    for _ in range(100):  # parked: the claim is released with the ask's checkpoint
+        if rt.status(run) == "waiting":
+            return handler
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"run {run} did not park")
+
+
+def test_classic_answer_to_a_completed_run_is_refused(store_url: str) -> None:
+    """An answer to a classic run that already completed is refused before anything
+    runs: no step re-runs, no second charge, nothing is stored."""
+    run = new_run()
+
+    async def go() -> None:
+        await asked(RemitRuntime(store_url), run)
+        first = RemitRuntime(store_url)
+        answer = HumanResponseEvent(response="ada")
+        handler = await first.respond(Classic(runtime=first), run, answer)
+        assert await handler == "ada"
+        rt = RemitRuntime(store_url)
+        history = rt.checkpoints(run)
+        interrupts = [(i.interrupt_id, i.status, i.value) for i in rt.remit.interrupts(run)]
+        with pytest.raises(ResumeConflict) as refused:
+            await rt.respond(Classic(runtime=rt), run, HumanResponseEvent(response="bob"))
+        assert refused.value.interrupt_id == interrupts[0][0]
+        assert rt.checkpoints(run) == history
+        assert [(i.interrupt_id, i.status, i.value) for i in rt.remit.interrupts(run)] == interrupts
+        assert rt.get_state(Classic(runtime=rt), run).approved_by == "ada"
+
+    asyncio.run(go())
+    assert ENTERED == Counter(ask=1, answer=1)
+    assert list(CHARGED.values()) == [1]
+
+
+def test_classic_second_answer_to_a_live_run_is_refused(store_url: str) -> None:
+    """Two answers sent at once to one live classic run: the first consumes the ask,
+    the second is refused, never acknowledged and then dropped."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        handler = await asked(rt, run)
+        await rt.send_event(handler, HumanResponseEvent(response="ada"))
+        with pytest.raises(ResumeConflict) as refused:
+            await rt.send_event(handler, HumanResponseEvent(response="bob"))
+        assert refused.value.interrupt_id is not None
+        assert await handler == "ada"
+        (interrupt,) = rt.remit.interrupts(run)
+        assert interrupt.status == "consumed" and b"ada" in (interrupt.value or b"")
+
+    asyncio.run(go())
+    assert ENTERED == Counter(ask=1, answer=1)
+
+
+CRASHING_RESUMER = """
+import asyncio, os, signal, sys
+sys.path.insert(0, {tests!r})
+from workflows.events import HumanResponseEvent
+from remit_llamaindex import RemitRuntime
+from test_llamaindex_runtime import Classic
+
+async def main():
+    rt = RemitRuntime({url!r}, lease=1)
+    await rt.respond(Classic(runtime=rt), {run!r}, HumanResponseEvent(response="ada"))
+    print("ACK", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+def test_classic_answer_acknowledged_before_a_crash_is_delivered_by_recovery(
+    store_url: str,
+) -> None:
+    """CRASH-DURING-RESUME on the classic pattern: a process acknowledges an answer and
+    is SIGKILLed. The answer was durable before `respond` returned; recovery delivers it
+    without asking again, and a second answer is refused."""
+    run = new_run()
+    asyncio.run(asked(RemitRuntime(store_url), run))
+    code = CRASHING_RESUMER.format(tests=str(Path(__file__).parent), url=store_url, run=run)
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert (child.returncode, child.stdout.strip()) == (-signal.SIGKILL, "ACK"), child.stderr
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url, lease=1)
+        (accepted,) = rt.remit.interrupts(run)
+        assert accepted.status == "consumed" and b"ada" in (accepted.value or b"")
+        deadline = time.monotonic() + 10
+        while True:  # the dead resumer's lease runs out
+            try:
+                handler = rt.recover(Classic(runtime=rt), run)
+                break
+            except ResumeConflict:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+        assert handler is not None
+        assert await handler == "ada"
+        assert rt.status(run) == "completed"
+        with pytest.raises(ResumeConflict):
+            await rt.respond(Classic(runtime=rt), run, HumanResponseEvent(response="bob"))
+        assert rt.get_state(Classic(runtime=rt), run).approved_by == "ada"
+        assert [i.value for i in rt.remit.interrupts(run)] == [accepted.value]
+
+    asyncio.run(go())
+    assert ENTERED["answer"] == 1 and list(CHARGED.values()) == [1]
+
+
+def test_classic_losing_resumer_gets_resume_conflict(store_url: str) -> None:
+    """A resumer that restored the parked run before the winner answered and finished it
+    loses with `ResumeConflict` (not a fork error), as does one that restores after."""
+    run = new_run()
+
+    async def go() -> None:
+        await asked(RemitRuntime(store_url), run)
+        late = RemitRuntime(store_url)
+        stale = Classic(runtime=late).run(ctx=late.context(Classic(runtime=late), run))
+        winner = RemitRuntime(store_url)
+        handler = await winner.respond(
+            Classic(runtime=winner), run, HumanResponseEvent(response="ada")
+        )
+        assert await handler == "ada"
+        head = winner.checkpoints(run)[0]
+        with pytest.raises(ResumeConflict) as lost:
+            await late.send_event(stale, HumanResponseEvent(response="bob"))
+        assert lost.value.interrupt_id is not None
+        with pytest.raises(ResumeConflict):
+            await late.respond(Classic(runtime=late), run, HumanResponseEvent(response="eve"))
+        assert winner.checkpoints(run)[0] == head
+        assert winner.get_state(Classic(runtime=winner), run).approved_by == "ada"
+        for session in list(late._sessions.values()):
+            session.abort()  # the stale copy of the run is dropped, as its user would
+        await asyncio.sleep(0.05)
+
+    asyncio.run(go())
+    assert ENTERED["answer"] == 1
+
+
+RACING_RESUMER = """
+import asyncio, os, sys, time
+sys.path.insert(0, {tests!r})
+from workflows.events import HumanResponseEvent
+from remit_llamaindex import RemitRuntime
+from test_llamaindex_runtime import Classic
+
+async def main(me):
+    rt = RemitRuntime({url!r})
+    rt.remit
+    while not os.path.exists({go!r}):
+        time.sleep(0.002)
+    try:
+        handler = await rt.respond(Classic(runtime=rt), {run!r}, HumanResponseEvent(response=me))
+        print("OK", await handler, flush=True)
+    except Exception as exc:
+        print("ERR", type(exc).__name__, flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_classic_racing_resumers_one_proceeds_the_others_conflict(
+    store_url: str, tmp_path: Path
+) -> None:
+    """K2-PROC-like race on the classic pattern: 4 processes answer at once; one proceeds,
+    every other one gets `ResumeConflict`, whenever it loses."""
+    run = new_run()
+    asyncio.run(asked(RemitRuntime(store_url), run))
+    go = tmp_path / "go"
+    code = RACING_RESUMER.format(
+        tests=str(Path(__file__).parent), url=store_url, run=run, go=str(go)
+    )
+    racers = [
+        subprocess.Popen([sys.executable, "-c", code, f"r{i}"], stdout=subprocess.PIPE, text=True)
+        for i in range(4)
+    ]
+    time.sleep(3)
+    go.touch()
+    outcomes = sorted(p.communicate(timeout=120)[0].strip() for p in racers)
+    assert outcomes[:3] == ["ERR ResumeConflict"] * 3, outcomes
+    winner = outcomes[3].removeprefix("OK ")
+    assert outcomes[3].startswith("OK r")
+    rt = RemitRuntime(store_url)
+    assert rt.get_state(Classic(runtime=rt), run).approved_by == winner
+    assert [i.status for i in rt.remit.interrupts(run)] == ["consumed"]
+
+
+# -- what a checkpoint can hold --------------------------------------------------------
+
+
+class Opaque:
+    """An object the JSON serializer cannot store."""
+
+
+UNSTORABLE: dict[str, Any] = {
+    "when": dt.datetime(2020, 1, 2),
+    "raw": b"x",
+    "obj": Opaque(),
+    "pair": (1, 2),
+    "nested": {"at": [dt.date(2020, 1, 1)]},
+    "ints": {1: "one"},
+}
+
+
+class Loose(Workflow):
+    """Untyped state: each value reaches the checkpoint through the JSON serializer."""
+
+    @step
+    async def keep(self, ctx: Context, ev: StartEvent) -> StopEvent:
+        refused = {}
+        for key, value in UNSTORABLE.items():
+            try:
+                await ctx.store.set(key, value)
+            except CheckpointInvalid as exc:
+                refused[key] = exc.field
+        await ctx.store.set("plain", {"n": [1, 2.5, None, True]})
+        return StopEvent(result=refused)
+
+
+def test_a_value_the_checkpoint_cannot_hold_is_refused_at_the_write(store_url: str) -> None:
+    """P4: a datetime, bytes, an arbitrary object, or a value that would read back as
+    another (a tuple as a list, an int key as a string) is refused at `set`, inside the
+    step, with `CheckpointInvalid` naming the key; the step goes on, the run completes."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        refused = await Loose(runtime=rt).run(run_id=run)
+        assert refused == {
+            "when": "when",
+            "raw": "raw",
+            "obj": "obj",
+            "pair": "pair",
+            "nested": "nested.at[0]",
+            "ints": "ints",
+        }
+        assert rt.status(run) == "completed"
+        state = RemitRuntime(store_url).get_state(Loose(runtime=rt), run)
+        assert dict(state.items()) == {"plain": {"n": [1, 2.5, None, True]}}
+
+    asyncio.run(go())
+
+
+class Mutating(Workflow):
+    @step
+    async def first(self, ctx: Context, ev: StartEvent) -> Asked:
+        await ctx.store.set("d", {"n": 1})
+        return Asked()
+
+    @step
+    async def second(self, ctx: Context, ev: Asked) -> StopEvent:
+        (await ctx.store.get("d"))["when"] = dt.datetime(2020, 1, 1)  # in place: no write
+        return StopEvent(result="done")
+
+
+def test_a_run_whose_checkpoint_cannot_be_stored_is_committed_as_failed(
+    store_url: str,
+) -> None:
+    """A value that never passed a write (changed in place) fails the commit after the
+    step: the run raises `CheckpointInvalid` naming the key and is committed as failed
+    with its last stored state, instead of staying "running" for recoveries that would
+    fail the same way."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        with pytest.raises(CheckpointInvalid) as refused:
+            await Mutating(runtime=rt).run(run_id=run)
+        assert refused.value.field == "d.when" and refused.value.run_id == run
+        other = RemitRuntime(store_url)
+        assert other.status(run) == "failed"
+        assert other.recover(Mutating(runtime=other), run) is None
+        assert dict(other.get_state(Mutating(runtime=other), run).items()) == {"d": {"n": 1}}
+
+    asyncio.run(go())
+
+
+def test_a_zombie_whose_run_was_finished_elsewhere_is_fenced(store_url: str) -> None:
+    """L2: a holder paused past its lease while another process took the run over and
+    finished it learns that it was fenced (`Fenced`), not that it would fork the run."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url, lease=0.5)
+        await started(rt, run)
+        gate = asyncio.Event()
+        handler = await rt.respond(OrderFlow(runtime=rt, gate=gate), run, Answer(response="ada"))
+        while ENTERED["charge"] == 0:
+            await asyncio.sleep(0.01)
+        (driving,) = [s.claim for s in rt._sessions.values() if s.claim is not None]
+        driving.abandon()  # the holder stops renewing, as a paused process would
+        await asyncio.sleep(0.7)
+        successor = RemitRuntime(store_url)
+        recovered = successor.recover(OrderFlow(runtime=successor), run)
+        assert recovered is not None and await recovered == "charged"
+        head = successor.checkpoints(run)[0]
+        gate.set()
+        with pytest.raises(Fenced):
+            await handler
+        assert successor.checkpoints(run)[0] == head and head.status == "completed"
+
+    asyncio.run(go())
+    assert ENTERED["charge"] == 2 and list(CHARGED.values()) == [1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import uuid
 from datetime import datetime, timezone
@@ -14,6 +15,7 @@ from llama_agents.server import HandlerQuery, PersistentHandler, WorkflowServer
 from pydantic import BaseModel, Field
 from workflows import Context, Workflow, step
 from workflows.context.serializers import JsonSerializer
+from workflows.context.state_store import DictState
 from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
 
 from remit_core.errors import CheckpointInvalid, Fenced, ResumeConflict, WriteConflict
@@ -66,7 +68,8 @@ def tick(n: int) -> dict[str, Any]:
 
 
 def test_server_runs_a_human_in_the_loop_workflow_on_remit(store_url: str) -> None:
-    """The server persists handler, contiguous ticks and events, and validated state."""
+    """The server persists handler, contiguous ticks and events, and validated state; the
+    run survives a garbage collection while it waits (nothing else holds it then)."""
     store = new_store(store_url)
     server = WorkflowServer(workflow_store=store)
     server.add_workflow("order", OrderFlow(timeout=None), additional_events=[HumanResponseEvent])
@@ -83,6 +86,8 @@ def test_server_runs_a_human_in_the_loop_workflow_on_remit(store_url: str) -> No
                     e for e in await store.query_events(run_id) if "InputRequired" in e.event.type
                 ]:
                     await asyncio.sleep(0.02)
+                await asyncio.sleep(0.1)
+                gc.collect()
                 answer = {"type": "HumanResponseEvent", "value": {"response": "alice"}}
                 sent = await client.post(f"/events/{handler_id}", json={"event": answer})
                 assert sent.status_code == 200
@@ -186,6 +191,77 @@ def test_state_writes_are_validated_and_nothing_invalid_is_stored(store_url: str
             await state.set("amount", "lots")
         fresh = new_store(store_url).create_state_store(run_id, Order, serializer=JsonSerializer())
         assert await fresh.get_state() == Order(amount=5)
+
+    asyncio.run(go())
+
+
+class Inner(BaseModel):
+    score: int = Field(default=0, ge=0)
+
+
+class Scored(BaseModel):
+    count: int = Field(default=0, ge=0)
+    inner: Inner = Field(default_factory=Inner)
+
+
+class BadWrites(Workflow):
+    """Each invalid write is caught in the step; the result lists the fields refused."""
+
+    @step
+    async def write(self, ctx: Context[Scored], ev: StartEvent) -> StopEvent:
+        refused: list[str | None] = []
+        for path, value in [("count", -1), ("count", "abc"), ("inner.score", -2)]:
+            try:
+                await ctx.store.set(path, value)
+            except CheckpointInvalid as exc:
+                refused.append(exc.field)
+        try:
+            async with ctx.store.edit_state() as state:
+                state.count = -5
+        except CheckpointInvalid as exc:
+            refused.append(exc.field)
+        return StopEvent(result=refused)
+
+
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")
+def test_an_invalid_state_write_in_a_served_step_names_the_field(store_url: str) -> None:
+    """P4 under the server: `CheckpointInvalid` names the field (nested ones too), as
+    `RemitRuntime` does, and the state stays valid."""
+    store = new_store(store_url)
+    server = WorkflowServer(workflow_store=store)
+    server.add_workflow("bad", BadWrites(timeout=None))
+
+    async def go() -> None:
+        async with server.contextmanager():
+            transport = httpx.ASGITransport(app=server.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                done = await client.post("/workflows/bad/run", json={"start_event": {}})
+                body = done.json()
+        assert body["result"]["value"]["result"] == ["count", "count", "inner.score", "count"]
+        state = store.create_state_store(body["run_id"], Scored, serializer=JsonSerializer())
+        assert await state.get_state() == Scored()
+
+    asyncio.run(go())
+
+
+def test_server_state_refuses_a_value_json_cannot_store(store_url: str) -> None:
+    """A value the JSON serializer cannot store, or would read back as another value, is
+    refused with `CheckpointInvalid` naming the key, not a bare `ValueError`."""
+    run_id = f"srv-{uuid.uuid4().hex[:10]}"
+
+    async def go() -> None:
+        state = new_store(store_url).create_state_store(
+            run_id, DictState, serializer=JsonSerializer()
+        )
+        await state.set("n", 1)
+        for key, value in [("when", datetime(2020, 1, 1)), ("pair", (1, 2))]:
+            with pytest.raises(CheckpointInvalid) as refused:
+                await state.set(key, value)
+            assert refused.value.field == key
+        fresh = new_store(store_url).create_state_store(
+            run_id, DictState, serializer=JsonSerializer()
+        )
+        assert dict((await fresh.get_state()).items()) == {"n": 1}
 
     asyncio.run(go())
 
