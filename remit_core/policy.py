@@ -82,7 +82,15 @@ def plan_commit(
             return CommitPlan(MAIN_BRANCH, main.head_id, main.head_seq + 1)
     else:
         heads = [b for b in branches if b.head_id == parent_id and b.fork_token is None]
-        heads += [b for b in branches if b.head_id == parent_id and b.fork_token is not None]
+        if fork_token is None:
+            # A fork branch's own head. One still at its base holds no checkpoint of
+            # its own: continuing that base is a fork of the line it came from, and
+            # another token's branch is never continued under this one.
+            heads += [
+                b
+                for b in branches
+                if b.head_id == parent_id and b.fork_token is not None and b.head_id != b.base_id
+            ]
         if heads:
             return CommitPlan(heads[0].branch, parent_id, heads[0].head_seq + 1)
     if fork_token is None:

@@ -55,6 +55,23 @@ def test_main_wins_over_a_fork_with_the_same_head() -> None:
     assert (plan.branch, plan.seq) == (policy.fork_branch_name("t"), 1)
 
 
+def test_a_fork_still_at_its_base_is_not_anothers_to_continue() -> None:
+    """Fork A made at c1 has no checkpoint of its own yet: token B from c1 makes B's
+    branch, and no token from c1 is a fork of main, refused."""
+    branches = [main("c2", 2), fork("A", "c1", "c1")]
+    plan = policy.plan_commit("r", "", "c1", branches, fork_token="B", now=1.0)
+    assert plan.fork is not None and plan.branch == policy.fork_branch_name("B")
+    with pytest.raises(ForkWithoutIntent):
+        policy.plan_commit("r", "", "c1", branches, fork_token=None, now=1.0)
+    # Once A has a checkpoint of its own, its head is continued without a token...
+    branches = [main("c2", 2), fork("A", "a1", "c1", 1)]
+    plan = policy.plan_commit("r", "", "a1", branches, fork_token=None, now=1.0)
+    assert (plan.branch, plan.seq, plan.fork) == (policy.fork_branch_name("A"), 2, None)
+    # ...but never under another token: B forks from a1.
+    plan = policy.plan_commit("r", "", "a1", branches, fork_token="B", now=1.0)
+    assert plan.fork is not None and plan.branch == policy.fork_branch_name("B")
+
+
 @pytest.mark.parametrize("parent", ["c1", None])
 def test_non_head_without_token_is_refused(parent: str | None) -> None:
     with pytest.raises(ForkWithoutIntent) as err:
