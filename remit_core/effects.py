@@ -221,6 +221,20 @@ class _Call:
         self.key = effect_key
         self.idem = policy.idempotency_key(scope.run_id, effect_key)
 
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        """While the effect applies: its idempotency key is current, and effects it
+        calls itself are keyed under its own key (a replay that returns its recorded
+        outcome calls none of them, so they must not use up the step's occurrences)."""
+        s = self.scope
+        key = _current_key.set(self.idem)
+        inner = _scope.set(StepScope(s.remit, s.run_id, self.key, s.fence))
+        try:
+            yield
+        finally:
+            _scope.reset(inner)
+            _current_key.reset(key)
+
     def store_op(self, op: _Op) -> Any:
         s, store = self.scope, self.scope.remit.store
         if isinstance(op, _Get):
@@ -275,11 +289,8 @@ def run_effect(
         while True:
             op = gen.send(result)
             if isinstance(op, _Apply):
-                token = _current_key.set(call.idem)
-                try:
+                with call.applying():
                     result = fn(call.idem)
-                finally:
-                    _current_key.reset(token)
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
                 result = reconcile(call.idem)
@@ -307,11 +318,8 @@ async def arun_effect(
         while True:
             op = gen.send(result)
             if isinstance(op, _Apply):
-                token = _current_key.set(call.idem)
-                try:
+                with call.applying():
                     result = await fn(call.idem)
-                finally:
-                    _current_key.reset(token)
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
                 result = reconcile(call.idem)

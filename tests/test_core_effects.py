@@ -91,6 +91,40 @@ def test_intent_outcome_and_replay(remit: Remit, run_id: str) -> None:
         assert charge(5) == "receipt-3"
 
 
+def test_an_effect_called_by_an_effect_is_keyed_under_it(remit: Remit, run_id: str) -> None:
+    """A replayed outer effect returns its recorded outcome and calls nothing: the
+    effects it called must not have used up the step's occurrences."""
+    sink = Sink()
+
+    @effect(name="inner")
+    def inner(x: str, *, idempotency_key: str) -> str:
+        sink.apply(idempotency_key, x)
+        return f"inner:{x}"
+
+    @effect(name="outer")
+    def outer(x: str) -> str:
+        return inner(x)
+
+    with step_scope(remit, run_id, "s"):
+        first = [outer("A"), inner("B")]
+    with step_scope(remit, run_id, "s"):
+        assert [outer("A"), inner("B")] == first == ["inner:A", "inner:B"]
+    assert [payload for _, payload in sink.calls] == ["A", "B"]
+    assert remit.store.get_effect(run_id, "s/outer#0/inner#0") is not None
+    assert remit.store.get_effect(run_id, "s/inner#0") is not None
+
+    @effect(name="aouter")
+    async def aouter(x: str) -> str:
+        return inner(x)
+
+    async def step() -> list[str]:
+        with step_scope(remit, run_id, "a"):
+            return [await aouter("C"), inner("D")]
+
+    assert asyncio.run(step()) == asyncio.run(step()) == ["inner:C", "inner:D"]
+    assert [payload for _, payload in sink.calls] == ["A", "B", "C", "D"]
+
+
 def test_key_function_and_signatures(remit: Remit, run_id: str) -> None:
     got: dict[str, Any] = {}
 
