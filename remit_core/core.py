@@ -693,9 +693,13 @@ class Remit:
     def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
         """Delete checkpoints (and their writes), heads included: a deleted head first
         moves back to `policy.head_after_delete`. Fork bases are kept. Returns the count."""
-        doomed = set(checkpoint_ids)
+        if isinstance(checkpoint_ids, str):
+            raise TypeError("checkpoint_ids must be a collection of ids, not one str")
+        branches = self.store.list_branches(run_id, ns)
+        # A fork base is kept: no head moves back for it (nor past it).
+        doomed = set(checkpoint_ids) - {b.base_id for b in branches if b.base_id is not None}
         records = self.store.list_checkpoints(run_id, ns)
-        for b in self.store.list_branches(run_id, ns):
+        for b in branches:
             if b.head_id in doomed:
                 new_head = policy.head_after_delete(b, records, doomed)
                 self.store.move_head(
@@ -714,6 +718,8 @@ class Remit:
     def prune(self, run_ids: Iterable[str], *, keep_last: int = 1) -> int:
         """Delete old checkpoints, never a branch head, a fork base, or the newest
         `keep_last` of any branch. Returns how many were deleted."""
+        if isinstance(run_ids, str):
+            raise TypeError("run_ids must be a collection of run ids, not one str")
         deleted = 0
         for run_id in run_ids:
             records = self.store.list_checkpoints(run_id, None)

@@ -1024,6 +1024,20 @@ def test_delete_checkpoints_refuses_heads_and_fork_bases(store: Store, run_id: s
     assert head_id(store, run_id) == "c04"
 
 
+def test_deleting_a_head_that_is_a_fork_base_changes_nothing(remit: Remit, run_id: str) -> None:
+    remit.commit(run_id=run_id, checkpoint_id="d1", parent_id=None, state=b"1")
+    remit.commit(run_id=run_id, checkpoint_id="d2", parent_id="d1", state=b"2")
+    remit.fork(run_id, "d2", "tok")
+    before = sorted((b.branch, b.head_id, b.base_id) for b in remit.branches(run_id))
+    assert remit.delete_checkpoints(run_id, "", ["d2"]) == 0
+    assert sorted((b.branch, b.head_id, b.base_id) for b in remit.branches(run_id)) == before
+    remit.commit(run_id=run_id, checkpoint_id="d3", parent_id="d2", state=b"3")  # still a head
+    with pytest.raises(TypeError):
+        remit.delete_checkpoints(run_id, "", "d3")
+    with pytest.raises(TypeError):
+        remit.prune(run_id)
+
+
 def test_copy_run(store: Store, run_id: str) -> None:
     target = f"{run_id}-copy"
     _populate(store, run_id)
