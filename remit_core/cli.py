@@ -18,6 +18,7 @@ from remit_core.conformance import report
 from remit_core.conformance.adapter import Target
 from remit_core.conformance.cells import select
 from remit_core.conformance.runner import discover, run_matrix
+from remit_core.core import checked_lease
 
 FRAMEWORKS = ("langgraph", "llamaindex", "crewai", "pydantic-graph")
 
@@ -94,6 +95,14 @@ def conformance(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     if args.repeat < 1:
         print("remit conformance: --repeat must be at least 1", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print("remit conformance: --jobs must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        checked_lease(args.lease)
+    except ValueError as exc:
+        print(f"remit conformance: --lease: {exc}", file=sys.stderr)
         return 2
     adapters, notes = discover(args.framework)
     for note in notes:

@@ -122,13 +122,24 @@ def test_cli_prints_the_matrix_and_writes_reports(tmp_path: Path) -> None:
     assert "<table>" in page and page.count("<tr>") == 4
 
 
-def test_cli_refuses_bad_usage(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--cells", "77"], "no cell 77"),
+        (["--cells", "5-3"], "runs backwards"),
+        (["--lease", "0"], "--lease"),
+        (["--lease", "nan"], "--lease"),
+        (["--jobs", "0"], "--jobs"),
+        (["--repeat", "0"], "--repeat"),
+    ],
+)
+def test_cli_refuses_bad_usage(tmp_path: Path, args: list[str], says: str) -> None:
     remit = Path(sys.executable).with_name("remit")
     done = subprocess.run(
-        [str(remit), "conformance", "--cells", "77"],
+        [str(remit), "conformance", *args],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=tmp_path,
     )
-    assert done.returncode == 2 and "no cell 77" in done.stderr
+    assert done.returncode == 2 and says in done.stderr

@@ -227,6 +227,8 @@ def select(spec: Iterable[str] | None) -> list[Cell]:
                 f"unknown cell {item!r}: use ids (5), ranges (30-35) or scenario names "
                 f"({', '.join(SCENARIOS[:3])}, ...)"
             ) from None
+        if last < first:
+            raise ValueError(f"range {item!r} runs backwards: write it {last}-{first}")
         for cell_id in range(first, last + 1):
             if cell_id not in BY_ID:
                 raise ValueError(f"no cell {cell_id}: cells are numbered 1 to {len(CELLS)}")
