@@ -77,6 +77,19 @@ def _write_with_value(w: WriteRecord, value: bytes) -> WriteRecord:
     )
 
 
+def checked_id(name: str, value: object, *, empty: bool = False) -> str:
+    """`value` if it is a str an id can be (not empty unless `empty`, no NUL), else a
+    `TypeError`/`ValueError` naming it: every engine stores ids as text, and only
+    a refusal before the store is asked reads the same on all of them."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r:.60}")
+    if not value and not empty:
+        raise ValueError(f"{name} must not be empty")
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain a NUL character: {value!r:.60}")
+    return value
+
+
 def checked_lease(lease: float) -> float:
     """`lease` if it is a finite number of seconds above 0, else `ValueError`: a claim
     with no lease left would let every resumer take it (no mutual exclusion)."""
@@ -352,6 +365,14 @@ class Remit:
         up with the commit, for a writer whose last write this is (its later
         `release()` is then free).
         """
+        checked_id("run_id", run_id)
+        checked_id("checkpoint_id", checkpoint_id)
+        checked_id("ns", ns, empty=True)
+        checked_id("workflow_version", workflow_version, empty=True)
+        if parent_id is not None:
+            checked_id("parent_id", parent_id)
+        if fork_token is not None:
+            checked_id("fork_token", fork_token)
         guess = None
         if plan is None and fork_token is None and parent_id is None:
             # A first checkpoint usually starts a new run: try to create main
@@ -455,6 +476,8 @@ class Remit:
         self, run_id: str, checkpoint_id: str, *, ns: str = ""
     ) -> CheckpointRecord | None:
         """One checkpoint, verified; None if absent. `CorruptRecord` if it fails to verify."""
+        checked_id("run_id", run_id)
+        checked_id("checkpoint_id", checkpoint_id)
         record = self.store.get_checkpoint(run_id, ns, checkpoint_id)
         return None if record is None else self._open_ckpt(record)
 
@@ -481,6 +504,7 @@ class Remit:
         self, run_id: str, *, ns: str = "", branch: str = MAIN_BRANCH
     ) -> CheckpointRecord | None:
         """The head checkpoint of a branch, verified; None if the branch has none."""
+        checked_id("run_id", run_id)
         record = self.store.get_head(run_id, ns, branch)
         return None if record is None else self._open_ckpt(record)
 
@@ -501,6 +525,10 @@ class Remit:
         verify: bool = True,
     ) -> list[CheckpointRecord]:
         """Checkpoints newest first; each verified unless `verify` is false."""
+        if run_id is not None:
+            checked_id("run_id", run_id)
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit must be a count of 0 or more, got {limit!r}")
         records = self.store.list_checkpoints(run_id, ns, before_id=before_id, limit=limit)
         return [self._open_ckpt(r) for r in records] if verify else records
 
@@ -548,6 +576,9 @@ class Remit:
         fence: FenceRef | None = None,
     ) -> None:
         """Record pending interrupts (id -> prompt bytes); existing ones are left as they are."""
+        checked_id("run_id", run_id)
+        for iid in interrupts:
+            checked_id("interrupt_id", iid)
         now = self.clock()
         records = [
             InterruptRecord(
@@ -575,6 +606,8 @@ class Remit:
 
         Raises `ResumeConflict` if it was already consumed (nothing stored).
         """
+        checked_id("run_id", run_id)
+        checked_id("interrupt_id", interrupt_id)
         failpoints.hit("interrupt.before_consume")
         record = self.store.consume_interrupt(
             run_id,
@@ -622,6 +655,8 @@ class Remit:
         unless `holder` is given: a caller that presents the holder of a live
         claim gets that claim back, same fence.
         """
+        checked_id("run_id", run_id)
+        checked_id("scope", scope)
         lease = self.lease if lease is None else checked_lease(lease)
         holder = holder or f"{self.holder}/{next(_holder_serial)}"
         claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
@@ -640,6 +675,8 @@ class Remit:
         """`claim(run_id, branch)`, the branch's head as of the claim and the head's
         writes, verified (one round trip where the engine allows). The claim is
         released if the head or a write fails to verify."""
+        checked_id("run_id", run_id)
+        checked_id("branch", branch)
         lease = self.lease if lease is None else checked_lease(lease)
         holder = f"{self.holder}/{next(_holder_serial)}"
         claim, record, writes = self.store.acquire_claim_at_head(
@@ -664,6 +701,9 @@ class Remit:
         The same token from any process returns the same branch. A token
         already used for another base is refused with `ForkWithoutIntent`.
         """
+        checked_id("run_id", run_id)
+        checked_id("base_id", base_id)
+        checked_id("fork_token", fork_token)
         if self.store.get_checkpoint(run_id, ns, base_id) is None:
             raise UnknownRecord("fork base does not exist", run_id=run_id, checkpoint_id=base_id)
         branch = BranchRecord(
@@ -688,7 +728,7 @@ class Remit:
 
     # -- whole runs ----------------------------------------------------------
     def delete_run(self, run_id: str) -> None:
-        self.store.delete_run(run_id)
+        self.store.delete_run(checked_id("run_id", run_id))
 
     def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
         """Delete checkpoints (and their writes), heads included: a deleted head first
@@ -713,7 +753,8 @@ class Remit:
         return self.store.delete_checkpoints(run_id, ns, sorted(doomed))
 
     def copy_run(self, source_run_id: str, target_run_id: str) -> None:
-        self.store.copy_run(source_run_id, target_run_id)
+        checked_id("source_run_id", source_run_id)
+        self.store.copy_run(source_run_id, checked_id("target_run_id", target_run_id))
 
     def prune(self, run_ids: Iterable[str], *, keep_last: int = 1) -> int:
         """Delete old checkpoints, never a branch head, a fork base, or the newest
@@ -722,7 +763,7 @@ class Remit:
             raise TypeError("run_ids must be a collection of run ids, not one str")
         deleted = 0
         for run_id in run_ids:
-            records = self.store.list_checkpoints(run_id, None)
+            records = self.store.list_checkpoints(checked_id("run_id", run_id), None)
             for ns in sorted({r.ns for r in records}):
                 in_ns = [r for r in records if r.ns == ns]
                 branches = self.store.list_branches(run_id, ns)

@@ -1038,6 +1038,38 @@ def test_deleting_a_head_that_is_a_fork_base_changes_nothing(remit: Remit, run_i
         remit.prune(run_id)
 
 
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(None, TypeError), (123, TypeError), ("", ValueError), ("a\x00b", ValueError)],
+)
+def test_a_bad_id_is_refused_alike_on_every_engine_and_nothing_is_written(
+    remit: Remit, run_id: str, bad: Any, error: type[Exception]
+) -> None:
+    calls: list[Callable[[], Any]] = [
+        lambda: remit.commit(run_id=bad, checkpoint_id="c1", parent_id=None, state=b"s"),
+        lambda: remit.commit(run_id=run_id, checkpoint_id=bad, parent_id=None, state=b"s"),
+        lambda: remit.claim(bad),
+        lambda: remit.claim_at_head(bad),
+        lambda: remit.head(bad),
+        lambda: remit.consume(run_id, bad, b"v"),
+    ]
+    for call in calls:
+        with pytest.raises(error):
+            call()
+    assert remit.history(run_id) == [] and remit.store.get_claim(run_id, MAIN_BRANCH) is None
+    remit.commit(run_id=run_id, checkpoint_id="c1", parent_id=None, state=b"s")
+    if bad is not None:  # (None is no token at all)
+        with pytest.raises(error):
+            remit.commit(run_id=run_id, checkpoint_id="c2", parent_id="c0", state=b"s",
+                         fork_token=bad)
+        with pytest.raises(error):
+            remit.fork(run_id, "c1", bad)
+    assert [c.checkpoint_id for c in remit.history(run_id)] == ["c1"]
+    assert [b.branch for b in remit.branches(run_id)] == [MAIN_BRANCH]
+    with pytest.raises(ValueError):
+        remit.history(run_id, limit=-1)
+
+
 def test_copy_run(store: Store, run_id: str) -> None:
     target = f"{run_id}-copy"
     _populate(store, run_id)
