@@ -13,6 +13,7 @@ class RemitError(Exception):
     """Base of every error Remit raises on purpose."""
 
     def __init__(self, message: str, **ids: Any) -> None:
+        self.message = message
         self.ids = {k: v for k, v in ids.items() if v is not None}
         suffix = ", ".join(f"{k}={v!r}" for k, v in self.ids.items())
         super().__init__(f"{message} ({suffix})" if suffix else message)

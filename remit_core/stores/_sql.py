@@ -15,7 +15,14 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from remit_core import codec, failpoints
-from remit_core.errors import Fenced, HeadMoved, ResumeConflict, UnknownRecord, WriteConflict
+from remit_core.errors import (
+    CorruptRecord,
+    Fenced,
+    HeadMoved,
+    ResumeConflict,
+    UnknownRecord,
+    WriteConflict,
+)
 from remit_core.records import (
     BranchRecord,
     CheckpointRecord,
@@ -173,6 +180,14 @@ class Txn(Protocol):
 
 
 def _ckpt(row: Sequence[Any]) -> CheckpointRecord:
+    try:
+        metadata = codec.loads(row[7].encode())
+    except (ValueError, AttributeError) as exc:  # not JSON, or not text at all
+        raise CorruptRecord(
+            f"stored checkpoint metadata does not decode: {exc}",
+            run_id=row[0],
+            checkpoint_id=row[1],
+        ) from exc
     return CheckpointRecord(
         run_id=row[0],
         checkpoint_id=row[1],
@@ -181,7 +196,7 @@ def _ckpt(row: Sequence[Any]) -> CheckpointRecord:
         state=bytes(row[4]),
         ns=row[5],
         seq=int(row[6]),
-        metadata=codec.loads(row[7].encode()),
+        metadata=metadata,
         schema_version=int(row[8]),
         workflow_version=row[9],
         created_at=float(row[10]),

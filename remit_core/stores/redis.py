@@ -396,8 +396,10 @@ class RedisStore(Store):
             with contextlib.suppress(StoreUnavailable):
                 self.release_claim(release)
 
-    def _checkpoint(self, run_id: str, raw: bytes) -> CheckpointRecord:
-        header, state = _unpack(raw, run_id=run_id)
+    def _checkpoint(
+        self, run_id: str, raw: bytes, checkpoint_id: str | None = None
+    ) -> CheckpointRecord:
+        header, state = _unpack(raw, run_id=run_id, checkpoint_id=checkpoint_id)
         try:
             cid, branch, parent, ns, seq, meta, schema_version, wf_version, created = header
             return CheckpointRecord(
@@ -422,7 +424,7 @@ class RedisStore(Store):
 
     def get_checkpoint(self, run_id: str, ns: str, checkpoint_id: str) -> CheckpointRecord | None:
         raw = self._cmd("HGET", run_prefix(run_id) + "ck", _join(checkpoint_id, ns))
-        return None if raw is None else self._checkpoint(run_id, raw)
+        return None if raw is None else self._checkpoint(run_id, raw, checkpoint_id)
 
     def list_checkpoints(
         self,
@@ -492,7 +494,19 @@ class RedisStore(Store):
     def get_head(self, run_id: str, ns: str, branch: str) -> CheckpointRecord | None:
         prefix = run_prefix(run_id)
         raw = self._run("GET_HEAD", [prefix + "br", prefix + "ck"], [_join(ns, branch), _esc(ns)])
-        return None if raw is None else self._checkpoint(run_id, raw)
+        if raw is None:
+            return None
+        try:
+            return self._checkpoint(run_id, raw)
+        except CorruptRecord as exc:
+            if exc.checkpoint_id is not None:
+                raise
+            known = self.get_branch(run_id, ns, branch)  # a header too broken to name it
+            raise CorruptRecord(
+                exc.message,
+                run_id=run_id,
+                checkpoint_id=None if known is None else known.head_id,
+            ) from exc
 
     def list_branches(self, run_id: str, ns: str | None = None) -> list[BranchRecord]:
         rows = self._cmd("HGETALL", run_prefix(run_id) + "br")
