@@ -2,7 +2,9 @@
 
 `seal` frames a payload with a record-format version and a CRC-32 over the
 record's identity and bytes, so altered bytes, a payload moved to another
-row, or an unknown format all fail loudly in `unseal`. The checksum guards
+row of its run, or an unknown format all fail loudly in `unseal`. The
+identity leaves the run id out, so that a run copies byte for byte
+(`copy_run`): a payload moved to the same row of another run is not caught. The checksum guards
 against corruption, not against someone who can write the store: such a
 writer could recompute any unkeyed digest. Records of format 1 (a 16-byte
 BLAKE2b instead of the CRC) are still read.

@@ -18,7 +18,8 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Generator, Iterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -271,6 +272,73 @@ def _scope_or_fail(name: str) -> StepScope:
     return scope
 
 
+class _Turns:
+    """One effect occurrence applied by one caller of this process at a time.
+
+    A second caller of the same occurrence (two threads or tasks running the
+    same step) waits for the first to finish, then finds its recorded outcome:
+    without this it would find the first's intent, in flight, and take it for
+    one in doubt (a reconcile that answers "not yet" would apply it twice).
+    Callers in other processes are kept apart by the run's claim and its fence.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[object, str, str], list[Any]] = {}  # key -> [lock, users]
+
+    def _enter(self, key: tuple[object, str, str]) -> threading.Lock:
+        with self._lock:
+            entry = self._held.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+            lock: threading.Lock = entry[0]
+            return lock
+
+    def _leave(self, key: tuple[object, str, str]) -> None:
+        with self._lock:
+            entry = self._held[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[key]
+
+    @staticmethod
+    def key(call: _Call) -> tuple[object, str, str]:
+        store = call.scope.remit.store
+        return (getattr(store, "url", None) or id(store), call.scope.run_id, call.key)
+
+    @contextlib.contextmanager
+    def turn(self, call: _Call) -> Iterator[None]:
+        key = self.key(call)
+        lock = self._enter(key)
+        try:
+            with lock:
+                yield
+        finally:
+            self._leave(key)
+
+    @contextlib.asynccontextmanager
+    async def aturn(self, call: _Call) -> AsyncIterator[None]:
+        key = self.key(call)
+        lock = self._enter(key)
+        try:
+            if not lock.acquire(blocking=False):  # held: wait off the event loop
+                waiting = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
+                try:
+                    await asyncio.shield(waiting)
+                except asyncio.CancelledError:
+                    # The thread takes the lock all the same: give it back once it has.
+                    waiting.add_done_callback(lambda _: lock.release())
+                    raise
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            self._leave(key)
+
+
+_turns = _Turns()
+
+
 def run_effect(
     name: str,
     fn: Callable[[str], Any],
@@ -282,6 +350,17 @@ def run_effect(
     """Apply `fn(idempotency_key)` at most once per key across the life of the run."""
     scope = _scope_or_fail(name)
     call = _Call(scope, key if key is not None else scope.next_key(name))
+    with _turns.turn(call):
+        return _drive(call, fn, reconcile, idempotent)
+
+
+def _drive(
+    call: _Call,
+    fn: Callable[[str], Any],
+    reconcile: Callable[[str], Any] | None,
+    idempotent: bool,
+) -> Any:
+    scope = call.scope
     gen = _protocol(scope.run_id, call.key, has_reconcile=reconcile is not None,
                     idempotent=idempotent)
     result: Any = None
@@ -311,6 +390,17 @@ async def arun_effect(
     """`run_effect` for coroutines; store calls run off the event loop."""
     scope = _scope_or_fail(name)
     call = _Call(scope, key if key is not None else scope.next_key(name))
+    async with _turns.aturn(call):
+        return await _adrive(call, fn, reconcile, idempotent)
+
+
+async def _adrive(
+    call: _Call,
+    fn: Callable[[str], Awaitable[Any]],
+    reconcile: Callable[[str], Any] | None,
+    idempotent: bool,
+) -> Any:
+    scope = call.scope
     gen = _protocol(scope.run_id, call.key, has_reconcile=reconcile is not None,
                     idempotent=idempotent)
     result: Any = None

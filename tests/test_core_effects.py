@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import sqlite3
+import threading
+import time
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,48 @@ def test_an_effect_called_by_an_effect_is_keyed_under_it(remit: Remit, run_id: s
 
     assert asyncio.run(step()) == asyncio.run(step()) == ["inner:C", "inner:D"]
     assert [payload for _, payload in sink.calls] == ["A", "B", "C", "D"]
+
+
+def test_callers_of_one_occurrence_in_one_process_apply_it_once(
+    remit: Remit, run_id: str
+) -> None:
+    """The second caller waits for the first and gets its outcome: it does not take the
+    first's intent, in flight, for one in doubt (reconcile would say "not yet")."""
+    sink = Sink()
+    started = threading.Event()
+
+    def slow(key: str) -> str:
+        started.set()
+        time.sleep(0.3)
+        return sink.apply(key)
+
+    def caller(out: list[str]) -> None:
+        with step_scope(remit, run_id, "s"):
+            out.append(run_effect("charge", slow, reconcile=sink.happened))
+
+    first: list[str] = []
+    second: list[str] = []
+    a = threading.Thread(target=caller, args=(first,))
+    a.start()
+    assert started.wait(5)
+    b = threading.Thread(target=caller, args=(second,))
+    b.start()
+    a.join(10)
+    b.join(10)
+    assert first == second == ["receipt-1"] and len(sink.calls) == 1
+
+    async def aslow(key: str) -> str:
+        await asyncio.sleep(0.3)
+        return sink.apply(key)
+
+    async def acaller() -> str:
+        with step_scope(remit, run_id, "a"):
+            return await arun_effect("charge", aslow, reconcile=sink.happened)
+
+    async def both() -> list[str]:
+        return list(await asyncio.gather(acaller(), acaller()))
+
+    assert asyncio.run(both()) == ["receipt-2", "receipt-2"] and len(sink.calls) == 2
 
 
 def test_key_function_and_signatures(remit: Remit, run_id: str) -> None:
