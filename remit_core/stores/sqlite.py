@@ -572,7 +572,7 @@ class SQLiteStore(SqlStore):
                     run_id=r.run_id,
                     checkpoint_id=r.checkpoint_id,
                 ) from None
-            if "remit_checkpoints" in reason:
+            if reason.startswith("UNIQUE constraint failed: remit_checkpoints"):
                 raise HeadMoved(
                     "a checkpoint with this id already exists",
                     run_id=r.run_id,
