@@ -6,12 +6,17 @@ hooks do. Installed once per process by the first `RemitFlowPersistence`,
 they act only on flows whose persistence is one:
 
 - EXECUTION_START: a kickoff with `inputs["id"]` claims that flow and hands
-  it its completion ledger, so CrewAI's own resumption skips completed methods.
+  it its completion ledger, which `_replay` replays as CrewAI restarts it.
 - PRE_STEP: the step runs under the flow's claim; the first step after a
   resume consumes the pending feedback; effects inside get a step scope
   keyed by branch, method and occurrence.
-- POST_STEP: closes the step scope.
+- POST_STEP: notes the route a router took, for the save that completes it;
+  closes the step scope.
 - EXECUTION_END: consumes feedback still owed, releases the claim.
+
+A flow awaited inside another's async step runs its hooks in that step's
+context, so each hook puts back what it replaced (the outer step's scope,
+the outer kickoff) instead of clearing it.
 
 CrewAI swallows every exception a hook raises except `HookAborted`, so a
 refusal from a hook is raised as its own Remit class that is also a
@@ -22,12 +27,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
 
-from remit_core.effects import StepScope, bind_step_scope
+from remit_core.effects import StepScope, bind_step_scope, current_scope
 from remit_core.errors import RemitError
+from remit_crewai import _replay
 from remit_crewai._session import Execution, current_execution, current_fork_token
 from remit_crewai.persistence import RemitFlowPersistence
 
@@ -37,7 +44,7 @@ _aborts: dict[type[RemitError], type[RemitError]] = {}
 
 
 def install() -> None:
-    """Register the hooks once per process (idempotent)."""
+    """Register the hooks, and `_replay`'s wrappers, once per process (idempotent)."""
     global _installed
     with _install_lock:
         if _installed:
@@ -46,7 +53,27 @@ def install() -> None:
         register(InterceptionPoint.PRE_STEP, _on_pre_step)
         register(InterceptionPoint.POST_STEP, _on_post_step)
         register(InterceptionPoint.EXECUTION_END, _on_end)
+        _replay.install()
         _installed = True
+
+
+@dataclass
+class _MethodScope(StepScope):
+    """The step scope of one method of one flow, and the scope it replaced."""
+
+    flow: weakref.ref[Any] | None = None
+    outer: StepScope | None = field(default=None, repr=False)
+
+
+def _close_scopes(flow: Any, *, all_of_them: bool) -> None:
+    """Put back the scope the innermost open step of `flow` replaced (`all_of_them`:
+    of every open step of `flow`, as when a failed step never reached POST_STEP)."""
+    scope = current_scope()
+    while isinstance(scope, _MethodScope) and scope.flow is not None and scope.flow() is flow:
+        bind_step_scope(scope.outer)
+        if not all_of_them:
+            return
+        scope = scope.outer
 
 
 def aborting(error: RemitError) -> RemitError:
@@ -82,6 +109,7 @@ def _on_start(ctx: Any) -> Any:
         flow=weakref.ref(ctx.flow),
         inputs=inputs if isinstance(inputs, dict) else None,
         fork_token=token,
+        outer=current_execution.get(),
     )
     current_execution.set(ex)
     if isinstance(inputs, dict) and "id" in inputs:
@@ -104,22 +132,38 @@ def _on_pre_step(ctx: Any) -> None:
         raise aborting(exc) from exc
     method = str(ctx.step_name)
     step_key = f"{session.branch}/{method}#{session.ledger.occurrence(method)}"
-    bind_step_scope(StepScope(backend.remit, session.run_id, step_key, session.fence))
+    bind_step_scope(
+        _MethodScope(
+            backend.remit,
+            session.run_id,
+            step_key,
+            session.fence,
+            flow=weakref.ref(ctx.flow),
+            outer=current_scope(),
+        )
+    )
 
 
 def _on_post_step(ctx: Any) -> None:
-    if _backend(ctx) is not None and ctx.kind == "flow_method":
-        bind_step_scope(None)
+    backend = _backend(ctx)
+    if backend is None or ctx.kind != "flow_method":
+        return
+    method = str(ctx.step_name)
+    if ctx.flow._is_router(method):
+        backend._took_route(ctx.flow, method, ctx.payload)
+    _close_scopes(ctx.flow, all_of_them=False)
 
 
 def _on_end(ctx: Any) -> None:
     backend = _backend(ctx)
     if backend is None:
         return
-    bind_step_scope(None)
+    _close_scopes(ctx.flow, all_of_them=True)
     try:
         backend._finish(ctx.flow, completed=ctx.status == "completed")
     except RemitError as exc:
         raise aborting(exc) from exc
     finally:
-        current_execution.set(None)
+        ex = current_execution.get()
+        if ex is not None and ex.flow() is ctx.flow:
+            current_execution.set(ex.outer)

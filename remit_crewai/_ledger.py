@@ -4,8 +4,9 @@ A flow id is a Remit run on its main branch; a fork made with a token is the
 same run on the token's branch, named `<run>@fork-<16 hex>` so that CrewAI can
 carry it as an ordinary flow id. Each checkpoint's sealed body holds the state
 and the completion ledger: the methods that completed, how often each one
-completed (the occurrence in effect keys), and the human feedback the run
-accepted. A restarted flow reads the ledger instead of re-running its past.
+completed (the occurrence in effect keys), the route each router took, and
+the human feedback the run accepted. A restarted flow replays the ledger
+(`Replay`) instead of re-running its past.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Ledger:
 
     `completed`: methods that completed at least once. `counts`: completions
     per method; the next execution of `m` is occurrence `counts[m]`.
+    `routes`: per router, the route (outcome label) it took at each of its
+    completions, None where it took none or the route was not recorded.
     `feedback`: accepted human feedback, oldest first, one dict per consumed
     interrupt (interrupt, method, feedback, outcome, timestamp, output, metadata).
     """
@@ -50,6 +53,7 @@ class Ledger:
     completed: tuple[str, ...] = ()
     counts: dict[str, int] = field(default_factory=dict)
     feedback: tuple[dict[str, Any], ...] = ()
+    routes: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
 
     def completing(self, method: str) -> Ledger:
         counts = dict(self.counts)
@@ -57,15 +61,53 @@ class Ledger:
         completed = self.completed if method in self.completed else (*self.completed, method)
         return replace(self, completed=completed, counts=counts)
 
+    def routing(self, method: str, route: str | None) -> Ledger:
+        """Record the route router `method` took at the completion just recorded."""
+        before = self.occurrence(method) - 1
+        taken = self.routes.get(method, ())[:before]
+        taken += (None,) * (before - len(taken))
+        return replace(self, routes={**self.routes, method: (*taken, route)})
+
+    def route(self, method: str, occurrence: int) -> str | None:
+        """The route router `method` took at `occurrence`, if it took one that was recorded."""
+        taken = self.routes.get(method, ())
+        return taken[occurrence] if occurrence < len(taken) else None
+
     def accepting(self, value: dict[str, Any]) -> Ledger:
-        """Record consumed feedback; consuming it is what completes its method."""
+        """Record consumed feedback; consuming it is what completes its method.
+
+        The feedback's outcome is the route a feedback method with `emit=` takes.
+        """
         if any(f["interrupt"] == value["interrupt"] for f in self.feedback):
             return self
-        done = self.completing(value["method"])
+        done = self.completing(value["method"]).routing(value["method"], value.get("outcome"))
         return replace(done, feedback=(*self.feedback, value))
 
     def occurrence(self, method: str) -> int:
         return self.counts.get(method, 0)
+
+
+@dataclass
+class Replay:
+    """A restart's walk through the past it continues from.
+
+    CrewAI restarts a flow by running its graph again from the start methods.
+    The first `counts[m]` times the walk meets method `m` replay occurrences
+    that completed (a router takes the route it took then); after that, `m`
+    runs for real: that is the occurrence that was in flight, or a later one
+    in a loop.
+    """
+
+    past: Ledger
+    met: dict[str, int] = field(default_factory=dict)
+
+    def meet(self, method: str) -> tuple[bool, str | None]:
+        """Whether this meeting of `method` replays a completed occurrence, and its route."""
+        seen = self.met.get(method, 0)
+        if seen >= self.past.occurrence(method):
+            return False, None
+        self.met[method] = seen + 1
+        return True, self.past.route(method, seen)
 
 
 @dataclass(frozen=True)
@@ -88,6 +130,7 @@ def encode(body: Body) -> bytes:
             "completed": list(ledger.completed),
             "counts": ledger.counts,
             "feedback": list(ledger.feedback),
+            "routes": {m: list(taken) for m, taken in ledger.routes.items()},
         }
     )
 
@@ -103,6 +146,11 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
                 completed=tuple(raw["completed"]),
                 counts={str(k): int(v) for k, v in raw["counts"].items()},
                 feedback=tuple(raw["feedback"]),
+                # Checkpoints written before routes were recorded have none.
+                routes={
+                    str(m): tuple(None if r is None else str(r) for r in taken)
+                    for m, taken in raw.get("routes", {}).items()
+                },
             ),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

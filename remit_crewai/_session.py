@@ -4,8 +4,11 @@ A `Session` is one process's hold on one flow id while it drives it: the
 claim (with its heartbeat), the head it continues from and the ledger. The
 `Registry` keeps them per process, keyed by store URL and flow id, so every
 persistence instance on one store shares them, and a forked child starts with
-none. `Execution` is what the EXECUTION_START hook learned about a kickoff,
-for the persistence calls CrewAI makes later in the same context.
+none. A `from_pending` resumer's session is also kept in its own context
+(`current_resumers`): if its lease lapses and another resumer's session takes
+the registry's place, the late resumer still finds its own, whose claim then
+refuses it. `Execution` is what the EXECUTION_START hook learned about a
+kickoff, for the persistence calls CrewAI makes later in the same context.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pydantic import BaseModel
 
 from remit_core.core import ClaimHandle
 from remit_core.records import FenceRef, InterruptRecord
-from remit_crewai._ledger import Ledger
+from remit_crewai._ledger import Ledger, Replay
 
 #: The fork token `kickoff(restore_from_state_id=...)` forks under (see `fork_token`).
 current_fork_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -54,12 +57,15 @@ class Execution:
 
     `restart`: the flow id `inputs["id"]` asks to continue; `refusal`: why it
     may not (raised by `load_state`, since CrewAI swallows errors of hooks);
-    `stepping`: a step began, so later `load_state` calls are plain reads.
+    `stepping`: a step began, so later `load_state` calls are plain reads;
+    `outer`: the kickoff this one runs inside (a flow awaited in another's
+    step), current again when this one ends.
     """
 
     flow: weakref.ref[Any]
     inputs: dict[str, Any] | None
     fork_token: str | None
+    outer: Execution | None = None
     restart: str | None = None
     refusal: BaseException | None = None
     stepping: bool = False
@@ -73,7 +79,13 @@ current_execution: contextvars.ContextVar[Execution | None] = contextvars.Contex
 
 @dataclass(eq=False)
 class Session:
-    """This process's hold on one flow id while it drives it."""
+    """This process's hold on one flow id while it drives it.
+
+    `routes`: what routers of the flow returned in this process, recorded in the
+    ledger by the save that completes them. `replay`: a restart's walk through
+    the past it continues. `closed`: the session was released. `pid`: the
+    process it belongs to (a forked child inherits its context, not its claims).
+    """
 
     store_url: str
     flow_id: str
@@ -88,6 +100,10 @@ class Session:
     #: The interrupt a `from_pending` resume consumes once its value is known.
     pending: InterruptRecord | None = None
     state_type: type[BaseModel] | None = None
+    routes: dict[str, str | None] = field(default_factory=dict)
+    replay: Replay | None = None
+    closed: bool = False
+    pid: int = field(default_factory=os.getpid)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
@@ -95,10 +111,26 @@ class Session:
         return self.handle.fence
 
 
-#: The session `load_pending_feedback` opened in this context, for the resume that follows.
-current_resumer: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
-    "remit_crewai_resumer", default=None
+#: Sessions `load_pending_feedback` opened in this context, newest last, for the resumes
+#: that follow; released ones are dropped when the next is added.
+current_resumers: contextvars.ContextVar[tuple[Session, ...]] = contextvars.ContextVar(
+    "remit_crewai_resumers", default=()
 )
+
+
+def add_resumer(session: Session) -> None:
+    """Remember `session` as a resume's in this context."""
+    kept = tuple(s for s in current_resumers.get() if not s.closed and s.pid == session.pid)
+    current_resumers.set((*kept, session))
+
+
+def resumer_of(store_url: str, flow_id: str) -> Session | None:
+    """The newest open session a `from_pending` in this context made for `flow_id`."""
+    here = (store_url, flow_id, os.getpid())
+    for session in reversed(current_resumers.get()):
+        if not session.closed and (session.store_url, session.flow_id, session.pid) == here:
+            return session
+    return None
 
 
 class Registry:

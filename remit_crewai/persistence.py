@@ -9,13 +9,15 @@ against its model or declared schema. A pause opens an interrupt; resuming
 claims the flow before any listener runs and consumes the interrupt once.
 The checkpoint body carries the completion ledger (`remit_crewai._ledger`),
 which the interception hooks (`remit_crewai._hooks`) hand back to a
-restarted flow so that it skips what already completed.
+restarted flow so that it replays what already completed (`remit_crewai._replay`)
+and runs only the rest. What a state may hold is `remit_crewai._storable`'s call.
 
 While a process drives a flow it holds a `Session` for it (`remit_crewai._session`).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import threading
@@ -47,6 +49,7 @@ from remit_crewai._ledger import (
     ASK_CHECKPOINT,
     Body,
     Ledger,
+    Replay,
     decode,
     encode,
     flow_id_of,
@@ -55,10 +58,12 @@ from remit_crewai._ledger import (
 from remit_crewai._session import (
     Execution,
     Session,
+    add_resumer,
     current_execution,
-    current_resumer,
+    resumer_of,
     sessions,
 )
+from remit_crewai._storable import inexact, same, type_name
 
 if TYPE_CHECKING:
     from crewai.flow.flow import Flow
@@ -73,21 +78,11 @@ def _schema_of(state_type: type[BaseModel]) -> StateSchema:
     return StateSchema(state_type)
 
 
-def _unencodable(value: Any, path: str = "") -> str:
-    """The path of the first value in `value` that `codec.dumps` refuses."""
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            try:
-                codec.dumps(v)
-            except TypeError:
-                return _unencodable(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        for i, v in enumerate(value):
-            try:
-                codec.dumps(v)
-            except TypeError:
-                return _unencodable(v, f"{path}[{i}]")
-    return path or "<root>"
+#: What a dict state may hold, for the message that refuses anything else.
+_PLAIN_TYPES = (
+    "dict, list, tuple, set, frozenset, str, int, float, bool, None, bytes, datetime, date, "
+    "time, timedelta, UUID, Decimal"
+)
 
 
 def _interrupt_method(interrupt_id: str) -> str:
@@ -172,6 +167,8 @@ class RemitFlowPersistence(FlowPersistence):
                     kind, ledger = "feedback", session.ledger
                 else:
                     kind, ledger = "step", session.ledger.completing(method_name)
+                    if method_name in session.routes:
+                        ledger = ledger.routing(method_name, session.routes.pop(method_name))
                 self._commit(session, plain, method_name, kind, ledger)
         finally:
             if one_shot:
@@ -252,7 +249,7 @@ class RemitFlowPersistence(FlowPersistence):
             raise
         session.pending = pending[-1]
         sessions.add(session)
-        current_resumer.set(session)
+        add_resumer(session)
         assert session.pending.prompt is not None
         context = PendingFeedbackContext.from_dict(codec.loads(session.pending.prompt))
         context.flow_id = flow_uuid
@@ -388,7 +385,7 @@ class RemitFlowPersistence(FlowPersistence):
         releases; inside a kickoff the session lives until the run ends or pauses.
         """
         with sessions.lock:
-            session = sessions.get(self.url, flow_id)
+            session = self._session_of(flow_id, None)
             if session is not None:
                 self._activate(session)
                 return session, False
@@ -400,18 +397,50 @@ class RemitFlowPersistence(FlowPersistence):
             sessions.add(session)
             return session, False
 
+    def _session_of(self, flow_id: str, flow: Flow[Any] | None) -> Session | None:
+        """This process's session for `flow_id` that `flow` runs under (None: the flow
+        of the kickoff running in this context, if any), or None if it has none yet.
+
+        The flow's own session first; else the one a `from_pending` in this
+        context opened, even if another resumer's session has since replaced it
+        in the registry (its claim then refuses it); else the registry's.
+        """
+        if flow is None:
+            ex = current_execution.get()
+            flow = None if ex is None else ex.flow()
+        registered = sessions.get(self.url, flow_id)
+        if (
+            registered is not None
+            and flow is not None
+            and registered.owner is not None
+            and registered.owner() is flow
+        ):
+            return registered
+        return resumer_of(self.url, flow_id) or registered
+
     def _activate(self, session: Session) -> None:
-        """Start the heartbeat of a claim taken without one (by `load_pending_feedback`)."""
+        """Start the heartbeat of a claim taken without one (by `load_pending_feedback`),
+        or raise `Fenced` if it lapsed and another resumer took the flow over."""
         with session.lock:
             if session.beating:
                 return
-            claim = self.remit.store.renew_claim(
-                session.handle.claim, now=self.remit.clock(), lease=self.lease
-            )
+            try:
+                claim = self.remit.store.renew_claim(
+                    session.handle.claim, now=self.remit.clock(), lease=self.lease
+                )
+            except Fenced as exc:
+                raise Fenced(
+                    f"this resumer's claim on the flow lapsed (lease {self.lease:g} s) and "
+                    "another resumer took the flow over before this resume began: it is "
+                    "refused and runs nothing",
+                    run_id=session.run_id,
+                    scope=session.branch,
+                ) from exc
             session.handle = ClaimHandle(self.remit, claim, self.lease, heartbeat=True)
             session.beating = True
 
     def _release(self, session: Session) -> None:
+        session.closed = True
         sessions.discard(session)
         session.handle.release()
 
@@ -423,15 +452,16 @@ class RemitFlowPersistence(FlowPersistence):
             plain = self._dump_model(_schema_of(model).validate(state_data, **ids), ids)
         elif isinstance(state_data, dict):
             plain = dict(state_data)
-            try:
-                codec.dumps(plain)
-            except TypeError as exc:
-                path = _unencodable(plain)
+            found = inexact(plain)
+            if found is not None:
+                path, kind = found
                 raise CheckpointInvalid(
-                    f"state field {path} holds a value Remit cannot store exactly ({exc})",
+                    f"state field {path} holds a {type_name(kind)}, which Remit cannot read "
+                    "back as one (reading runs no code and imports no names): store plain data "
+                    f"({_PLAIN_TYPES})",
                     field=path,
                     **ids,
-                ) from exc
+                )
         else:
             raise CheckpointInvalid(
                 f"state must be a dict or a pydantic model, not {type(state_data).__name__}",
@@ -444,20 +474,28 @@ class RemitFlowPersistence(FlowPersistence):
 
     @staticmethod
     def _dump_model(state: BaseModel, ids: Mapping[str, Any]) -> dict[str, Any]:
-        """Python-mode fields when the codec keeps them exactly, else the JSON form if it
-        validates back to an equal model; otherwise the state is refused."""
+        """Python-mode fields when the codec reads them back as they are, else the JSON
+        form if it validates back to the same values, types included (a str Enum in an
+        `Any` field would come back a str); otherwise the state is refused."""
         plain = state.model_dump(mode="python")
-        try:
-            codec.dumps(plain)
+        found = inexact(plain)
+        if found is None:
             return plain
-        except TypeError as exc:
+        try:
             as_json = state.model_dump(mode="json")
-            if type(state).model_validate(as_json) == state:
+            if same(type(state).model_validate(as_json).model_dump(mode="python"), plain):
                 return as_json
-            path = _unencodable(plain)
-            raise CheckpointInvalid(
-                f"state field {path} does not survive storage ({exc})", field=path, **ids
-            ) from exc
+            why = "its JSON form reads back as another value"
+        except (TypeError, ValueError) as exc:  # PydanticSerializationError, ValidationError
+            why = f"it has no JSON form that reads back ({exc})"
+        path, kind = found
+        raise CheckpointInvalid(
+            f"state field {path} holds a {type_name(kind)}, which does not survive storage: "
+            f"Remit stores a model's plain values only when they read back as they are, "
+            f"and {why}",
+            field=path,
+            **ids,
+        )
 
     def _commit(
         self, session: Session, plain: dict[str, Any], method: str, kind: str, ledger: Ledger
@@ -546,7 +584,7 @@ class RemitFlowPersistence(FlowPersistence):
             key=lambda i: i.consumed_at or 0.0,
         ):
             ledger = ledger.accepting(codec.loads(i.value))  # type: ignore[arg-type]
-        session.ledger = ledger
+        session.ledger, session.replay = ledger, Replay(ledger)
         waiting = {_interrupt_method(i.interrupt_id) for i in interrupts if i.status == "pending"}
         flow._completed_methods = {m for m in ledger.completed if m not in waiting}
         history = [
@@ -566,7 +604,7 @@ class RemitFlowPersistence(FlowPersistence):
     def _step_session(self, flow: Flow[Any]) -> Session:
         """The session a step of `flow` runs under: its own, a resumer's it adopts, or new."""
         with sessions.lock:
-            session = sessions.get(self.url, flow.flow_id)
+            session = self._session_of(flow.flow_id, flow)
             if session is None:
                 session = self._open(flow.flow_id, heartbeat=True)
                 session.owner = weakref.ref(flow)
@@ -587,7 +625,7 @@ class RemitFlowPersistence(FlowPersistence):
             return session.owner() is flow
         feedback = flow.last_human_feedback
         resuming = session.pending is not None and (
-            current_resumer.get() is session
+            resumer_of(self.url, session.flow_id) is session
             or (
                 feedback is not None
                 and feedback.method_name == _interrupt_method(session.pending.interrupt_id)
@@ -629,9 +667,29 @@ class RemitFlowPersistence(FlowPersistence):
             session.pending = None
             session.ledger = session.ledger.accepting(value)
 
+    def _took_route(self, flow: Flow[Any], method: str, outcome: Any) -> None:
+        """Router `method` of `flow` returned `outcome`: its route, recorded by the save
+        that completes it (`Ledger.routes`), as CrewAI names routes."""
+        session = self._session_of(flow.flow_id, flow)
+        if session is None:
+            return
+        if isinstance(outcome, enum.Enum):
+            outcome = outcome.value
+        with session.lock:
+            session.routes[method] = None if outcome is None else str(outcome)
+
+    def _meet(self, flow: Flow[Any], method: str) -> tuple[bool, str | None] | None:
+        """A restart of `flow` meets completed `method`: whether this replays an occurrence
+        that completed, and the route it took (`Replay.meet`); None if not restarted here."""
+        session = self._session_of(flow.flow_id, flow)
+        if session is None or session.replay is None:
+            return None
+        with session.lock:
+            return session.replay.meet(method)
+
     def _finish(self, flow: Flow[Any], *, completed: bool) -> None:
         """The run of `flow` ended (or failed): consume what it still owes and release it."""
-        session = sessions.get(self.url, flow.flow_id)
+        session = self._session_of(flow.flow_id, flow)
         if session is None or not self._owns(session, flow):
             return
         try:

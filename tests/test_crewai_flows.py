@@ -19,6 +19,7 @@ os.environ.update(  # before CrewAI is imported: the network is closed
     CREWAI_DISABLE_VERSION_CHECK="true",
 )
 
+import contextlib  # noqa: E402
 import datetime as dt  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
@@ -646,3 +647,540 @@ def test_a_zombie_whose_lease_was_taken_over_is_fenced(url: str, world: Path) ->
     head = run(lambda: RemitFlowPersistence(url).load_state(flow_id))
     assert head.value == {**taken.value["state"], "id": flow_id}
     assert applied(world) == {"charge": 1}
+
+
+# -- P1 / P2: a restart takes the route a completed router took -------------------------------
+
+
+def route_flow(
+    url: str, world: Path, *, lease: float = 30.0, points: dict[str, str] | None = None
+) -> type[Any]:
+    """prepare -> route (a router, returns an Enum) -> "go" -> pack (effect) -> ship."""
+    import enum
+
+    from crewai.flow.flow import Flow, listen, router, start
+    from crewai.flow.persistence import persist
+    from pydantic import BaseModel
+
+    journal, sink, at = Journal(WorldDB(world)), EffectSink(WorldDB(world)), points or {}
+
+    @effect(reconcile=sink.reconcile)
+    def pack_parcel(*, idempotency_key: str) -> str:
+        return sink.apply("pack", idempotency_key)
+
+    class Route(str, enum.Enum):
+        GO = "go"
+        WAIT = "wait"
+
+    class Parcel(BaseModel):
+        receipt: str | None = None
+        shipped: bool = False
+
+    @persist(RemitFlowPersistence(url, lease=lease))
+    class RouteFlow(Flow[Parcel]):  # type: ignore[misc]
+        _skip_auto_memory = True
+
+        @start()
+        def prepare(self) -> None:
+            journal.record("enter", "prepare")
+
+        @router(prepare)
+        def route(self) -> Route:
+            journal.record("enter", "route")
+            return Route.GO
+
+        @listen("go")
+        def pack(self) -> None:
+            journal.record("enter", "pack")
+            point(at, "pack.before")
+            self.state.receipt = pack_parcel()
+
+        @listen(pack)
+        def ship(self) -> str:
+            journal.record("enter", "ship")
+            point(at, "ship.start")
+            self.state.shipped = True
+            return "shipped"
+
+        @listen("wait")
+        def hold(self) -> None:
+            journal.record("enter", "hold")
+
+    return RouteFlow
+
+
+@pytest.mark.parametrize(
+    ("killed_at", "entries"),
+    [
+        ("pack.before", {"prepare": 1, "route": 1, "pack": 2, "ship": 1}),
+        ("ship.start", {"prepare": 1, "route": 1, "pack": 1, "ship": 2}),
+    ],
+)
+def test_a_restart_takes_the_route_a_completed_router_took(
+    url: str, world: Path, killed_at: str, entries: dict[str, int]
+) -> None:
+    """SIGKILLed behind a router: the restart fires the recorded route, runs what did not
+    complete, and neither re-enters the router nor applies the effect twice."""
+    flow_id = f"parcel-{uuid.uuid4().hex}"
+    crashed = run(
+        lambda: kickoff(
+            route_flow(url, world, lease=1.0, points={killed_at: "kill"}), inputs={"id": flow_id}
+        )
+    )
+    assert crashed.status == "killed", crashed.summary()
+    time.sleep(1.2)
+    done = run(lambda: kickoff(route_flow(url, world, lease=1.0), inputs={"id": flow_id}))
+    assert done.ok, done.summary()
+    assert done.value["state"]["shipped"] is True and done.value["out"] == "str"
+    assert entered(world) == entries
+    assert applied(world) == {"pack": 1}
+
+    def route_recorded() -> dict[str, tuple[str | None, ...]]:
+        from remit_crewai._ledger import decode
+
+        remit = RemitFlowPersistence(url).remit
+        head = remit.head(flow_id)
+        assert head is not None
+        return decode(head.state, run_id=flow_id, checkpoint_id=head.checkpoint_id).ledger.routes
+
+    assert run(route_recorded).value == {"route": ["go"]}  # a tuple, as JSON
+
+
+def test_a_restart_inside_a_loop_runs_the_occurrence_that_was_in_flight(
+    url: str, world: Path
+) -> None:
+    """check (a router) -> "again" -> rework -> check ... -> "done" -> finish, SIGKILLed in
+    rework's second round: the restart replays round one, then runs round two for real."""
+
+    def build(points: dict[str, str] | None = None) -> type[Any]:
+        from crewai.flow.flow import Flow, listen, or_, router, start
+        from crewai.flow.persistence import persist
+        from pydantic import BaseModel
+
+        journal, at = Journal(WorldDB(world)), points or {}
+
+        class Rounds(BaseModel):
+            rounds: int = 0
+            done: bool = False
+
+        @persist(RemitFlowPersistence(url, lease=1.0))
+        class LoopFlow(Flow[Rounds]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            def prepare(self) -> None:
+                journal.record("enter", "prepare")
+
+            @router(or_(prepare, "rework"))
+            def check(self) -> str:
+                journal.record("enter", "check")
+                return "again" if self.state.rounds < 2 else "done"
+
+            @listen("again")
+            def rework(self) -> None:
+                journal.record("enter", "rework")
+                point(at, f"rework.{self.state.rounds}")
+                self.state.rounds += 1
+
+            @listen("done")
+            def finish(self) -> None:
+                journal.record("enter", "finish")
+                self.state.done = True
+
+        return LoopFlow
+
+    flow_id = f"loop-{uuid.uuid4().hex}"
+    crashed = run(lambda: kickoff(build({"rework.1": "kill"}), inputs={"id": flow_id}))
+    assert crashed.status == "killed", crashed.summary()
+    time.sleep(1.2)
+    done = run(lambda: kickoff(build(), inputs={"id": flow_id}))
+    assert done.ok, done.summary()
+    assert done.value["state"]["rounds"] == 2 and done.value["state"]["done"] is True
+    assert entered(world) == {"prepare": 1, "check": 3, "rework": 3, "finish": 1}
+    again = run(lambda: kickoff(build(), inputs={"id": flow_id}))
+    assert again.ok and again.value["state"] == done.value["state"], again.summary()
+    assert entered(world) == {"prepare": 1, "check": 3, "rework": 3, "finish": 1}
+
+
+def feedback_route_flow(
+    url: str,
+    world: Path,
+    *,
+    lease: float = 30.0,
+    points: dict[str, str] | None = None,
+    review_starts: bool = False,
+) -> type[Any]:
+    """The README's routing pattern: review (`@human_feedback(emit=...)`, pauses) ->
+    "approved" -> ship -> notify (effect), "rejected" -> drop. `review_starts`: review
+    is the start method (CrewAI skips a completed start on its own path)."""
+    from crewai.flow.async_feedback.types import HumanFeedbackPending
+    from crewai.flow.flow import Flow, listen, start
+    from crewai.flow.human_feedback import human_feedback
+    from crewai.flow.persistence import persist
+    from pydantic import BaseModel
+
+    journal, sink, at = Journal(WorldDB(world)), EffectSink(WorldDB(world)), points or {}
+
+    class Later:
+        def request_feedback(self, context: Any, flow: Any) -> str:
+            raise HumanFeedbackPending(context=context)
+
+    @effect(reconcile=sink.reconcile)
+    def send_notice(*, idempotency_key: str) -> str:
+        return sink.apply("notify", idempotency_key)
+
+    class Order(BaseModel):
+        log: list[str] = []
+
+    asks = human_feedback(
+        message="Ship it?",
+        emit=["approved", "rejected"],
+        default_outcome="approved",
+        provider=Later(),
+    )
+
+    @persist(RemitFlowPersistence(url, lease=lease))
+    class ReviewFlow(Flow[Order]):  # type: ignore[misc]
+        _skip_auto_memory = True
+
+        if review_starts:
+
+            @start()
+            @asks
+            def review(self) -> str:
+                journal.record("enter", "review")
+                return "parcel"
+
+        else:
+
+            @start()
+            def prepare(self) -> None:
+                journal.record("enter", "prepare")
+
+            @listen(prepare)
+            @asks
+            def review(self) -> str:
+                journal.record("enter", "review")
+                return "parcel"
+
+        @listen("approved")
+        def ship(self) -> None:
+            journal.record("enter", "ship")
+            point(at, "ship.start")
+            self.state.log.append("ship")
+
+        @listen(ship)
+        def notify(self) -> str:
+            journal.record("enter", "notify")
+            send_notice()
+            self.state.log.append("notify")
+            return "shipped"
+
+        @listen("rejected")
+        def drop(self) -> None:
+            journal.record("enter", "drop")
+
+    return ReviewFlow
+
+
+@pytest.mark.parametrize("review_starts", [False, True])
+def test_a_restart_after_a_feedback_route_continues_behind_it(
+    url: str, world: Path, review_starts: bool
+) -> None:
+    """Resumed with `emit=` feedback, SIGKILLed in the routed listener: the restart takes
+    the route the feedback chose and finishes; the feedback is not asked again."""
+
+    def build(**kw: Any) -> type[Any]:
+        return feedback_route_flow(url, world, lease=1.0, review_starts=review_starts, **kw)
+
+    started = run(lambda: kickoff(build()))
+    assert started.ok and started.value["out"] == "HumanFeedbackPending", started.summary()
+    flow_id = started.value["id"]
+    dying = run(lambda: resume(build(points={"ship.start": "kill"}), flow_id, ""))
+    assert dying.status == "killed", dying.summary()
+    time.sleep(1.2)
+    done = run(lambda: kickoff(build(), inputs={"id": flow_id}))
+    assert done.ok and done.value["out"] == "str", done.summary()
+    assert done.value["state"]["log"] == ["ship", "notify"]
+    before = {} if review_starts else {"prepare": 1}
+    assert entered(world) == {**before, "review": 1, "ship": 2, "notify": 1}
+    assert applied(world) == {"notify": 1}
+
+
+# -- P5 / L2: a resumer whose claim lapsed is refused -----------------------------------------
+
+
+@pytest.mark.parametrize("rival_in", ["a thread", "the same thread"])
+def test_a_stale_resumer_is_refused_after_another_resumed(
+    url: str, world: Path, rival_in: str
+) -> None:
+    """A's `from_pending` outlives its lease; B (same process) resumes and finishes; then
+    A's resume is fenced: nothing runs again, nothing is applied again, B's value stays."""
+    flow_id = paused_review(url, world, lease=1.0)
+
+    def body() -> dict[str, Any]:
+        flow_class = review_flow(url, world, lease=1.0)
+        persistence = flow_class.__flow_persistence_config__.persistence
+        stale = flow_class.from_pending(flow_id, persistence)
+        time.sleep(1.3)
+        rival: dict[str, Any] = {}
+
+        def resume_as_bob() -> None:
+            try:
+                rival["approved_by"] = resume(flow_class, flow_id, "bob")["approved_by"]
+            except Exception as exc:
+                rival["error"] = repr(exc)
+
+        if rival_in == "a thread":
+            thread = threading.Thread(target=resume_as_bob)
+            thread.start()
+            thread.join()
+        else:
+            resume_as_bob()
+        refused: list[str] = []
+        try:
+            stale.resume("alice")
+        except Exception as exc:
+            cause: BaseException | None = exc
+            while cause is not None:
+                refused.append(type(cause).__name__)
+                cause = cause.__cause__
+        head = persistence.load_state(flow_id) or {}
+        return {"rival": rival, "refused": refused, "approved_by": head.get("approved_by")}
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value["rival"] == {"approved_by": "bob"}
+    assert "Fenced" in out.value["refused"], out.value
+    assert out.value["approved_by"] == "bob"
+    assert entered(world) == {"prepare": 1, "approve": 1, "ship": 1}
+    assert applied(world) == {"ship": 1}
+
+
+# -- P2: a flow awaited inside another's step keeps the outer step's scope --------------------
+
+
+def test_an_awaited_nested_flow_keeps_the_outer_steps_scope(url: str, world: Path) -> None:
+    """An async step awaits a Remit-backed flow (one that finishes, one that fails); the
+    outer step's effect scope and kickoff are intact after each, effects apply once."""
+
+    def body() -> dict[str, Any]:
+        import asyncio
+
+        from crewai.flow.flow import Flow, listen, start
+        from crewai.flow.persistence import persist
+        from pydantic import BaseModel
+
+        from remit_core import current_scope
+
+        sink = EffectSink(WorldDB(world))
+        persistence = RemitFlowPersistence(url)
+
+        @effect(reconcile=sink.reconcile)
+        async def pay(*, idempotency_key: str) -> str:
+            return sink.apply("pay", idempotency_key)
+
+        class Steps(BaseModel):
+            scopes: list[str] = []
+
+        def scope_key() -> str:
+            scope = current_scope()
+            return scope.step_key if scope is not None else "none"
+
+        @persist(persistence)
+        class Inner(Flow[Steps]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            async def work(self) -> str:
+                self.state.scopes.append(scope_key())
+                return "inner"
+
+        @persist(persistence)
+        class Failing(Flow[Steps]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            async def work(self) -> None:
+                raise ValueError("inner step failed")
+
+        @persist(persistence)
+        class Outer(Flow[Steps]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            async def first(self) -> None:
+                await pay()
+                self.state.scopes.append(scope_key())
+                inner = Inner(suppress_flow_events=True)
+                await inner.kickoff_async()
+                self.state.scopes.extend([*inner.state.scopes, scope_key()])
+                with contextlib.suppress(ValueError):
+                    await Failing(suppress_flow_events=True).kickoff_async()
+                self.state.scopes.append(scope_key())
+                await pay()
+
+            @listen(first)
+            async def second(self) -> None:
+                self.state.scopes.append(scope_key())
+
+        async def main() -> dict[str, Any]:
+            outer = Outer(suppress_flow_events=True)
+            await outer.kickoff_async()
+            return {"scopes": outer.state.scopes, "after": scope_key()}
+
+        return asyncio.run(main())
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value == {
+        "scopes": ["main/first#0", "main/work#0", "main/first#0", "main/first#0", "main/second#0"],
+        "after": "none",
+    }
+    assert applied(world) == {"pay": 2}
+
+
+# -- P4: values that would read back as another type are refused --------------------------------
+
+
+def test_dict_state_refuses_what_would_come_back_as_another_type(url: str) -> None:
+    """Enums, a namedtuple, OrderedDict, defaultdict, bytearray and a zone with daylight
+    saving would be read back changed: each save is refused naming its key; nothing stored."""
+
+    def body() -> dict[str, Any]:
+        import collections
+        import enum
+        from zoneinfo import ZoneInfo
+
+        from crewai.flow.flow import Flow, listen, start
+        from crewai.flow.persistence import persist
+
+        class Color(str, enum.Enum):
+            RED = "red"
+
+        class Size(enum.IntEnum):
+            ONE = 1
+
+        point_type = collections.namedtuple("point_type", "x y")
+        values: dict[str, Any] = {
+            "str_enum": Color.RED,
+            "int_enum": Size.ONE,
+            "namedtuple": point_type(1, 2),
+            "ordered": collections.OrderedDict(a=1),
+            "defaulted": collections.defaultdict(list, a=[1]),
+            "buffer": bytearray(b"x"),
+            "zoned": dt.datetime(2024, 3, 1, tzinfo=ZoneInfo("Europe/Paris")),
+            "nested": {"inner": [1, (2, Color.RED)]},
+        }
+        persistence = RemitFlowPersistence(url)
+
+        def spoiling(name: str, value: Any) -> type[Any]:
+            @persist(persistence)
+            class TypedFlow(Flow[dict]):  # type: ignore[misc]
+                _skip_auto_memory = True
+
+                @start()
+                def fill(self) -> None:
+                    self.state["plain"] = 1
+
+                @listen(fill)
+                def spoil(self) -> None:
+                    self.state[name] = value
+
+            return TypedFlow
+
+        out: dict[str, Any] = {}
+        for name, value in values.items():
+            flow = spoiling(name, value)(suppress_flow_events=True)
+            try:
+                flow.kickoff()
+                out[name] = "stored"
+            except RuntimeError as exc:
+                cause = exc.__cause__
+                out[name] = f"{type(cause).__name__} {getattr(cause, 'field', None)}"
+            saved = persistence.checkpoints(flow.state["id"])
+            out[name] += f" {[c.method for c in saved]}"
+        return out
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    refused = "CheckpointInvalid {} ['fill']"
+    assert out.value == {
+        name: refused.format(field)
+        for name, field in [
+            ("str_enum", "str_enum"),
+            ("int_enum", "int_enum"),
+            ("namedtuple", "namedtuple"),
+            ("ordered", "ordered"),
+            ("defaulted", "defaulted"),
+            ("buffer", "buffer"),
+            ("zoned", "zoned"),
+            ("nested", "nested.inner[1][1]"),
+        ]
+    }
+
+
+def test_model_state_refuses_a_field_that_would_not_read_back(url: str) -> None:
+    """An object in an `Any` or arbitrary-type field, or an Enum in an `Any` field, is
+    refused naming the field, nothing stored; an Enum-typed field is kept as its Enum."""
+
+    def body() -> dict[str, Any]:
+        import enum
+
+        from crewai.flow.flow import Flow, start
+        from crewai.flow.persistence import persist
+        from pydantic import BaseModel, ConfigDict
+
+        class Color(str, enum.Enum):
+            RED = "red"
+
+        class Blob:
+            pass
+
+        class Loose(BaseModel):
+            model_config = ConfigDict(arbitrary_types_allowed=True)
+            anything: Any = None
+            blob: Blob | None = None
+            color: Color | None = None
+
+        persistence = RemitFlowPersistence(url)
+
+        def filling(field: str, value: Any) -> type[Any]:
+            @persist(persistence)
+            class LooseFlow(Flow[Loose]):  # type: ignore[misc]
+                _skip_auto_memory = True
+
+                @start()
+                def fill(self) -> None:
+                    setattr(self.state, field, value)
+
+            return LooseFlow
+
+        out: dict[str, Any] = {}
+        for name, field, value in [
+            ("object in Any", "anything", Blob()),
+            ("arbitrary type", "blob", Blob()),
+            ("Enum in Any", "anything", Color.RED),
+            ("Enum field", "color", Color.RED),
+        ]:
+            flow_class = filling(field, value)
+            flow = flow_class(suppress_flow_events=True)
+            try:
+                flow.kickoff()
+                again = flow_class(suppress_flow_events=True)
+                again.kickoff(inputs={"id": flow.state.id})
+                out[name] = repr(getattr(again.state, field))
+            except RuntimeError as exc:
+                cause = exc.__cause__
+                out[name] = f"{type(cause).__name__} {getattr(cause, 'field', None)}"
+                out[name] += f" {persistence.load_state(flow.state.id)}"
+        return out
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value == {
+        "object in Any": "CheckpointInvalid anything None",
+        "arbitrary type": "CheckpointInvalid blob None",
+        "Enum in Any": "CheckpointInvalid anything None",
+        "Enum field": "<Color.RED: 'red'>",
+    }

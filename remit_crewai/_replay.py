@@ -1,0 +1,98 @@
+"""A restarted flow replays its past occurrence by occurrence, routes included.
+
+CrewAI restarts a flow by running its graph again from the start methods,
+skipping every method in `_completed_methods`. That alone goes wrong twice.
+A skipped router has no outcome (CrewAI takes None), so no route fires and
+nothing behind the router ever runs: the flow is stuck for good. And in a
+loop, a method that completed once is skipped at every later meeting too, so
+the occurrence that was in flight never runs again. The ledger records how
+often each method completed and the route each router took each time; for
+a Remit-backed flow being restarted, the wrappers `install` puts on CrewAI's
+two method runners let `Replay` decide each meeting: replayed (a router
+fires the route it took at that occurrence) or run for real. CrewAI has no
+hook there; other flows, and flows not being restarted, run CrewAI's code
+unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from crewai.flow import runtime
+from crewai.flow.flow import Flow
+from crewai.flow.types import FlowMethodName
+
+from remit_crewai.persistence import RemitFlowPersistence
+
+
+def install() -> None:
+    """Wrap CrewAI's method runners (once per process, from `_hooks.install`)."""
+    engine = runtime.Flow  # the engine's methods live here; the public `Flow` derives from it
+    run_listener = engine._execute_single_listener
+    run_start = engine._execute_start_method
+
+    @functools.wraps(run_listener)
+    async def execute_single_listener(
+        self: Flow[Any],
+        listener_name: FlowMethodName,
+        result: Any,
+        triggering_event_id: str | None = None,
+    ) -> tuple[Any, str | None]:
+        meeting = _meet(self, listener_name)
+        if meeting is not None:
+            replayed, route = meeting
+            if not replayed:
+                self._completed_methods.discard(listener_name)  # its next occurrence runs
+            elif self._is_router(listener_name):
+                await _replay_router(self, listener_name, route)
+                return None, None
+        return await run_listener(self, listener_name, result, triggering_event_id)
+
+    @functools.wraps(run_start)
+    async def execute_start_method(self: Flow[Any], start_method_name: FlowMethodName) -> None:
+        meeting = _meet(self, start_method_name)
+        if meeting is not None and not meeting[0]:
+            self._completed_methods.discard(start_method_name)
+        await run_start(self, start_method_name)  # a replayed start goes on with its listeners
+        if meeting is not None and meeting[1] is not None:
+            await _take(self, meeting[1])
+
+    engine._execute_single_listener = execute_single_listener  # type: ignore[assignment]
+    engine._execute_start_method = execute_start_method  # type: ignore[assignment]
+
+
+def _meet(flow: Flow[Any], method: FlowMethodName) -> tuple[bool, FlowMethodName | None] | None:
+    """How a restart meets completed `method`: (replayed, route) or None (CrewAI decides)."""
+    persistence = flow.persistence
+    if not (
+        isinstance(persistence, RemitFlowPersistence)
+        and flow._is_execution_resuming
+        and method in flow._completed_methods
+    ):
+        return None
+    meeting = persistence._meet(flow, str(method))
+    if meeting is None:
+        return None
+    replayed, route = meeting
+    return replayed, None if route is None else FlowMethodName(route)
+
+
+async def _replay_router(
+    flow: Flow[Any], router: FlowMethodName, route: FlowMethodName | None
+) -> None:
+    """What CrewAI does after running `router`, with the route it took back then: its
+    listeners, the route's listeners, and the start methods waiting for the route."""
+    await flow._execute_listeners(router, None)
+    if route is None:
+        return
+    await _take(flow, route)
+    for start in flow._start_method_names():
+        if flow._start_condition_triggered_by(start, route):
+            await flow._execute_start_method(start)
+
+
+async def _take(flow: Flow[Any], route: FlowMethodName) -> None:
+    """Run what listens to `route`, with the input CrewAI gives a route's listeners."""
+    feedback = flow.last_human_feedback
+    await flow._execute_listeners(route, feedback if feedback is not None else route)
