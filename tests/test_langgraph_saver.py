@@ -548,6 +548,18 @@ def test_a_reducer_write_is_checked_as_a_part_not_as_the_whole(store_url: str) -
     assert out["log"] == ["a", "b", "c"] and [m.id for m in out["messages"]] == ["m2"]
 
 
+def test_a_copy_of_a_paused_thread_resumes_like_its_source(store_url: str) -> None:
+    saver = RemitSaver(store_url)
+    graph = one_node(Free, lambda s: {"value": interrupt("?")}, saver)
+    source, copy = config(), config()
+    graph.invoke({"n": 1}, source)
+    saver.copy_thread(source["configurable"]["thread_id"], copy["configurable"]["thread_id"])
+    assert graph.invoke(Command(resume="to-the-copy"), copy)["value"] == "to-the-copy"
+    assert graph.invoke(Command(resume="to-the-source"), source)["value"] == "to-the-source"
+    with pytest.raises(ResumeConflict):
+        graph.invoke(Command(resume="again"), copy)
+
+
 def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
     graph = one_node(Free, lambda s: {"value": interrupt("?")}, RemitSaver(store_url))
     cfg = config()

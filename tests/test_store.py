@@ -1086,6 +1086,16 @@ def test_copy_run(store: Store, run_id: str) -> None:
     ) == sorted((b.branch, b.head_id, b.base_id, b.fork_token) for b in store.list_branches(run_id))
     assert store.get_blobs(target, "", ["k"]) == {"k": b"v"}
     assert [w.value for w in store.get_writes(target, "", "c01")] == [b"w"]
+    # A pending interrupt stays answerable in the copy; the ledger comes along; the
+    # claim does not (the copy is free).
+    assert [(i.interrupt_id, i.status) for i in store.list_interrupts(target)] == [
+        ("i1", "pending")
+    ]
+    copied = store.get_effect(target, "e1")
+    assert copied is not None and (copied.idempotency_key, copied.status) == ("idem", "intent")
+    assert store.get_claim(target, "main") is None
+    store.consume_interrupt(target, MAIN_BRANCH, "i1", b"v", consumer="x", now=2.0)
+    assert store.list_interrupts(run_id)[0].status == "pending"  # the source's is its own
     # The copy continues independently of its source.
     store.commit_checkpoint(ckpt(target, "c03", "c02", seq=3), expected_head="c02")
     assert head_id(store, target) == "c03" and head_id(store, run_id) == "c02"

@@ -395,6 +395,11 @@ for i = 1, #rows, 2 do
     redis.call("ZADD", dst(7), 0, rows[i])
   end
 end
+-- 8 in (interrupts), 10 ef (effects); 9 cl (claims) is not copied
+for _, k in ipairs({8, 10}) do
+  rows = redis.call("HGETALL", src(k))
+  for i = 1, #rows, 2 do redis.call("HSETNX", dst(k), rows[i], rows[i + 1]) end
+end
 if redis.call("EXISTS", dst(1), dst(3)) > 0 then redis.call("SADD", KEYS[#KEYS], ARGV[1]) end
 return {"ok"}
 """

@@ -753,6 +753,8 @@ class SqlStore(Store):
             "remit_branches": _BRANCH_COLS,
             "remit_blobs": "run_id, ns, key, value",
             "remit_writes": _WRITE_COLS,
+            "remit_interrupts": _INTR_COLS,
+            "remit_effects": _EFFECT_COLS,
         }
         with self._txn() as txn:
             for table, cols in copies.items():

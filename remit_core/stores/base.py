@@ -304,4 +304,7 @@ class Store(ABC):
 
     @abstractmethod
     def copy_run(self, source_run_id: str, target_run_id: str) -> None:
-        """Copy checkpoints, branches, blobs and writes of a run under a new id."""
+        """Copy checkpoints, branches, blobs, writes, interrupts and the effect ledger of
+        a run under a new id (a pending interrupt stays answerable in the copy, and a
+        replayed effect of the shared past returns its recorded outcome). Claims are
+        not copied: the copy is free."""
