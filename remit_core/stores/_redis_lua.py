@@ -395,10 +395,16 @@ for i = 1, #rows, 2 do
     redis.call("ZADD", dst(7), 0, rows[i])
   end
 end
--- 8 in (interrupts), 10 ef (effects); 9 cl (claims) is not copied
+-- 8 in (interrupts), 10 ef (effects), whole records: one the target has is kept as
+-- it is (its status column "s" says so). 9 cl (claims) is not copied.
 for _, k in ipairs({8, 10}) do
   rows = redis.call("HGETALL", src(k))
-  for i = 1, #rows, 2 do redis.call("HSETNX", dst(k), rows[i], rows[i + 1]) end
+  local kept = {}
+  for i = 1, #rows, 2 do
+    local m = string.sub(rows[i], 1, -3)
+    if kept[m] == nil then kept[m] = redis.call("HEXISTS", dst(k), m .. NUL .. "s") == 1 end
+    if not kept[m] then redis.call("HSET", dst(k), rows[i], rows[i + 1]) end
+  end
 end
 if redis.call("EXISTS", dst(1), dst(3)) > 0 then redis.call("SADD", KEYS[#KEYS], ARGV[1]) end
 return {"ok"}
