@@ -436,7 +436,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
         call = self._runs.calling_loop(sys._getframe(1))
         if call is None:
             return await asyncio.to_thread(self.read, config)
-        run, found = await asyncio.to_thread(self._runs.start, call, config)
+        starting = asyncio.ensure_future(asyncio.to_thread(self._runs.start, call, config))
+        try:
+            run, found = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # The thread takes the claim all the same: give it back once it has.
+            starting.add_done_callback(_release_started)
+            raise
         if run is not None:
             self._runs.attach(call.loop, run)
         return found
@@ -490,6 +496,15 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+
+
+def _release_started(started: asyncio.Future[tuple[Run | None, Any]]) -> None:
+    """Give back the claim of a run whose start was cancelled (off the event loop)."""
+    if started.cancelled() or started.exception() is not None:
+        return
+    run = started.result()[0]
+    if run is not None:
+        asyncio.get_running_loop().run_in_executor(None, run.claim.release)
 
 
 def _writing(run: Run | None) -> contextlib.AbstractContextManager[None]:

@@ -560,6 +560,35 @@ def test_a_copy_of_a_paused_thread_resumes_like_its_source(store_url: str) -> No
         graph.invoke(Command(resume="again"), copy)
 
 
+def test_a_run_cancelled_while_its_claim_is_taken_gives_the_claim_back(store_url: str) -> None:
+    """`ainvoke` cancelled while the claim is taken in a worker thread: the thread takes
+    it all the same, and the claim is given back then, not held by a heartbeat."""
+    saver = AsyncRemitSaver(store_url, lease=30)
+    graph = one_node(Free, lambda s: {"value": interrupt("?")}, saver)
+    cfg = config()
+    thread = cfg["configurable"]["thread_id"]
+
+    async def cancel_then_recover() -> Any:
+        await graph.ainvoke({"n": 1}, cfg)
+        failpoints.arm("claim.after_acquire", "sleep:0.3")
+        try:
+            task = asyncio.ensure_future(graph.ainvoke(Command(resume="R"), cfg))
+            await asyncio.sleep(0.1)  # the worker is inside the claim now
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            failpoints.disarm()
+        for _ in range(50):  # given back within moments, far inside the 30 s lease
+            claim = saver.remit.store.get_claim(thread, "main")
+            if claim is not None and claim.holder == "":
+                break
+            await asyncio.sleep(0.05)
+        return await graph.ainvoke(None, cfg)  # the accepted value is re-delivered
+
+    assert asyncio.run(cancel_then_recover())["value"] == "R"
+
+
 def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
     graph = one_node(Free, lambda s: {"value": interrupt("?")}, RemitSaver(store_url))
     cfg = config()
