@@ -694,18 +694,24 @@ class Remit:
 
     # -- forks ---------------------------------------------------------------
     def fork(
-        self, run_id: str, base_id: str, fork_token: str, *, ns: str = ""
+        self, run_id: str, base_id: str | None, fork_token: str, *, ns: str = ""
     ) -> BranchRecord:
         """The one branch `fork_token` names, created from `base_id` if it is new (P3).
 
         The same token from any process returns the same branch. A token
         already used for another base is refused with `ForkWithoutIntent`.
+        `base_id` None makes a branch that starts empty (in a namespace that had
+        no checkpoint yet at the point a run forked from).
         """
         checked_id("run_id", run_id)
-        checked_id("base_id", base_id)
         checked_id("fork_token", fork_token)
-        if self.store.get_checkpoint(run_id, ns, base_id) is None:
-            raise UnknownRecord("fork base does not exist", run_id=run_id, checkpoint_id=base_id)
+        checked_id("ns", ns, empty=True)
+        if base_id is not None:
+            checked_id("base_id", base_id)
+            if self.store.get_checkpoint(run_id, ns, base_id) is None:
+                raise UnknownRecord(
+                    "fork base does not exist", run_id=run_id, checkpoint_id=base_id
+                )
         branch = BranchRecord(
             run_id=run_id,
             branch=policy.fork_branch_name(fork_token),

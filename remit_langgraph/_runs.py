@@ -56,6 +56,7 @@ from remit_core.errors import (
 )
 from remit_core.records import (
     MAIN_BRANCH,
+    BranchRecord,
     CheckpointRecord,
     FenceRef,
     InterruptRecord,
@@ -375,6 +376,27 @@ class Runs:
         if existing is not None and checkpoint_id in (existing.base_id, existing.head_id):
             return existing.branch
         return self.remit.fork(thread, checkpoint_id, token).branch
+
+    def fork_in(self, thread: str, ns: str, token: str) -> BranchRecord | None:
+        """The branch `token` has in subgraph namespace `ns`, made on first use when
+        the token forked the thread: a subgraph with a namespace of its own
+        (`checkpointer=True`) keeps its line across the parent's runs, and a fork
+        of the parent must not continue (or answer) the other branch's line. The
+        new branch starts where `ns` stood when the fork's base was written (its
+        newest checkpoint before it), or empty. None: not a fork of this thread,
+        or `ns` has no checkpoint that could be shared."""
+        forked = self.remit.fork_branch(thread, token, ns=ns)
+        if forked is not None:
+            return forked
+        top = self.remit.fork_branch(thread, token)
+        if top is None or top.base_id is None:
+            return None
+        line = self.remit.history(thread, ns=ns, verify=False)
+        if not line:
+            return None
+        # Checkpoint ids are time-ordered: those of `ns` before the base are its past.
+        base = next((r.checkpoint_id for r in line if r.checkpoint_id < top.base_id), None)
+        return self.remit.fork(thread, base, token, ns=ns)
 
     def _settle_resume(
         self,

@@ -187,7 +187,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
         thread, ns = _thread(config), conf.get("checkpoint_ns", "")
         checkpoint_id = conf.get("checkpoint_id")
         token = conf.get("fork_token")
-        forked = self.remit.fork_branch(thread, token, ns=ns) if token else None
+        forked = None
+        if token and ns == "":
+            forked = self.remit.fork_branch(thread, token)
+        elif token:
+            forked = self._runs.fork_in(thread, ns, token)
         if forked is not None and (not checkpoint_id or checkpoint_id == forked.base_id):
             # A fork token names its branch: read its head, as a run with it continues there.
             return self.remit.head(thread, ns=ns, branch=forked.branch), None
@@ -276,6 +280,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         if run is None and token and parent and ns == "":
             # Outside a run (`update_state`), a token with a checkpoint forks as a run does.
             self._runs.fork(thread, parent, token)
+        elif token and ns != "":
+            self._runs.fork_in(thread, ns, token)  # the fork's own line of the subgraph
         declared = self._runs.declared
         stored_meta = get_serializable_checkpoint_metadata(config, metadata)
         lg_run = stored_meta.get("run_id")

@@ -589,6 +589,60 @@ def test_a_run_cancelled_while_its_claim_is_taken_gives_the_claim_back(store_url
     assert asyncio.run(cancel_then_recover())["value"] == "R"
 
 
+class Inner(TypedDict):
+    x: int
+    trail: Annotated[list[str], operator.add]
+
+
+class Outer(TypedDict):
+    x: int
+    log: Annotated[list[str], operator.add]
+
+
+def with_a_persistent_subgraph(saver: RemitSaver) -> Any:
+    """p1 -> call_sub (a subgraph with a line of its own, `checkpointer=True`, that
+    asks at s2) -> END."""
+
+    def ask(state: Inner) -> dict[str, Any]:
+        return {"trail": [f"s2:{interrupt('sub?')}"]}
+
+    inner = StateGraph(Inner)
+    inner.add_node("s1", lambda s: {"trail": ["s1"]})
+    inner.add_node("s2", ask)
+    inner.add_edge(START, "s1")
+    inner.add_edge("s1", "s2")
+    sub = inner.compile(checkpointer=True)
+
+    def call_sub(state: Outer) -> dict[str, Any]:
+        out = sub.invoke({"x": state["x"], "trail": []})
+        return {"log": [",".join(out["trail"])]}
+
+    outer = StateGraph(Outer)
+    outer.add_node("p1", lambda s: {"log": ["p1"]})
+    outer.add_node("call_sub", call_sub)
+    outer.add_edge(START, "p1")
+    outer.add_edge("p1", "call_sub")
+    return outer.compile(checkpointer=saver)
+
+
+@pytest.mark.parametrize("first", ["fork", "main"])
+def test_a_fork_has_its_own_line_of_a_persistent_subgraph(store_url: str, first: str) -> None:
+    """Each branch answers the subgraph's question with its own value (L3, P5)."""
+    graph = with_a_persistent_subgraph(RemitSaver(store_url))
+    main = config()
+    graph.invoke({"x": 0, "log": []}, main)  # main asks inside the subgraph
+    base = next(h for h in graph.get_state_history(main) if h.next == ("p1",))
+    fork = {"configurable": {**base.config["configurable"], "fork_token": "again"}}
+    graph.invoke(None, fork)  # the fork asks too
+    answers = {"fork": (fork, "F"), "main": (main, "M")}
+    order = [first, "main" if first == "fork" else "fork"]
+    for name in order:
+        cfg, value = answers[name]
+        assert graph.invoke(Command(resume=value), cfg)["log"] == ["p1", f"s1,s2:{value}"]
+    assert graph.get_state(main).values["log"] == ["p1", "s1,s2:M"]
+    assert graph.get_state(fork).values["log"] == ["p1", "s1,s2:F"]
+
+
 def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
     graph = one_node(Free, lambda s: {"value": interrupt("?")}, RemitSaver(store_url))
     cfg = config()
