@@ -90,6 +90,29 @@ def checked_id(name: str, value: object, *, empty: bool = False) -> str:
     return value
 
 
+def _plain_ids(
+    run_id: object,
+    checkpoint_id: object,
+    ns: object,
+    workflow_version: object,
+    parent_id: object,
+    fork_token: object,
+) -> bool:
+    """Whether a commit's ids all pass `checked_id` (the common case, in one test)."""
+    return (
+        type(run_id) is str
+        and type(checkpoint_id) is str
+        and type(ns) is str
+        and type(workflow_version) is str
+        and (parent_id is None or type(parent_id) is str)
+        and (fork_token is None or (type(fork_token) is str and fork_token != ""))
+        and run_id != ""
+        and checkpoint_id != ""
+        and parent_id != ""
+        and "\x00" not in f"{run_id}{checkpoint_id}{ns}{workflow_version}{parent_id}{fork_token}"
+    )
+
+
 def checked_lease(lease: float) -> float:
     """`lease` if it is a finite number of seconds above 0, else `ValueError`: a claim
     with no lease left would let every resumer take it (no mutual exclusion)."""
@@ -365,14 +388,15 @@ class Remit:
         up with the commit, for a writer whose last write this is (its later
         `release()` is then free).
         """
-        checked_id("run_id", run_id)
-        checked_id("checkpoint_id", checkpoint_id)
-        checked_id("ns", ns, empty=True)
-        checked_id("workflow_version", workflow_version, empty=True)
-        if parent_id is not None:
-            checked_id("parent_id", parent_id)
-        if fork_token is not None:
-            checked_id("fork_token", fork_token)
+        if not _plain_ids(run_id, checkpoint_id, ns, workflow_version, parent_id, fork_token):
+            checked_id("run_id", run_id)  # each raises, naming what is wrong
+            checked_id("checkpoint_id", checkpoint_id)
+            checked_id("ns", ns, empty=True)
+            checked_id("workflow_version", workflow_version, empty=True)
+            if parent_id is not None:
+                checked_id("parent_id", parent_id)
+            if fork_token is not None:
+                checked_id("fork_token", fork_token)
         guess = None
         if plan is None and fork_token is None and parent_id is None:
             # A first checkpoint usually starts a new run: try to create main

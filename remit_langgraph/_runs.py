@@ -198,7 +198,7 @@ def current_run() -> Run | None:
     its exit stack in a task of its own, which leaves the caller's context pointing
     at the finished run; a run that gave its claim up owns no later write."""
     run = _current.get()
-    return None if run is None or run.claim.given_up else run
+    return None if run is None or run.claim._released else run  # (`given_up`, inline)
 
 
 def _is_resume_map(resume: Any) -> bool:

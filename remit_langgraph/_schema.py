@@ -25,7 +25,8 @@ from typing import Annotated, Any
 from langgraph._internal._typing import MISSING
 from langgraph.channels.binop import BinaryOperatorAggregate
 from langgraph.channels.last_value import LastValue, LastValueAfterFinish
-from pydantic import BaseModel
+from langgraph.types import Overwrite
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from remit_core.errors import CheckpointInvalid
@@ -71,8 +72,9 @@ class StateCheck:
         )
         self._types = dict(fields)
         self._plain: frozenset[str] = frozenset()
-        self._reducers: dict[str, BinaryOperatorAggregate[Any]] = {}
-        self._reduced: StateSchema | None = None
+        #: key -> (its channel, an adapter of its type without outer constraints)
+        self._reducers: dict[str, tuple[BinaryOperatorAggregate[Any], TypeAdapter[Any]]] = {}
+        self._reduced: StateSchema | None = None  # the same, named like the state's
         self._channels: Mapping[str, Any] | None = None
 
     @classmethod
@@ -95,18 +97,15 @@ class StateCheck:
         self._plain = frozenset(
             k for k, ch in channels.items() if k in self.fields and isinstance(ch, _PLAIN_CHANNELS)
         )
-        self._reducers = {
-            k: ch
+        bare = {
+            k: _bare(self._types[k])
             for k, ch in channels.items()
             if k in self.fields and isinstance(ch, BinaryOperatorAggregate)
         }
+        self._reducers = {k: (channels[k], TypeAdapter(t)) for k, t in bare.items()}
         self._reduced = (
-            StateSchema(
-                TypedDict(  # type: ignore[operator]
-                    "ReducedWrites", {k: _bare(self._types[k]) for k in self._reducers}, total=False
-                )
-            )
-            if self._reducers
+            StateSchema(TypedDict("ReducedWrites", bare, total=False))  # type: ignore[operator]
+            if bare
             else None
         )
         self._channels = channels
@@ -130,30 +129,39 @@ class StateCheck:
                 reduced.setdefault(ch, []).append(v)
         if present:
             self._partial.validate(present, **ids)
-        if reduced and self._reduced is not None:
-            made = {}
-            for ch, values in reduced.items():
-                value = self._reduce(ch, values, **ids)
-                if value is not MISSING:
-                    made[ch] = value
-            if made:
-                self._reduced.validate(made, **ids)
+        for ch, values in reduced.items():
+            value = self._reduce(ch, values, **ids)
+            if value is MISSING:
+                continue
+            try:
+                self._reducers[ch][1].validate_python(value)
+            except ValidationError:
+                assert self._reduced is not None
+                self._reduced.validate({ch: value}, **ids)  # raises, naming the field
 
     def _reduce(self, channel: str, values: list[Any], **ids: Any) -> Any:
         """What the reducer of `channel` makes of its empty value and `values`; MISSING
         where that says nothing (no empty value, or the reducer needs the real one)."""
-        empty = self._reducers[channel].from_checkpoint(MISSING)
-        if empty.value is MISSING:
+        template = self._reducers[channel][0]
+        empty = template.value
+        if empty is MISSING:
             return MISSING  # the first write would stand for the whole value
         try:
-            empty.update(values)
+            # (A dict may spell an `Overwrite`: the channel's own update reads it.)
+            if not any(isinstance(v, (Overwrite, dict)) for v in values):
+                value = type(empty)()
+                for v in values:
+                    value = template.operator(value, v)
+                return value
+            fresh = template.from_checkpoint(MISSING)
+            fresh.update(values)
+            return fresh.value
         except TypeError as exc:  # e.g. a string added to a list
             raise CheckpointInvalid(
                 f"the write to {channel!r} does not fit its reducer: {exc}", field=channel, **ids
             ) from exc
         except Exception:  # e.g. removing a message the empty value lacks
             return MISSING
-        return empty.value
 
     def upgrade(self, values: dict[str, Any], written_version: int, **ids: Any) -> dict[str, Any]:
         """Migrate a state written with an older schema version (or refuse, `VersionMismatch`)."""
