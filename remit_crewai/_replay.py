@@ -93,6 +93,11 @@ async def _replay_router(
 
 
 async def _take(flow: Flow[Any], route: FlowMethodName) -> None:
-    """Run what listens to `route`, with the input CrewAI gives a route's listeners."""
+    """Run what listens to `route`, with the input CrewAI gives a route's listeners.
+
+    As CrewAI does for a route a router emits, `or_` listeners that already fired
+    and wait for `route` are re-armed first, so a replayed loop goes round again.
+    """
+    flow._rearm_or_listeners_for_trigger(route)
     feedback = flow.last_human_feedback
     await flow._execute_listeners(route, feedback if feedback is not None else route)

@@ -802,6 +802,68 @@ def test_a_restart_inside_a_loop_runs_the_occurrence_that_was_in_flight(
     assert entered(world) == {"prepare": 1, "check": 3, "rework": 3, "finish": 1}
 
 
+@pytest.mark.parametrize(
+    ("killed_at", "entries"),
+    [
+        ("work.1", {"prepare": 1, "work": 3, "check": 2, "finish": 1}),
+        ("finish", {"prepare": 1, "work": 2, "check": 2, "finish": 2}),
+    ],
+)
+def test_a_restart_re_arms_an_or_listener_a_replayed_route_loops_back_to(
+    url: str, world: Path, killed_at: str, entries: dict[str, int]
+) -> None:
+    """work (`or_(prepare, "again")`, not a router) -> check (a router) -> "again" -> work
+    ... -> "done" -> finish, SIGKILLed in a later round: the restart replays the route
+    "again" into work once more, as CrewAI re-arms the fired `or_` listener, and finishes."""
+
+    def build(points: dict[str, str] | None = None) -> type[Any]:
+        from crewai.flow.flow import Flow, listen, or_, router, start
+        from crewai.flow.persistence import persist
+        from pydantic import BaseModel
+
+        journal, at = Journal(WorldDB(world)), points or {}
+
+        class Rounds(BaseModel):
+            rounds: int = 0
+            done: bool = False
+
+        @persist(RemitFlowPersistence(url, lease=1.0))
+        class LoopFlow(Flow[Rounds]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            def prepare(self) -> None:
+                journal.record("enter", "prepare")
+
+            @listen(or_(prepare, "again"))
+            def work(self) -> None:
+                journal.record("enter", "work")
+                point(at, f"work.{self.state.rounds}")
+                self.state.rounds += 1
+
+            @router(work)
+            def check(self) -> str:
+                journal.record("enter", "check")
+                return "again" if self.state.rounds < 2 else "done"
+
+            @listen("done")
+            def finish(self) -> None:
+                journal.record("enter", "finish")
+                point(at, "finish")
+                self.state.done = True
+
+        return LoopFlow
+
+    flow_id = f"or-loop-{uuid.uuid4().hex}"
+    crashed = run(lambda: kickoff(build({killed_at: "kill"}), inputs={"id": flow_id}))
+    assert crashed.status == "killed", crashed.summary()
+    time.sleep(1.2)
+    done = run(lambda: kickoff(build(), inputs={"id": flow_id}))
+    assert done.ok, done.summary()
+    assert done.value["state"]["rounds"] == 2 and done.value["state"]["done"] is True
+    assert entered(world) == entries
+
+
 def feedback_route_flow(
     url: str,
     world: Path,
