@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -59,7 +58,7 @@ from pydantic_graph.persistence import (
 )
 
 from remit_core import codec, policy
-from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit
+from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_id, checked_lease
 from remit_core.effects import step_scope
 from remit_core.errors import (
     CheckpointInvalid,
@@ -147,26 +146,6 @@ def _ended(driver: object) -> bool:
     return isinstance(driver, threading.Thread) and not driver.is_alive()
 
 
-def _check_token(name: str, value: object, *, optional: bool = False) -> None:
-    """A run id or fork token: a non-empty str (or None where `optional`)."""
-    if value is None and optional:
-        return
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r}")
-    if not value:
-        raise ValueError(f"{name} must not be empty")
-
-
-def _check_lease(lease: object) -> float:
-    """A claim lease: a finite number of seconds above 0 (0 or less would end mutual
-    exclusion: every claim would be expired as it is taken)."""
-    if isinstance(lease, bool) or not isinstance(lease, (int, float)):
-        raise TypeError(f"lease must be a number of seconds, got {type(lease).__name__}")
-    if not (math.isfinite(lease) and lease > 0):
-        raise ValueError(f"lease must be a finite number of seconds above 0, got {lease!r}")
-    return float(lease)
-
-
 def _check_versions(workflow_version: object, accept_versions: object) -> frozenset[str]:
     if not isinstance(workflow_version, str):
         raise TypeError(f"workflow_version must be a str, got {workflow_version!r}")
@@ -208,9 +187,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     ) -> None:
         if not isinstance(url, (str, Remit)):
             raise TypeError(f"url must be a store URL or a Remit, got {url!r}")
-        _check_token("run_id", run_id)
-        _check_token("fork_token", fork_token, optional=True)
-        self.lease = _check_lease(lease)
+        checked_id("run_id", run_id)
+        if fork_token is not None:
+            checked_id("fork_token", fork_token)
+        self.lease = checked_lease(lease)
         self.accept_versions = _check_versions(workflow_version, accept_versions)
         self.remit = url if isinstance(url, Remit) else Remit(url, lease=self.lease)
         self.run_id = run_id
@@ -868,8 +848,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         for another snapshot raises `ForkWithoutIntent`. The branch's head is
         the snapshot itself, to run again with `iter_from_persistence`.
         """
-        _check_token("snapshot_id", snapshot_id)
-        _check_token("fork_token", fork_token)
+        checked_id("snapshot_id", snapshot_id)
+        checked_id("fork_token", fork_token)
         await anyio.to_thread.run_sync(self.remit.fork, self.run_id, snapshot_id, fork_token)
         other: RemitStatePersistence[StateT, RunEndT] = RemitStatePersistence(
             self.remit,
