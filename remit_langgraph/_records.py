@@ -169,6 +169,17 @@ class BlobCache:
                 return {}
             return {key: known[key] for key in keys if key in known}
 
+    def holds(self, thread: str, ns: str, key: str) -> bool:
+        """Whether `key`'s bytes are known stored (not merely known absent)."""
+        known = self._threads.get((thread, ns))  # (a dict read needs no lock)
+        return known is not None and known.get(key) is not None
+
+    def drop(self, thread: str) -> None:
+        """Forget a thread (deleted: its blobs are gone from the store)."""
+        with self._lock:
+            for key in [k for k in self._threads if k[0] == thread]:
+                self._count -= len(self._threads.pop(key))
+
     def put(self, thread: str, ns: str, blobs: Mapping[str, bytes | None]) -> None:
         with self._lock:
             threads = self._threads
@@ -194,11 +205,14 @@ class BlobCache:
 def own_blobs(
     new_versions: Mapping[str, Any], blobs: Mapping[str, bytes]
 ) -> dict[str, bytes | None]:
-    """The blobs of the versions in `new_versions` that this saver made (see
-    `is_own_version`), None for a channel that had no value (emptied)."""
+    """The blobs of a put whose versions this saver made (see `is_own_version`),
+    and None for each such new version of a channel that had no value (emptied)."""
     own: dict[str, bytes | None] = {}
     for channel, version in new_versions.items():
         if isinstance(version, str) and is_own_version(version):
             key = blob_key(channel, version)
             own[key] = blobs.get(key)
+    for key, value in blobs.items():  # and blobs of channels the put did not change
+        if key not in own and is_own_version(key.partition(":")[0]):
+            own[key] = value
     return own

@@ -270,11 +270,22 @@ class RemitSaver(BaseCheckpointSaver[str]):
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         values = checkpoint["channel_values"]
         run = self._runs.before_put(thread, ns, checkpoint_id, values, new_versions.keys(), caller)
-        blobs, inline = {}, {}
+        versions = checkpoint["channel_versions"]
+        blobs: dict[str, bytes] = {}
+        inline: dict[str, bytes] = {}
         for ch, value in values.items():
             if ch in new_versions:
                 blobs[rec.blob_key(ch, new_versions[ch])] = self._dump(value, ch, **ids)
-            else:
+                continue
+            # A channel no step wrote keeps its version, and a version this saver
+            # made names one value: stored once, it is not written again (a blob
+            # this process has not seen stored is sent, and kept if already there).
+            version = versions.get(ch)
+            if isinstance(version, str) and rec.is_own_version(version):
+                key = rec.blob_key(ch, version)
+                if not self._blobs.holds(thread, ns, key):
+                    blobs[key] = self._dump(value, ch, **ids)
+            else:  # a version of the caller's own may name several values: keep this one
                 inline[ch] = self._dump(value, ch, **ids)
         token, parent = conf.get("fork_token"), conf.get("checkpoint_id")
         if run is None and token and parent and ns == "":
@@ -353,6 +364,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
     def delete_thread(self, thread_id: str) -> None:
         """Delete every record of a thread (checkpoints, writes, interrupts, effects)."""
         self.remit.delete_run(str(thread_id))
+        self._blobs.drop(str(thread_id))
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their writes) that LangGraph runs `run_ids` wrote.
@@ -406,6 +418,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         if strategy == "delete":
             for thread in thread_ids:
                 self.remit.delete_run(str(thread))
+                self._blobs.drop(str(thread))
         elif strategy == "keep_latest":
             self.remit.prune([str(t) for t in thread_ids], keep_last=1)
         else:

@@ -548,6 +548,46 @@ def test_a_reducer_write_is_checked_as_a_part_not_as_the_whole(store_url: str) -
     assert out["log"] == ["a", "b", "c"] and [m.id for m in out["messages"]] == ["m2"]
 
 
+class Large(TypedDict):
+    big: list[str]
+    n: int
+
+
+def three_steps(saver: RemitSaver) -> Any:
+    builder = StateGraph(Large)
+    for name in ("a", "b", "c"):
+        builder.add_node(name, lambda s: {"n": s["n"] + 1})
+    builder.add_edge(START, "a")
+    builder.add_edge("a", "b")
+    builder.add_edge("b", "c")
+    builder.add_edge("c", END)
+    return builder.compile(checkpointer=saver)
+
+
+@pytest.mark.parametrize("durability", ["sync", "exit"])
+def test_a_channel_value_is_stored_once_per_version_not_with_every_checkpoint(
+    store_url: str, durability: str
+) -> None:
+    """A channel no step writes keeps its version: later checkpoints name its one
+    stored value, and a saver that never saw it (another process) reads it back."""
+    big = [f"{i:04d}" + "x" * 996 for i in range(20)]  # 20 kB
+    cfg = config()
+    thread = cfg["configurable"]["thread_id"]
+    three_steps(RemitSaver(store_url)).invoke({"big": big, "n": 0}, cfg, durability=durability)
+    # A second run on the thread, by a saver with nothing cached.
+    three_steps(RemitSaver(store_url)).invoke({"n": 10}, cfg, durability=durability)
+    saver = RemitSaver(store_url)
+    records = saver.remit.history(thread, verify=False)
+    assert len(records) >= (10 if durability == "sync" else 2)
+    assert max(len(r.state) for r in records) < 5_000  # no checkpoint carries the 20 kB value
+    history = list(three_steps(RemitSaver(store_url)).get_state_history(cfg))
+    with_big = [h for h in history if "big" in h.values]
+    # All but the first run's input checkpoint (exit mode stores none).
+    assert len(with_big) == len(history) - (durability == "sync")
+    assert all(h.values["big"] == big for h in with_big)
+    assert history[0].values == {"big": big, "n": 13}
+
+
 def test_a_copy_of_a_paused_thread_resumes_like_its_source(store_url: str) -> None:
     saver = RemitSaver(store_url)
     graph = one_node(Free, lambda s: {"value": interrupt("?")}, saver)
