@@ -56,6 +56,11 @@ Effects (P2): decorate the function that touches the outside world with
 `remit_core.effect(reconcile=...)` (or `idempotent=True`) and call it from a
 node; no other change. Its ledger key is the node's task identity (branch,
 namespace, step, task path), so a re-run node gets the recorded outcome.
+
+Storage: each channel value is stored once per channel version; a checkpoint
+names the versions it holds. `DeltaChannel` keys (beta in LangGraph) work as
+with LangGraph's own savers: snapshots every few updates, the writes between
+them replayed on read, and each write checked against the key's type.
 """
 
 from remit_langgraph.saver import RemitSaver

@@ -32,8 +32,23 @@ from typing_extensions import TypedDict
 from remit_core.errors import CheckpointInvalid
 from remit_core.schema import StateSchema
 
+try:  # (`DeltaChannel` is newer than some LangGraph releases this package supports)
+    from langgraph.channels.delta import DeltaChannel
+    from langgraph.checkpoint.serde.types import _DeltaSnapshot
+except ImportError:  # pragma: no cover
+
+    class DeltaChannel:  # type: ignore[no-redef]
+        """Stands in for a channel kind this LangGraph does not have."""
+
+    class _DeltaSnapshot:  # type: ignore[no-redef]
+        """Stands in for a snapshot kind this LangGraph does not have."""
+
+        value: Any
+
 #: Channel kinds whose every write is a whole new value of the key (so a write can be checked).
 _PLAIN_CHANNELS = (LastValue, LastValueAfterFinish)
+#: Channel kinds that fold writes into the key's value with a reducer.
+_REDUCER_CHANNELS = (BinaryOperatorAggregate, DeltaChannel)
 
 
 def _bare(field_type: Any) -> Any:
@@ -73,7 +88,7 @@ class StateCheck:
         self._types = dict(fields)
         self._plain: frozenset[str] = frozenset()
         #: key -> (its channel, an adapter of its type without outer constraints)
-        self._reducers: dict[str, tuple[BinaryOperatorAggregate[Any], TypeAdapter[Any]]] = {}
+        self._reducers: dict[str, tuple[Any, TypeAdapter[Any]]] = {}
         self._reduced: StateSchema | None = None  # the same, named like the state's
         self._channels: Mapping[str, Any] | None = None
 
@@ -100,7 +115,7 @@ class StateCheck:
         bare = {
             k: _bare(self._types[k])
             for k, ch in channels.items()
-            if k in self.fields and isinstance(ch, BinaryOperatorAggregate)
+            if k in self.fields and isinstance(ch, _REDUCER_CHANNELS)
         }
         self._reducers = {k: (channels[k], TypeAdapter(t)) for k, t in bare.items()}
         self._reduced = (
@@ -114,7 +129,7 @@ class StateCheck:
     def values(self, values: Mapping[str, Any], keys: Any = None, **ids: Any) -> None:
         """Check the state keys among `values` (only `keys` when given); `CheckpointInvalid`."""
         chosen = self.fields if keys is None else self.fields & set(keys)
-        present = {k: values[k] for k in chosen if k in values}
+        present = {k: _unwrapped(values[k]) for k in chosen if k in values}
         if present:
             self._partial.validate(present, **ids)
 
@@ -143,12 +158,13 @@ class StateCheck:
         """What the reducer of `channel` makes of its empty value and `values`; MISSING
         where that says nothing (no empty value, or the reducer needs the real one)."""
         template = self._reducers[channel][0]
+        delta = isinstance(template, DeltaChannel)  # (it starts from its type's empty value)
         empty = template.value
-        if empty is MISSING:
+        if empty is MISSING and not delta:
             return MISSING  # the first write would stand for the whole value
         try:
             # (A dict may spell an `Overwrite`: the channel's own update reads it.)
-            if not any(isinstance(v, (Overwrite, dict)) for v in values):
+            if not delta and not any(isinstance(v, (Overwrite, dict)) for v in values):
                 value = type(empty)()
                 for v in values:
                     value = template.operator(value, v)
@@ -170,3 +186,8 @@ class StateCheck:
         state = {k: values[k] for k in self.fields if k in values}
         upgraded = self.declared.upgrade(state, written_version, **ids)
         return {**{k: v for k, v in values.items() if k not in self.fields}, **upgraded}
+
+
+def _unwrapped(value: Any) -> Any:
+    """A `DeltaChannel` snapshot's value (the key's whole value at that checkpoint)."""
+    return value.value if isinstance(value, _DeltaSnapshot) else value

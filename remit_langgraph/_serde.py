@@ -36,12 +36,15 @@ from pydantic import BaseModel
 
 from remit_core.errors import CheckpointInvalid, CorruptRecord
 
-#: LangGraph records that a run itself stores (task packets, interrupts, overwrites).
+#: LangGraph records that a run itself stores (task packets, interrupts, overwrites,
+#: snapshots).
 _LANGGRAPH_TYPES = frozenset(
     {
         ("langgraph.types", "Send"),
         ("langgraph.types", "Interrupt"),
         ("langgraph.types", "Overwrite"),
+        # A `DeltaChannel`'s snapshot: its value is checked as any other.
+        ("langgraph.checkpoint.serde.types", "_DeltaSnapshot"),
     }
 )
 _PLAIN = (str, int, float, bool, type(None), bytes, bytearray)

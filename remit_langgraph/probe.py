@@ -172,8 +172,9 @@ class _Session(ProbeSession):
         values = dict(out or {})
         paused = bool(values.pop("__interrupt__", None))
         done = "notify" in values.get("log", ())
-        status = "paused" if paused else ("done" if done else "other")
-        return RunResult(status, values, branch)
+        if paused:
+            return RunResult("paused", values, branch)
+        return RunResult("done" if done else "other", values, branch)
 
     def _invoke(self, value: Any, config: Any) -> Any:
         # Every target runs with durability="sync": under LangGraph's default "async",

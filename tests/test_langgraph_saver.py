@@ -13,6 +13,8 @@ from typing import Annotated, Any
 import pytest
 from annotated_types import MinLen
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, RemoveMessage
+from langgraph.channels.delta import DeltaChannel
+from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.types import Command, interrupt
@@ -586,6 +588,66 @@ def test_a_channel_value_is_stored_once_per_version_not_with_every_checkpoint(
     assert len(with_big) == len(history) - (durability == "sync")
     assert all(h.values["big"] == big for h in with_big)
     assert history[0].values == {"big": big, "n": 13}
+
+
+def extend(state: list[int], writes: list[list[int]]) -> list[int]:
+    return [*state, *(x for w in writes for x in w)]
+
+
+class Deltas(TypedDict):
+    log: Annotated[list[int], DeltaChannel(extend, snapshot_frequency=2)]
+    n: int
+
+
+def logging_steps(saver: Any) -> Any:
+    builder = StateGraph(Deltas)
+    for name in ("a", "b"):
+        builder.add_node(name, lambda s: {"log": [s["n"]], "n": s["n"] + 1})
+    builder.add_edge(START, "a")
+    builder.add_edge("a", "b")
+    builder.add_edge("b", END)
+    return builder.compile(checkpointer=saver)
+
+
+@pytest.mark.parametrize("durability", ["sync", "exit", "async", "ainvoke"])
+def test_a_delta_channel_is_stored_and_rebuilt_as_langgraphs_own_saver_does(
+    store_url: str, durability: str
+) -> None:
+    """`DeltaChannel` keys store snapshots every few updates and are rebuilt from the
+    writes between them, also by a saver that never saw the thread."""
+    cfg, reference = config(), InMemorySaver()
+    for i in range(5):
+        start = {"n": 10 * i}
+        graph = logging_steps(RemitSaver(store_url))  # nothing cached: a new process
+        if durability == "ainvoke":
+            out = asyncio.run(graph.ainvoke(start, cfg))
+        else:
+            out = graph.invoke(start, cfg, durability=durability)
+        mode = "async" if durability == "ainvoke" else durability
+        expected = logging_steps(reference).invoke(start, cfg, durability=mode)
+        assert out == expected
+    assert out["log"] == [0, 1, 10, 11, 20, 21, 30, 31, 40, 41]
+    reread = logging_steps(RemitSaver(store_url))
+    assert reread.get_state(cfg).values == expected
+    ours = [h.values for h in reread.get_state_history(cfg)]
+    assert ours == [h.values for h in logging_steps(reference).get_state_history(cfg)]
+
+
+def test_a_write_a_delta_channel_cannot_hold_is_refused_and_the_thread_stays_readable(
+    store_url: str,
+) -> None:
+    saver = RemitSaver(store_url)
+    cfg = config()
+    logging_steps(saver).invoke({"n": 0}, cfg)
+    builder = StateGraph(Deltas)
+    builder.add_node("bad", lambda s: {"log": ["not a number"]})
+    builder.add_edge(START, "bad")
+    with pytest.raises(CheckpointInvalid) as refused:
+        builder.compile(checkpointer=saver).invoke({"n": 5}, cfg, durability="sync")
+    assert refused.value.field == "log[0]"
+    # The head is the run's input checkpoint: the refused write is not in it.
+    assert logging_steps(RemitSaver(store_url)).get_state(cfg).values == {"log": [0, 1], "n": 5}
+    assert logging_steps(saver).invoke({"n": 7}, cfg)["log"] == [0, 1, 7, 8]
 
 
 def test_a_copy_of_a_paused_thread_resumes_like_its_source(store_url: str) -> None:
