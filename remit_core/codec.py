@@ -11,8 +11,9 @@ BLAKE2b instead of the CRC) are still read.
 
 `dumps` / `loads` encode plain Python values as JSON with explicit tags for
 the types JSON lacks (datetime, date, time, timedelta, UUID, Decimal, bytes,
-tuple, set, frozenset, non-string dict keys). Anything else is refused at
-write time with `TypeError`; reading never imports or calls anything.
+tuple, set, frozenset, non-string dict keys). Anything else, and a subclass
+of these that would read back as its base type, is refused at write time with
+`TypeError`; reading never imports or calls anything.
 """
 
 from __future__ import annotations
@@ -79,9 +80,18 @@ _TAG = "$remit"
 
 #: Exact types that encode as themselves (subclasses take the slow path below).
 _AS_IS = frozenset({str, int, bool, type(None)})
+#: The other types stored as themselves (and bytearray, read back as the bytes it equals).
+_EXACT = frozenset(
+    {float, list, dict, tuple, set, frozenset, bytes, bytearray}
+    | {dt.datetime, dt.date, dt.time, dt.timedelta, UUID, Decimal}
+)
+#: Bases whose subclasses (a str or int Enum, a namedtuple, an OrderedDict) would read
+#: back as the base: refused unless the caller accepts that (`dumps(exact=False)`).
+_BASES: tuple[type, ...] = (bool, int, str, float, list, dict, tuple, set, frozenset, bytes)
+_BASES += (dt.datetime, dt.date, dt.time, dt.timedelta, UUID, Decimal)
 
 
-def _encode(value: Any) -> Any:
+def _encode(value: Any, exact: bool = True) -> Any:
     cls = type(value)
     if cls in _AS_IS:
         return value
@@ -90,11 +100,18 @@ def _encode(value: Any) -> Any:
         for k, v in value.items():
             if type(k) is not str:
                 break
-            out[k] = v if type(v) in _AS_IS else _encode(v)
+            out[k] = v if type(v) in _AS_IS else _encode(v, exact)
         else:
             return out
     elif cls is list:
-        return [v if type(v) in _AS_IS else _encode(v) for v in value]
+        return [v if type(v) in _AS_IS else _encode(v, exact) for v in value]
+    if exact and cls not in _EXACT and isinstance(value, _BASES):
+        base = next(b for b in _BASES if isinstance(value, b))
+        raise TypeError(
+            f"Remit cannot store a value of type {cls.__module__}.{cls.__qualname__} as it "
+            f"is: it would read back as a plain {base.__module__}.{base.__qualname__}; "
+            "store the plain value (an Enum's .value, a namedtuple's ._asdict())"
+        )
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -102,15 +119,20 @@ def _encode(value: Any) -> Any:
             return {_TAG: "float", "v": repr(value)}
         return value
     if isinstance(value, list):
-        return [_encode(v) for v in value]
+        return [_encode(v, exact) for v in value]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and _TAG not in value:
-            return {k: _encode(v) for k, v in value.items()}
-        return {_TAG: "dict", "v": [[_encode(k), _encode(v)] for k, v in value.items()]}
+            return {k: _encode(v, exact) for k, v in value.items()}
+        return {
+            _TAG: "dict",
+            "v": [[_encode(k, exact), _encode(v, exact)] for k, v in value.items()],
+        }
     if isinstance(value, tuple):
-        return {_TAG: "tuple", "v": [_encode(v) for v in value]}
+        return {_TAG: "tuple", "v": [_encode(v, exact) for v in value]}
     if isinstance(value, (set, frozenset)):
-        items = sorted((_encode(v) for v in value), key=lambda e: json.dumps(e, sort_keys=True))
+        items = sorted(
+            (_encode(v, exact) for v in value), key=lambda e: json.dumps(e, sort_keys=True)
+        )
         return {_TAG: type(value).__name__, "v": items}
     if isinstance(value, dt.datetime):
         return {_TAG: "datetime", "v": value.isoformat()}
@@ -181,11 +203,16 @@ def _decode(value: Any) -> Any:
 _NESTED = frozenset({dict, list})
 
 
-def dumps(value: Any) -> bytes:
-    """Encode plain data as tagged JSON bytes; `TypeError` names an unsupported type."""
+def dumps(value: Any, *, exact: bool = True) -> bytes:
+    """Encode plain data as tagged JSON bytes; `TypeError` names an unsupported type.
+
+    A subclass of a supported type (a str Enum, a namedtuple) is refused too, as it
+    would read back as its base type; `exact=False` stores it as its base (for
+    fields that are only informational, such as checkpoint metadata).
+    """
     if type(value) is dict and not value:  # empty metadata, the common case
         return b"{}"
-    return json.dumps(_encode(value), separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(_encode(value, exact), separators=(",", ":"), allow_nan=False).encode()
 
 
 def loads(data: bytes) -> Any:

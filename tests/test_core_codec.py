@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
+import enum
 import hashlib
 import json
 import math
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 import pytest
@@ -101,6 +103,37 @@ class Opaque:
 def test_unsupported_types_are_refused_by_name(value: Any) -> None:
     with pytest.raises(TypeError, match="cannot store a value of type"):
         codec.dumps(value)
+
+
+class Colour(str, enum.Enum):
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    HIGH = 2
+
+
+class Pair(NamedTuple):
+    left: int
+    right: int
+
+
+@pytest.mark.parametrize(
+    ("value", "base"),
+    [
+        (Colour.RED, "str"),
+        (Level.HIGH, "int"),
+        (Pair(1, 2), "tuple"),
+        (collections.OrderedDict(a=1), "dict"),
+        ({"deep": [collections.defaultdict(int)]}, "dict"),
+    ],
+)
+def test_a_subclass_that_would_read_back_as_its_base_is_refused(value: Any, base: str) -> None:
+    """Stored as its base type it would come back as another value type (an Enum as
+    a str): refused, naming both; `exact=False` accepts that for informational fields."""
+    with pytest.raises(TypeError, match=rf"would read back as a plain builtins\.{base}"):
+        codec.dumps(value)
+    assert codec.loads(codec.dumps(value, exact=False)) == value  # as equal base values
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import enum
 import sqlite3
 import threading
 import time
@@ -214,6 +215,21 @@ def test_unrecordable_outcome_leaves_the_effect_in_doubt(remit: Remit, run_id: s
     with step_scope(remit, run_id, "s"):
         assert run_effect("pay", sink.apply, reconcile=sink.happened) == "receipt-1"
     assert len(sink.calls) == 1
+
+
+class Status(str, enum.Enum):
+    PAID = "paid"
+
+
+def test_an_outcome_that_would_replay_as_another_type_is_refused_not_degraded(
+    remit: Remit, run_id: str
+) -> None:
+    """A str Enum recorded as a str would replay as a str, not as what the first run
+    got: refused at record time, as any outcome Remit cannot record as it is."""
+    with step_scope(remit, run_id, "s"), pytest.raises(RemitError, match="Status"):
+        run_effect("pay", lambda key: Status.PAID)
+    entry = remit.store.get_effect(run_id, "s/pay#0")
+    assert entry is not None and entry.status == "intent"
 
 
 def test_failed_apply_then_reconcile_and_idempotent(remit: Remit, run_id: str) -> None:

@@ -89,7 +89,8 @@ def _ckpt_params(r: CheckpointRecord) -> list[Any]:
     """A checkpoint row's values, in `_CKPT_COLS` order."""
     return [
         r.run_id, r.checkpoint_id, r.branch, r.parent_id, r.state, r.ns, r.seq,
-        codec.dumps(r.metadata).decode(), r.schema_version, r.workflow_version, r.created_at,
+        codec.dumps(r.metadata, exact=False).decode(), r.schema_version, r.workflow_version,
+        r.created_at,
     ]  # fmt: skip
 
 

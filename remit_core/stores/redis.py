@@ -141,8 +141,9 @@ def _opt_id(value: str | None) -> str:
 
 
 def _pack(header: list[Any], payload: bytes) -> bytes:
-    """A record: its fields as tagged JSON (one line: JSON escapes newlines), then its bytes."""
-    return codec.dumps(header) + b"\n" + payload
+    """A record: its fields as tagged JSON (one line: JSON escapes newlines), then its
+    bytes. Metadata is informational: a subclass in it is stored as its base type."""
+    return codec.dumps(header, exact=False) + b"\n" + payload
 
 
 def _unpack(raw: bytes, **ids: Any) -> tuple[list[Any], bytes]:
