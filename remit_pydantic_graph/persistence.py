@@ -12,13 +12,16 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
   snapshot is committed (its `success`, stored when `record_run` exits, is
   not enough); a cancelled node is given back.
 - P2: a node's body runs under `remit_core.step_scope` keyed by its snapshot
-  id, so `remit_core.effect` functions inside it apply once.
+  id (and, on a fork, by the fork's branch), so `remit_core.effect` functions
+  inside it apply once.
 - P3: starting a new node on a run that already has a head, or running a
   snapshot that is not the head, is a fork and needs `fork_token`.
 - P4: every snapshot round-trips through the graph's own type adapter before
   it is written (`_codec`); stored bytes are verified and version-checked on read.
 - P5: `resume(node)` delivers a human's answer to a paused run, once, and
-  gives the run back: any process may continue it.
+  gives the run back: any process may continue it. A driver that loaded the
+  paused node as the answer came does not run it without the answer; an answer
+  that comes while another process runs the paused node is refused.
 
 Each asyncio task (or thread) calling an instance is a resumer of its own,
 with its own holder identity: tasks sharing one instance exclude each other
@@ -47,6 +50,7 @@ import anyio.to_thread
 import pydantic
 from pydantic_graph import BaseNode, End
 from pydantic_graph.exceptions import GraphNodeStatusError
+from pydantic_graph.graph import GraphRun
 from pydantic_graph.persistence import (
     BaseStatePersistence,
     EndSnapshot,
@@ -138,6 +142,17 @@ def _driver() -> object:
     except RuntimeError:  # no event loop in this thread
         task = None
     return task if task is not None else threading.current_thread()
+
+
+def _is_graph_step(driver: object) -> bool:
+    """Whether `driver` is a task that runs one `GraphRun.next` (or `__anext__`)."""
+    coro = driver.get_coro() if isinstance(driver, asyncio.Task) else None
+    frame = getattr(coro, "cr_frame", None)
+    return (
+        frame is not None
+        and frame.f_code.co_name in ("next", "__anext__")
+        and isinstance(frame.f_locals.get("self"), GraphRun)
+    )
 
 
 def _ended(driver: object) -> bool:
@@ -300,9 +315,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """The caller's resumer, made on its first call and kept until `_drop` (not
         kept if `keep` is false: a read that takes no claim).
 
-        A task started by a caller that holds a claim, and so awaited by it (as
-        `asyncio.wait_for(run.next())` starts one on Python 3.11), acts for that
-        caller: it finds the caller's resumer in the context it inherited.
+        A task that is a step of a caller holding a claim (a `GraphRun.next` in a task
+        of its own, as `asyncio.wait_for(run.next())` makes on Python 3.11) acts for
+        that caller: it finds the caller's resumer in the context it inherited. Any
+        other task is a resumer of its own, also one the caller started while it
+        holds the claim.
         """
         driver = _driver()
         with self._resumers_lock:
@@ -312,7 +329,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         made = _MADE_HERE.get({})
         ref = made.get(self._instance)
         caller = None if ref is None else ref()
-        if caller is not None and caller.claim is not None and not caller.claim.released:
+        if (
+            caller is not None
+            and caller.claim is not None
+            and not caller.claim.released
+            and _is_graph_step(driver)
+        ):
             return caller
         resumer = _Resumer(driver, f"{self.remit.holder}/{self._instance}.{next(_serials)}")
         if keep:
@@ -539,9 +561,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             raise
         claim = resumer.claim
         assert claim is not None
+        # A node run on a fork is the fork's own work, also the one at the fork's base
+        # (main may be running it still, or the fork may run it with another state):
+        # its effects are keyed under the fork's branch.
+        step = snapshot_id if self.branch == MAIN_BRANCH else f"{self.branch}/{snapshot_id}"
         start = perf_counter()
         try:
-            with step_scope(self.remit, self.run_id, snapshot_id, fence=claim.fence):
+            with step_scope(self.remit, self.run_id, step, fence=claim.fence):
                 yield
         except Exception:
             duration = perf_counter() - start
@@ -581,7 +607,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             if not head.top.is_node:
                 raise GraphNodeStatusError(head.top.status)
             GraphNodeStatusError.check(head.top.status)
+            before = head.top.status
             self._set_status(resumer, head.top, "running")
+            self._refuse_answered(resumer, head, before)
             resumer.started = head
         except BaseException:
             self._drop(resumer)
@@ -711,23 +739,26 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         # The one atomic step: of all resumers, exactly one gets past it. Losers never
         # take the run's claim, so they cannot get in the way of the winner's run.
         self.remit.consume(self.run_id, pause_id, body, branch=self.branch)
-        if not self._acquire_patiently(resumer):
-            return snapshot  # accepted; the claim's holder settles it in its load_next
+        acquired = self._acquire_patiently(resumer)
+        if self.remit.checkpoint(self.run_id, snapshot.id) is not None:
+            return snapshot  # settled already, by the claim's holder
         head = self._read_head()
-        if head is not None and head.top.id == pause_id:
-            # Committed and given back at once: the answer is the head now, so the
-            # run is no longer paused and a second answer is refused (P5).
-            self._commit(
-                resumer, snapshot, body, head, release=True, via="resume", replaces=pause_id
-            )
-        elif self.remit.checkpoint(self.run_id, snapshot.id) is None:
-            raise HeadMoved(
-                "the run moved on from its pause while the value was delivered; the value "
-                "was recorded with the pause and is not used",
-                run_id=self.run_id,
-                checkpoint_id=pause_id,
-            )
-        return snapshot
+        if head is not None and head.top.id == pause_id and head.top.status in _NOT_STARTED:
+            if acquired:
+                # Committed and given back at once: the answer is the head now, so the
+                # run is no longer paused and a second answer is refused (P5).
+                self._commit(
+                    resumer, snapshot, body, head, release=True, via="resume", replaces=pause_id
+                )
+            # Else the claim's holder has not started the paused node: before it runs
+            # it, it finds the answer and commits it (`_load_next`, `_begin_run`).
+            return snapshot
+        raise HeadMoved(
+            "the run moved on from its pause (another process ran the paused node) while "
+            "the value was delivered; the value was recorded with the pause and is not used",
+            run_id=self.run_id,
+            checkpoint_id=pause_id,
+        )
 
     def _acquire_patiently(self, resumer: _Resumer) -> bool:
         """Take the claim, waiting out at most one lease of its current holder."""
@@ -781,6 +812,25 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             f"{node.get_node_id()}: this value is not for this pause and was not stored",
             run_id=self.run_id,
             checkpoint_id=paused.id,
+        )
+
+    def _refuse_answered(self, resumer: _Resumer, head: _Head, before: SnapshotStatus) -> None:
+        """A paused node answered by `resume()` after this caller loaded it (and before
+        it was marked running, which a later answer sees) must not run without the
+        answer: commit the answer as the head and raise `ResumeConflict` (P5).
+        `before`: the node's status before it was marked running."""
+        if before not in _NOT_STARTED:
+            return  # an interrupted run taken over: no answer waits on a started node
+        pause = self.remit.interrupt(self.run_id, head.top.id, branch=self.branch)
+        if pause is None or pause.status != "consumed" or pause.value is None:
+            return
+        self._set_status(resumer, head.top, before)  # it did not run
+        self._settle_resume(resumer, head)
+        raise ResumeConflict(
+            "the paused node was answered with resume() while this process loaded it; the "
+            "answer is the run's head now: continue with iter_from_persistence()",
+            run_id=self.run_id,
+            checkpoint_id=head.top.id,
         )
 
     def _settle_resume(self, resumer: _Resumer, head: _Head) -> _Head:

@@ -59,6 +59,7 @@ class World:
     folder: Path
     amount: int = 100
     kill_at: str | None = None
+    on_enter: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         self.db = WorldDB(self.folder / "world.db")
@@ -66,6 +67,8 @@ class World:
 
     def enter(self, node: str) -> None:
         self.journal.record("enter", node)
+        if self.on_enter is not None:
+            self.on_enter(node)
         if self.kill_at == node:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -486,6 +489,138 @@ def test_docs_pattern_never_silently_starts_over(url: str, run_id: str, world: W
     assert world.entered() == {"start": 1}
 
 
+def opened(url: str, run_id: str, pause_id: str, status: str = "pending") -> None:
+    """Wait until the pause's interrupt reaches `status` (a resumer in another process)."""
+    remit = persistence(url, run_id).remit
+    deadline = time.monotonic() + 30
+    while (i := remit.interrupt(run_id, pause_id)) is None or i.status != status:
+        assert time.monotonic() < deadline, f"the interrupt never became {status}"
+        time.sleep(0.02)
+
+
+def test_an_answer_consumed_after_a_driver_loaded_the_pause_is_used_not_skipped(
+    url: str, run_id: str, world: World
+) -> None:
+    """P5: resume() found the run free, then a driver loaded the paused node before the
+    value was consumed. The driver does not run the pause without the value: it commits
+    the answer and gets `ResumeConflict`; the run continues with the acknowledged value."""
+    asyncio.run(to_pause(url, run_id, world))
+    pause_id = asyncio.run(persistence(url, run_id).load_all())[-1].id
+
+    def answer() -> None:
+        failpoints.arm("interrupt.before_consume", "sleep:1.0")
+        asyncio.run(persistence(url, run_id).resume(Answer("ann")))
+
+    resumer = fork(answer)
+    opened(url, run_id, pause_id)  # the resumer found the run free and is consuming
+
+    async def driver() -> None:
+        p = persistence(url, run_id)
+        async with GRAPH.iter_from_persistence(p, deps=world) as run:  # loads the pause
+            opened(url, run_id, pause_id, "consumed")
+            with pytest.raises(ResumeConflict, match="answered"):
+                await run.next()  # (the pause itself would fail the test: it never runs)
+
+    asyncio.run(driver())
+    assert resumer.wait(60).ok  # acknowledged
+    assert asyncio.run(drive(persistence(url, run_id), world)) == "paid 100"
+    final = asyncio.run(persistence(url, run_id).load_all())[-1]
+    assert final.state["approved_by"] == "ann" and world.sink.counts() == {"charge": 1}
+
+
+@dataclass
+class Wait(BaseNode[Order, World, str]):
+    """A pause that a driver may also run: it then goes on with a default after a while
+    (longer than a resumer waits for the claim: a lease and a second)."""
+
+    async def run(self, ctx: Ctx) -> Use:
+        ctx.deps.enter("wait")
+        await asyncio.sleep(LEASE + 2.5)
+        return Use("default")
+
+
+@dataclass
+class Use(BaseNode[Order, World, str]):
+    value: str
+
+    async def run(self, ctx: Ctx) -> End[str]:
+        ctx.state["approved_by"] = self.value
+        return End(self.value)
+
+
+WAITING = Graph(nodes=(Wait, Use), name="waiting")
+
+
+def test_an_answer_consumed_while_a_driver_runs_the_pause_is_refused_not_acknowledged(
+    url: str, run_id: str, world: World
+) -> None:
+    """P5: the value a run continues with is the acknowledged one. A value consumed while
+    another process runs the paused node without it is never used, so resume() raises
+    (`HeadMoved`) instead of returning as if it were."""
+
+    def waiting() -> RemitStatePersistence[Order, str]:
+        p: RemitStatePersistence[Order, str] = RemitStatePersistence(url, run_id, lease=LEASE)
+        p.set_graph_types(WAITING)
+        return p
+
+    asyncio.run(WAITING.initialize(Wait(), waiting(), state=fresh()))
+    pause_id = asyncio.run(waiting().load_all())[-1].id
+
+    def answer() -> None:
+        failpoints.arm("interrupt.before_consume", "sleep:1.0")
+        asyncio.run(waiting().resume(Use("ann")))
+
+    resumer = fork(answer)
+    opened(url, run_id, pause_id)
+
+    async def driver() -> str | None:
+        async with WAITING.iter_from_persistence(waiting(), deps=world) as run:
+            async for _ in run:
+                pass
+        return run.result.output if run.result else None
+
+    assert asyncio.run(driver()) == "default"
+    outcome = resumer.wait(60)
+    assert outcome.status == "error" and outcome.raised("HeadMoved"), outcome.summary()
+    assert asyncio.run(waiting().load_all())[-1].state["approved_by"] == "default"
+    assert world.entered() == {"wait": 1}
+
+
+def test_a_task_a_driver_starts_inside_a_node_is_a_resumer_of_its_own(
+    url: str, run_id: str, world: World
+) -> None:
+    """P5 in one process: a task the driver starts while it runs a node (not a step it
+    awaits) does not act for the driver: its own run gets `ResumeConflict`, runs nothing."""
+    asyncio.run(to_pause(url, run_id, world))
+    p = persistence(url, run_id)
+    asyncio.run(p.resume(Answer("ann")))
+    helped: list[str] = []
+
+    async def helper() -> None:
+        try:
+            async with GRAPH.iter_from_persistence(p, deps=world) as run:
+                async for _ in run:
+                    pass
+            helped.append("ran")
+        except ResumeConflict:
+            helped.append("conflict")
+
+    async def go() -> Any:
+        tasks: list[asyncio.Task[None]] = []
+        world.on_enter = lambda node: (
+            tasks.append(asyncio.get_running_loop().create_task(helper()))
+            if node == "pay"  # (it runs when the node awaits its effect)
+            else None
+        )
+        result = await drive(p, world)
+        await asyncio.gather(*tasks)
+        return result
+
+    assert asyncio.run(go()) == "paid 100"
+    assert helped == ["conflict"]
+    assert world.entered() == {"start": 1, "answer": 1, "pay": 1, "pay.after_effect": 1, "done": 1}
+
+
 def test_value_accepted_before_a_crash_is_used_once(url: str, run_id: str, world: World) -> None:
     """P5: killed right after the value was consumed (before its node was stored): recovery
     continues with that value; a second value is refused."""
@@ -529,7 +664,9 @@ def test_forks_need_a_token_and_one_token_is_one_branch(
         assert same.branch == forked.branch and len(p.remit.branches(run_id)) == 2
 
     asyncio.run(go())
-    assert world.sink.counts() == {"charge": 1}  # Pay replayed on the fork: read from the ledger
+    # Pay run again on the fork is the fork's own work (its own key); nothing before it reruns.
+    assert world.sink.counts() == {"charge": 2}
+    assert world.entered()["start"] == 1 and world.entered()["answer"] == 1
 
 
 def test_fork_of_a_paused_run_has_its_own_interrupt(url: str, run_id: str, world: World) -> None:
