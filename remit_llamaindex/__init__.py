@@ -10,6 +10,7 @@ needs the server extra, imported from `remit_llamaindex.server`).
 
 from typing import Any
 
+from remit_llamaindex._child import RunFailed
 from remit_llamaindex.runtime import RemitRuntime, RunCheckpoint
 
 
@@ -21,4 +22,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["RemitRuntime", "RemitWorkflowStore", "RunCheckpoint"]
+__all__ = ["RemitRuntime", "RemitWorkflowStore", "RunCheckpoint", "RunFailed"]

@@ -152,6 +152,8 @@ class Session:
         self.asks: dict[str, dict[str, Any]] = dict(asks or {})
         self.answering: dict[int, str] = {}
         self.claim: ClaimHandle | None = None
+        # Seconds a claim held elsewhere is waited for before `ResumeConflict`.
+        self.claim_patience = 0.0
         self.opened: set[str] = set()
         self.done = False
         self.inner: ExternalRunAdapter | None = None
@@ -210,6 +212,21 @@ class Session:
             raise
         self.claim = handle
 
+    async def _take_claim_patiently(self) -> None:
+        """`take_claim`, retried while another holder has the claim, for up to
+        `claim_patience` seconds (a dead holder's lease runs out meanwhile)."""
+        deadline = time.monotonic() + self.claim_patience
+        while True:
+            try:
+                await asyncio.to_thread(self.take_claim)
+            except ResumeConflict:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+            else:
+                self.claim_patience = 0.0
+                return
+
     def release_claim(self) -> None:
         claim, self.claim = self.claim, None
         if claim is not None:
@@ -238,7 +255,7 @@ class Session:
             if self.claim is None:
                 if status == snap.WAITING:
                     return
-                await asyncio.to_thread(self.take_claim)
+                await self._take_claim_patiently()
             try:
                 await asyncio.to_thread(self._commit, status, replay.exit_command)
             except _Unstorable as exc:

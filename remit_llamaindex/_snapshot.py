@@ -15,7 +15,7 @@ from typing import Any
 from workflows.context.context_types import SerializedContext
 from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
 from workflows.errors import WorkflowCancelledByUser
-from workflows.events import Event, HumanResponseEvent, InputRequiredEvent
+from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StopEvent
 from workflows.runtime.types.commands import CommandCompleteRun, CommandFailWorkflow, CommandHalt
 from workflows.runtime.types.internal_state import BrokerState
 from workflows.workflow import Workflow
@@ -193,6 +193,21 @@ def broker_state(
     """The broker state a serialized context describes."""
     parsed = SerializedContext.from_dict_auto(ctx, serializer)
     return BrokerState.from_serialized(parsed, workflow, serializer)
+
+
+def stop_event(result: str | None, serializer: BaseSerializer, **ids: Any) -> StopEvent:
+    """The `StopEvent` a completed checkpoint records as the run's result."""
+    if result is None:
+        return StopEvent()
+    try:
+        stop = serializer.deserialize(result)
+    except (ValueError, TypeError, KeyError, ImportError, AttributeError) as exc:
+        raise CorruptRecord(f"the run's stored result does not decode ({exc})", **ids) from exc
+    if not isinstance(stop, StopEvent):
+        raise CorruptRecord(
+            f"the run's stored result is a {type(stop).__name__}, not a StopEvent", **ids
+        )
+    return stop
 
 
 def is_handle(payload: dict[str, Any] | None) -> bool:

@@ -42,6 +42,7 @@ from remit_core.conformance.adapter import (
     ProbeEnv,
     ProbeSession,
     RunResult,
+    RunStatus,
     Snapshot,
     Target,
     initial_state,
@@ -120,7 +121,10 @@ class ProbeFlow(Workflow):
         self, ctx: Context[OrderState], ev: Prepared | AskAgain
     ) -> Approved | AskAgain:
         answer = await ctx.wait_for_event(
-            Approval, waiter_event=ApprovalRequest(prefix="approve?"), timeout=None
+            Approval,
+            # An event takes fields it does not declare (the framework's `prefix` here).
+            waiter_event=ApprovalRequest(prefix="approve?"),  # type: ignore[call-arg]
+            timeout=None,
         )
         value = answer.response
         if isinstance(ev, AskAgain):
@@ -397,7 +401,7 @@ class VanillaProbe(ProbeSession):
         async def go() -> RunResult:
             base = self._head(run, checkpoint)
             if base["status"] == "done" or _waiting(base["ctx"]):
-                status = "done" if base["status"] == "done" else "paused"
+                status: RunStatus = "done" if base["status"] == "done" else "paused"
                 return RunResult(status, _plain(_state_of(base["ctx"])), base["id"])
             flow = self._flow()
             handler = flow.run(ctx=Context.from_dict(flow, base["ctx"]))

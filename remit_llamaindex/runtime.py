@@ -14,6 +14,11 @@ reduced tick becomes a Remit checkpoint under the run's leased, fenced claim
 carries a handle to its checkpoint instead of the state values, so restoring
 it continues the same run; restoring a checkpoint that is no longer the head
 is a fork and needs a fork token (`context(..., fork_token=...)`).
+
+A workflow a step starts without a `run_id` is a child run named after that
+step execution (`remit_llamaindex._child`): when the step runs again after a
+crash, it finds the same child, which answers from the store if it had ended
+and continues from its checkpoints if not, so its effects apply once.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from workflows.context.state_store import (
     set_by_path_copy,
 )
 from workflows.context.state_store_integration import decode_seed_state
-from workflows.events import Event, StartEvent
+from workflows.errors import WorkflowCancelledByUser
+from workflows.events import Event, StartEvent, StopEvent
 from workflows.handler import WorkflowHandler
 from workflows.plugins.basic import BasicRuntime, get_current_run_id
 from workflows.runtime.runtime_decorators import (
@@ -75,8 +81,10 @@ from remit_core.errors import (
 )
 from remit_core.records import MAIN_BRANCH, CheckpointRecord
 from remit_core.schema import StateSchema
+from remit_llamaindex import _child
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import Session, new_checkpoint_id, public_run_id, split_run_id
+from remit_llamaindex._state import RemitStateStore
 from remit_llamaindex._storable import check_storable
 
 logger = logging.getLogger("remit_llamaindex")
@@ -126,6 +134,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         self._remit_pid = -1
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        _child.record_draws()
 
     @property
     def remit(self) -> Remit:
@@ -159,7 +168,10 @@ class RemitRuntime(BaseRuntimeDecorator):
             if session is None:
                 return await fn(state, step_name, event, workflow, bound_events, retry)
             key = session.step_key(step_name, state.work_item_id)
-            with step_scope(session.remit, session.run_id, key, fence=session.fence):
+            with (
+                step_scope(session.remit, session.run_id, key, fence=session.fence),
+                _child.step_execution(session.run_id, key, retry.retry_number),
+            ):
                 failpoints.hit("step.before")
                 return await fn(state, step_name, event, workflow, bound_events, retry)
 
@@ -178,24 +190,41 @@ class RemitRuntime(BaseRuntimeDecorator):
         serializer: BaseSerializer | None = None,
     ) -> ExternalRunAdapter:
         json_ser = snap.require_json(serializer or self.get_serializer(workflow))
+        drawn = _child.was_drawn(run_id)
+        child = None
         if serialized_state is not None and snap.is_handle(serialized_state):
             session = self._restored(workflow, serialized_state, json_ser)
+        elif drawn and (child := _child.next_child_id()) is not None:
+            found = self._child_session(workflow, child, init_state, serialized_state, json_ser)
+            if isinstance(found, _child.EndedRun):
+                return found
+            session = found
+            if session.head_id is not None:
+                start_event = None  # the stored run took its start event already
         else:
             session = self._fresh(workflow, run_id, init_state, serialized_state, json_ser)
         stored = session.head_id is not None
         parked = stored and (snap.is_idle(session.init_state) or not session.init_state.is_running)
         if start_event is not None or session.injections or not parked:
-            session.take_claim()
+            try:
+                session.take_claim()
+            except ResumeConflict:
+                if child is None:
+                    raise
+                # A child started again after a crash may find the dead process's claim
+                # on it: its first tick takes the claim once that lease runs out.
+                session.claim_patience = self.lease
         try:
             with self._lock:
                 self._sessions[session.inner_id] = session
-            inner = self._decorated.run_workflow(
-                session.inner_id,
-                workflow,
-                session.init_state,
-                start_event=start_event,
-                serializer=json_ser,
-            )
+            with _child.outside_steps():
+                inner = self._decorated.run_workflow(
+                    session.inner_id,
+                    workflow,
+                    session.init_state,
+                    start_event=start_event,
+                    serializer=json_ser,
+                )
         except BaseException:
             self._forget(session)
             raise
@@ -219,6 +248,17 @@ class RemitRuntime(BaseRuntimeDecorator):
                 "or start a run with a new id",
                 run_id=run_id,
             )
+        return self._new(workflow, run_id, init_state, serialized_state, serializer)
+
+    def _new(
+        self,
+        workflow: Workflow,
+        run_id: str,
+        init_state: BrokerState,
+        serialized_state: dict[str, Any] | None,
+        serializer: JsonSerializer,
+    ) -> Session:
+        """The session of a run with no checkpoint yet."""
         if serialized_state:
             state = decode_seed_state(serialized_state, serializer)
         else:
@@ -226,6 +266,59 @@ class RemitRuntime(BaseRuntimeDecorator):
         return self._session(
             workflow, serializer, run_id, MAIN_BRANCH, None, None, init_state, state
         )
+
+    def _child_session(
+        self,
+        workflow: Workflow,
+        run_id: str,
+        init_state: BrokerState,
+        serialized_state: dict[str, Any] | None,
+        serializer: JsonSerializer,
+    ) -> Session | _child.EndedRun:
+        """A child run a step starts (`_child`): new the first time; when the step runs
+        again after a crash, the stored run, ended (answered from the store) or not
+        (continued from its head)."""
+        branch = self.remit.branch(run_id)
+        if branch is None or branch.head_id is None:
+            return self._new(workflow, run_id, init_state, serialized_state, serializer)
+        record = self._checkpoint(run_id, branch.head_id)
+        if record.metadata.get("status") in snap.TERMINAL:
+            return self._ended_run(workflow, record, serializer)
+        handle = {"run_id": run_id, "branch": MAIN_BRANCH, "checkpoint_id": record.checkpoint_id}
+        return self._restored(workflow, handle, serializer)
+
+    def _ended_run(
+        self, workflow: Workflow, record: CheckpointRecord, serializer: JsonSerializer
+    ) -> _child.EndedRun:
+        """The handle of a run that has ended: its stored result, error and state."""
+        ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+        ctx = snap.decode(record.state, **ids)
+        init = snap.broker_state(ctx, workflow, serializer)
+        state = self._state(workflow, record, ctx, serializer)
+        handle = {"store_type": snap.HANDLE_TYPE, "branch": MAIN_BRANCH, **ids}
+        store: RemitStateStore[Any] = RemitStateStore(
+            state,
+            schema=self._schema(workflow),
+            serializer=serializer,
+            ids=lambda: ids,
+            handle=lambda: handle,
+        )
+        status = record.metadata.get("status")
+        if status == snap.COMPLETED:
+            stop = snap.stop_event(record.metadata.get("result"), serializer, **ids)
+            return _child.EndedRun(record.run_id, init, store, lambda: stop)
+        error = str(record.metadata.get("error") or status)
+
+        def raised() -> StopEvent:
+            if status == snap.CANCELLED:
+                raise WorkflowCancelledByUser()
+            raise _child.RunFailed(
+                f"the run had already failed when it was started again ({error})",
+                error=error,
+                **ids,
+            )
+
+        return _child.EndedRun(record.run_id, init, store, raised)
 
     def _restored(
         self, workflow: Workflow, handle: dict[str, Any], serializer: JsonSerializer

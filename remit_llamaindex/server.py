@@ -43,7 +43,9 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from llama_agents.client.protocol.serializable_events import EventEnvelopeWithMetadata
+from llama_agents.client.protocol.serializable_events import (  # type: ignore[import-untyped]
+    EventEnvelopeWithMetadata,
+)
 from llama_agents.server._store.abstract_workflow_store import (
     AbstractWorkflowStore,
     HandlerQuery,

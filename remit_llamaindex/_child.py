@@ -1,0 +1,186 @@
+"""Child runs: workflows started inside a step of a Remit run without a `run_id`.
+
+The framework gives such a run a random id (`Context._workflow_run` draws one),
+so a step re-run after a crash would start a second child, and every effect of
+the child (keyed under its run) would apply again. Remit names the child after
+the step execution that starts it instead:
+
+    <parent run>/<parent step key>/workflow#N          N-th child of that execution
+    <parent run>/<parent step key>/retry-K/workflow#N  ... of the step's K-th retry
+
+The step key names the step and its work item, both kept by a checkpoint, so a
+re-run of the same step execution names the same children; a retry is another
+execution and starts children of its own. The runtime then looks the id up: a
+child that ended answers at once with its stored result (`EndedRun`), one that
+did not continues from its head. A `run_id` the user passes is kept as it is.
+
+The random draw is told apart from a user's id by recording it: the
+framework's draw function is wrapped once (`record_draws`) to note the id it
+returns, and the runtime compares the id it is asked to run with that note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import workflows.context.context as framework_context
+from workflows.errors import WorkflowCancelledByUser
+from workflows.events import Event, StopEvent
+from workflows.runtime.types.internal_state import BrokerState
+from workflows.runtime.types.plugin import (
+    ExternalRunAdapter,
+    SnapshottableAdapter,
+    V2RuntimeCompatibilityShim,
+)
+from workflows.runtime.types.ticks import TickCancelRun, WorkflowTick
+
+from remit_core.errors import RemitError, ResumeConflict
+from remit_llamaindex._state import RemitStateStore
+
+
+class RunFailed(RemitError):
+    """A run that had already failed when it was started again: it raises its stored
+    error, known only as text (`error`, "Type: message"): Remit never rebuilds an
+    exception from stored data."""
+
+    def __init__(self, message: str, *, error: str, **ids: Any) -> None:
+        super().__init__(message, **ids)
+        self.error = error
+
+
+@dataclass
+class StepExecution:
+    """One execution of a step of a Remit run: the children it starts, numbered."""
+
+    run_id: str
+    step_key: str
+    retry: int
+    started: int = field(default=0)
+
+    def next_child(self) -> str:
+        n, self.started = self.started, self.started + 1
+        attempt = f"/retry-{self.retry}" if self.retry else ""
+        return f"{self.run_id}/{self.step_key}{attempt}/workflow#{n}"
+
+
+_execution: contextvars.ContextVar[StepExecution | None] = contextvars.ContextVar(
+    "remit_llamaindex_step_execution", default=None
+)
+_drawn: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "remit_llamaindex_drawn_run_id", default=None
+)
+
+
+@contextlib.contextmanager
+def step_execution(run_id: str, step_key: str, retry: int) -> Iterator[StepExecution]:
+    """The step execution a step body runs in (children it starts are named after it)."""
+    execution = StepExecution(run_id, step_key, retry)
+    token = _execution.set(execution)
+    try:
+        yield execution
+    finally:
+        _execution.reset(token)
+
+
+@contextlib.contextmanager
+def outside_steps() -> Iterator[None]:
+    """No step execution: what a run's own tasks, created here, start from (a child's
+    steps are not its parent's)."""
+    token = _execution.set(None)
+    try:
+        yield
+    finally:
+        _execution.reset(token)
+
+
+def record_draws() -> None:
+    """Wrap the framework's run-id draw, once per process, to note each id it draws."""
+    draw = framework_context.nanoid
+    if getattr(draw, "_remit_records", False):
+        return
+
+    @functools.wraps(draw)
+    def recorded(*args: Any, **kwargs: Any) -> str:
+        run_id = draw(*args, **kwargs)
+        _drawn.set(run_id)
+        return run_id
+
+    recorded._remit_records = True  # type: ignore[attr-defined]
+    framework_context.nanoid = recorded
+
+
+def was_drawn(run_id: str) -> bool:
+    """Whether the framework drew `run_id` (the run was started without one); the
+    note of the draw is used up."""
+    drawn = _drawn.get()
+    if drawn is None:
+        return False
+    _drawn.set(None)
+    return drawn == run_id
+
+
+def next_child_id() -> str | None:
+    """The id of the next child of the executing step of a Remit run, if there is one."""
+    execution = _execution.get()
+    return None if execution is None else execution.next_child()
+
+
+class EndedRun(ExternalRunAdapter, SnapshottableAdapter, V2RuntimeCompatibilityShim):
+    """The handler's side of a run that had ended when it was started again: it answers
+    with the stored result (or raises the stored error) at once, and runs nothing."""
+
+    def __init__(
+        self,
+        run_id: str,
+        init_state: BrokerState,
+        store: RemitStateStore[Any],
+        outcome: Callable[[], StopEvent],
+    ) -> None:
+        self._run_id = run_id
+        self._init_state = init_state
+        self._store = store
+        self._outcome = outcome
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    async def send_event(self, tick: WorkflowTick) -> None:
+        if isinstance(tick, TickCancelRun):
+            return
+        raise ResumeConflict("the run has ended; the event was not delivered", run_id=self._run_id)
+
+    async def stream_published_events(self) -> AsyncGenerator[Event, None]:
+        try:
+            stop = self._outcome()
+        except (RemitError, WorkflowCancelledByUser):
+            return
+        yield stop
+
+    async def get_result(self) -> StopEvent:
+        return self._outcome()
+
+    def get_state_store(self, namespace: tuple[str, ...] = ()) -> RemitStateStore[Any] | None:
+        return None if namespace else self._store
+
+    @property
+    def init_state(self) -> BrokerState:
+        return self._init_state
+
+    def replay(self) -> list[WorkflowTick]:
+        return []
+
+    def get_result_or_none(self) -> StopEvent | None:
+        return self._outcome()
+
+    @property
+    def is_running(self) -> bool:
+        return False
+
+    def abort(self) -> None:
+        return None
