@@ -211,7 +211,8 @@ class RemitFlowPersistence(FlowPersistence):
                 interrupt_id = f"{method}#{session.ledger.occurrence(method)}"
                 self.remit.open_interrupts(
                     session.run_id,
-                    {interrupt_id: codec.dumps(context.to_dict())},
+                    # JSON as CrewAI makes it (a str Enum output is its str), as its own backend.
+                    {interrupt_id: codec.dumps(context.to_dict(), exact=False)},
                     branch=session.branch,
                     checkpoint_id=record.checkpoint_id,
                     fence=session.fence,
@@ -660,7 +661,7 @@ class RemitFlowPersistence(FlowPersistence):
             self.remit.consume(
                 session.run_id,
                 pending.interrupt_id,
-                codec.dumps(value),
+                codec.dumps(value, exact=False),  # (as the pause context above)
                 branch=session.branch,
                 fence=session.fence,
             )

@@ -9,6 +9,7 @@ their entries and apply effects to a sink with a payment API's key rule
 
 from __future__ import annotations
 
+import enum
 import os
 
 os.environ.update(  # before CrewAI is imported: the network is closed
@@ -138,7 +139,7 @@ def order_flow(
     return OrderFlow
 
 
-def review_flow(url: str, world: Path, *, lease: float = 30.0) -> type[Any]:
+def review_flow(url: str, world: Path, *, lease: float = 30.0, output: Any = "parcel") -> type[Any]:
     """prepare -> review (human feedback: pauses) -> approve -> ship (effect); built in a child."""
     from crewai.flow.async_feedback.types import HumanFeedbackPending
     from crewai.flow.flow import Flow, listen, start
@@ -169,8 +170,8 @@ def review_flow(url: str, world: Path, *, lease: float = 30.0) -> type[Any]:
 
         @listen(prepare)
         @human_feedback(message="Ship it?", provider=Later())
-        def review(self) -> str:
-            return "parcel"
+        def review(self) -> Any:
+            return output
 
         @listen(review)
         def approve(self) -> None:
@@ -204,6 +205,20 @@ def paused_review(url: str, world: Path, lease: float = 30.0) -> str:
     started = run(lambda: kickoff(review_flow(url, world, lease=lease)))
     assert started.ok and started.value["out"] == "HumanFeedbackPending", started.summary()
     return str(started.value["id"])
+
+
+class Parcel(str, enum.Enum):
+    BOX = "box"
+
+
+def test_a_feedback_method_output_is_kept_as_crewai_makes_its_json(url: str, world: Path) -> None:
+    """A `@human_feedback` method returning a str Enum: CrewAI's pause context holds it as
+    it is, and its JSON (what CrewAI's own backend stores) is the str; so is Remit's."""
+    started = run(lambda: kickoff(review_flow(url, world, output=Parcel.BOX)))
+    assert started.ok and started.value["out"] == "HumanFeedbackPending", started.summary()
+    flow_id = started.value["id"]
+    resumed = run(lambda: resume(review_flow(url, world, output=Parcel.BOX), flow_id, "ann"))
+    assert resumed.ok and resumed.value["approved_by"] == "ann", resumed.summary()
 
 
 # -- CrewAI's rules for persistence classes ----------------------------------------
