@@ -130,6 +130,10 @@ def _on_pre_step(ctx: Any) -> None:
             backend._accept(session, ctx.flow)
     except RemitError as exc:
         raise aborting(exc) from exc
+    except Exception as exc:  # CrewAI would run the step all the same: stop the flow
+        raise aborting(
+            RemitError(f"Remit could not prepare step {ctx.step_name!r}: {exc!r}")
+        ) from exc
     method = str(ctx.step_name)
     step_key = f"{session.branch}/{method}#{session.ledger.occurrence(method)}"
     bind_step_scope(
@@ -151,6 +155,7 @@ def _on_post_step(ctx: Any) -> None:
     method = str(ctx.step_name)
     if ctx.flow._is_router(method):
         backend._took_route(ctx.flow, method, ctx.payload)
+    backend._answered_at_once(ctx.flow, method)
     _close_scopes(ctx.flow, all_of_them=False)
 
 

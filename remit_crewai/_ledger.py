@@ -47,7 +47,8 @@ class Ledger:
     `routes`: per router, the route (outcome label) it took at each of its
     completions, None where it took none or the route was not recorded.
     `feedback`: accepted human feedback, oldest first, one dict per consumed
-    interrupt (interrupt, method, feedback, outcome, timestamp, output, metadata).
+    interrupt or answer given at once (interrupt, method, feedback, outcome,
+    timestamp, output, metadata).
     """
 
     completed: tuple[str, ...] = ()
@@ -82,6 +83,13 @@ class Ledger:
             return self
         done = self.completing(value["method"]).routing(value["method"], value.get("outcome"))
         return replace(done, feedback=(*self.feedback, value))
+
+    def noting(self, value: dict[str, Any]) -> Ledger:
+        """Record feedback given at once (no pause) by the method whose completion
+        this ledger has just recorded."""
+        if any(f["interrupt"] == value["interrupt"] for f in self.feedback):
+            return self
+        return replace(self, feedback=(*self.feedback, value))
 
     def occurrence(self, method: str) -> int:
         return self.counts.get(method, 0)

@@ -82,7 +82,8 @@ class Session:
     """This process's hold on one flow id while it drives it.
 
     `routes`: what routers of the flow returned in this process, recorded in the
-    ledger by the save that completes them. `replay`: a restart's walk through
+    ledger by the save that completes them; `answered`, the same for feedback a
+    provider gave at once (no pause). `replay`: a restart's walk through
     the past it continues. `closed`: the session was released. `pid`: the
     process it belongs to (a forked child inherits its context, not its claims).
     """
@@ -101,6 +102,7 @@ class Session:
     pending: InterruptRecord | None = None
     state_type: type[BaseModel] | None = None
     routes: dict[str, str | None] = field(default_factory=dict)
+    answered: dict[str, dict[str, Any]] = field(default_factory=dict)
     replay: Replay | None = None
     closed: bool = False
     pid: int = field(default_factory=os.getpid)

@@ -169,6 +169,8 @@ class RemitFlowPersistence(FlowPersistence):
                     kind, ledger = "step", session.ledger.completing(method_name)
                     if method_name in session.routes:
                         ledger = ledger.routing(method_name, session.routes.pop(method_name))
+                    if method_name in session.answered:
+                        ledger = ledger.noting(session.answered.pop(method_name))
                 self._commit(session, plain, method_name, kind, ledger)
         finally:
             if one_shot:
@@ -658,15 +660,18 @@ class RemitFlowPersistence(FlowPersistence):
                 "output": prompt.get("method_output"),
                 "metadata": prompt.get("metadata") or {},
             }
+            # Stored as CrewAI's own JSON would store it (a str Enum as its str, as the
+            # pause context above); the ledger holds what a restart reads back.
+            stored = codec.dumps(value, exact=False)
             self.remit.consume(
                 session.run_id,
                 pending.interrupt_id,
-                codec.dumps(value, exact=False),  # (as the pause context above)
+                stored,
                 branch=session.branch,
                 fence=session.fence,
             )
             session.pending = None
-            session.ledger = session.ledger.accepting(value)
+            session.ledger = session.ledger.accepting(codec.loads(stored))
 
     def _took_route(self, flow: Flow[Any], method: str, outcome: Any) -> None:
         """Router `method` of `flow` returned `outcome`: its route, recorded by the save
@@ -678,6 +683,32 @@ class RemitFlowPersistence(FlowPersistence):
             outcome = outcome.value
         with session.lock:
             session.routes[method] = None if outcome is None else str(outcome)
+
+    def _answered_at_once(self, flow: Flow[Any], method: str) -> None:
+        """Feedback method `method` of `flow` got its answer from its provider at once
+        (no pause): recorded by the save that completes it, so that a restart gives
+        the flow its `last_human_feedback` back, as for feedback given to a pause."""
+        feedback = flow.last_human_feedback
+        if feedback is None or feedback.method_name != method:
+            return
+        session = self._session_of(flow.flow_id, flow)
+        if session is None:
+            return
+        with session.lock:
+            key = f"{method}#{session.ledger.occurrence(method)}"
+            if any(f["interrupt"] == key for f in session.ledger.feedback):
+                return  # the answer to a pause, recorded as it was consumed
+            value = {
+                "interrupt": key,
+                "method": method,
+                "feedback": feedback.feedback,
+                "outcome": feedback.outcome,
+                "timestamp": feedback.timestamp,
+                "output": _as_json(feedback.output),
+                "metadata": _as_json(feedback.metadata or {}),
+            }
+            # As CrewAI's own JSON stores it (see `_accept`).
+            session.answered[method] = codec.loads(codec.dumps(value, exact=False))
 
     def _meet(self, flow: Flow[Any], method: str) -> tuple[bool, str | None] | None:
         """A restart of `flow` meets completed `method`: whether this replays an occurrence
@@ -698,3 +729,14 @@ class RemitFlowPersistence(FlowPersistence):
                 self._accept(session, flow)
         finally:
             self._release(session)
+
+
+def _as_json(value: Any) -> Any:
+    """`value` as CrewAI keeps a feedback method's output in its pause context: plain
+    data as it is, a model as its JSON data, anything else as its text."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    try:
+        return codec.loads(codec.dumps(value, exact=False))
+    except TypeError:
+        return str(value)

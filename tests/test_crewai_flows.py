@@ -177,7 +177,8 @@ def review_flow(url: str, world: Path, *, lease: float = 30.0, output: Any = "pa
         def approve(self) -> None:
             journal.record("enter", "approve")
             assert self.last_human_feedback is not None
-            self.state.approved_by = self.last_human_feedback.feedback
+            feedback = self.last_human_feedback.feedback
+            self.state.approved_by = getattr(feedback, "value", feedback)  # (an Enum's value)
 
         @listen(approve)
         def ship(self) -> None:
@@ -219,6 +220,17 @@ def test_a_feedback_method_output_is_kept_as_crewai_makes_its_json(url: str, wor
     flow_id = started.value["id"]
     resumed = run(lambda: resume(review_flow(url, world, output=Parcel.BOX), flow_id, "ann"))
     assert resumed.ok and resumed.value["approved_by"] == "ann", resumed.summary()
+
+
+def test_feedback_crewai_makes_json_of_is_consumed_once(url: str, world: Path) -> None:
+    """P5: feedback that is a str Enum is consumed once, stored as CrewAI's JSON makes it
+    (its str); a second resume is refused."""
+    flow_id = paused_review(url, world)
+    first = run(lambda: resume(review_flow(url, world), flow_id, Parcel.BOX))
+    assert first.ok and first.value["approved_by"] == "box", first.summary()
+    second = run(lambda: resume(review_flow(url, world), flow_id, "eve"))
+    assert second.raised("ResumeConflict"), second.summary()
+    assert entered(world) == {"prepare": 1, "approve": 1, "ship": 1}
 
 
 # -- CrewAI's rules for persistence classes ----------------------------------------
@@ -401,6 +413,60 @@ def test_restart_after_a_crash_runs_only_what_did_not_complete(url: str, world: 
     once_more = run(lambda: kickoff(order_flow(url, world), inputs={"id": flow_id}))
     assert once_more.ok and once_more.value["state"] == done.value["state"]
     assert entered(world) == {"prepare": 1, "adjust": 1, "charge": 2, "ship": 1}
+
+
+def answered_flow(url: str, world: Path, *, kill: bool = False) -> type[Any]:
+    """prepare -> review (a provider that answers at once, as the console does) -> approve."""
+    from crewai.flow.flow import Flow, listen, start
+    from crewai.flow.human_feedback import human_feedback
+    from crewai.flow.persistence import persist
+    from pydantic import BaseModel
+
+    journal = Journal(WorldDB(world))
+
+    class AtOnce:
+        def request_feedback(self, context: Any, flow: Any) -> str:
+            journal.record("enter", "asked")
+            return "alice"
+
+    class Review(BaseModel):
+        approved_by: str | None = None
+
+    @persist(RemitFlowPersistence(url, lease=1.0))
+    class AnsweredFlow(Flow[Review]):  # type: ignore[misc]
+        _skip_auto_memory = True
+
+        @start()
+        def prepare(self) -> None:
+            journal.record("enter", "prepare")
+
+        @listen(prepare)
+        @human_feedback(message="Ship it?", provider=AtOnce())
+        def review(self) -> str:
+            return "parcel"
+
+        @listen(review)
+        def approve(self) -> None:
+            journal.record("enter", "approve")
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            assert self.last_human_feedback is not None
+            self.state.approved_by = self.last_human_feedback.feedback
+
+    return AnsweredFlow
+
+
+def test_a_restart_gives_back_feedback_a_provider_gave_at_once(url: str, world: Path) -> None:
+    """P1: a feedback method whose provider answered at once (no pause) completed; a
+    restart after a crash in the next step does not ask again and restores the answer."""
+    flow_id = f"answered-{uuid.uuid4().hex}"
+    crashed = run(lambda: kickoff(answered_flow(url, world, kill=True), inputs={"id": flow_id}))
+    assert crashed.status == "killed"
+    time.sleep(1.2)
+    done = run(lambda: kickoff(answered_flow(url, world), inputs={"id": flow_id}))
+    assert done.ok, done.summary()
+    assert done.value["state"]["approved_by"] == "alice"
+    assert entered(world) == {"prepare": 1, "asked": 1, "approve": 2}
 
 
 # -- P5 / L1: one resumer claims the pending feedback ----------------------------------------
