@@ -330,13 +330,24 @@ class RemitFlowPersistence(FlowPersistence):
         """An operator's edit: merge `changes` into the head state and commit it.
 
         Validated like any save (against `state_type` for a model state);
-        nothing is written if it fails. The edit completes no method.
+        nothing is written if it fails. The edit completes no method. A flow
+        whose state is a model needs `state_type` (`TypeError` without it):
+        Remit records the model's name, never imports it.
         """
         session, one_shot = self._writer(flow_id)
         try:
             with session.lock:
                 if state_type is not None:
                     session.state_type = state_type
+                elif session.state_type is None and session.head is not None:
+                    head = self.remit.checkpoint(session.run_id, session.head)
+                    model = None if head is None else head.metadata.get("model")
+                    if model is not None:
+                        raise TypeError(
+                            f"flow {flow_id!r} keeps a {model} state: pass "
+                            "edit_state(..., state_type=<that model>) so that the edit is "
+                            "validated as a save is; nothing was written"
+                        )
                 merged = {**session.state, **changes, "id": flow_id}
                 plain = self._plain_state(session, merged)
                 self._commit(session, plain, "", "edit", session.ledger)
@@ -451,6 +462,8 @@ class RemitFlowPersistence(FlowPersistence):
         """The state as plain data the codec stores exactly, or `CheckpointInvalid`."""
         ids = {"run_id": session.run_id, "checkpoint_id": session.head}
         model = type(state_data) if isinstance(state_data, BaseModel) else session.state_type
+        if isinstance(state_data, BaseModel):
+            session.state_type = model  # recorded with the commit (see `edit_state`)
         if model is not None and isinstance(state_data, (BaseModel, dict)):
             plain = self._dump_model(_schema_of(model).validate(state_data, **ids), ids)
         elif isinstance(state_data, dict):
@@ -526,7 +539,12 @@ class RemitFlowPersistence(FlowPersistence):
             checkpoint_id=f"{plan.seq:012d}-{uuid.uuid4().hex[:12]}",
             parent_id=session.head,
             state=encode(Body(plain, method, kind, ledger)),
-            metadata={"flow_id": session.flow_id, "method": method, "kind": kind},
+            metadata={
+                "flow_id": session.flow_id,
+                "method": method,
+                "kind": kind,
+                **({} if session.state_type is None else {"model": _name(session.state_type)}),
+            },
             workflow_version=self.workflow_version,
             fence=session.fence,
             plan=plan,
@@ -740,3 +758,18 @@ def _as_json(value: Any) -> Any:
         return codec.loads(codec.dumps(value, exact=False))
     except TypeError:
         return str(value)
+
+
+def _name(model: type[BaseModel]) -> str:
+    """The user's model a state type is (CrewAI wraps it in a class of its own)."""
+    own = next(
+        (
+            c
+            for c in model.__mro__
+            if issubclass(c, BaseModel)
+            and c is not BaseModel
+            and c.__module__.split(".")[0] != "crewai"
+        ),
+        model,
+    )
+    return f"{own.__module__}.{own.__qualname__}"

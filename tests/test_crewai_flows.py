@@ -37,7 +37,7 @@ from conftest import engine_url  # noqa: E402
 from crewai.flow.persistence.base import _persistence_registry  # noqa: E402
 from crewai.flow.runtime import _resolve_persistence  # noqa: E402
 
-from remit_core import StoreUnavailable, effect  # noqa: E402
+from remit_core import CheckpointInvalid, StoreUnavailable, effect  # noqa: E402
 from remit_core.conformance.processes import Barrier, Outcome, Worker, fork  # noqa: E402
 from remit_core.conformance.world import EffectSink, Journal, WorldDB  # noqa: E402
 from remit_crewai import RemitFlowPersistence, fork_token  # noqa: E402
@@ -231,6 +231,44 @@ def test_feedback_crewai_makes_json_of_is_consumed_once(url: str, world: Path) -
     second = run(lambda: resume(review_flow(url, world), flow_id, "eve"))
     assert second.raised("ResumeConflict"), second.summary()
     assert entered(world) == {"prepare": 1, "approve": 1, "ship": 1}
+
+
+def test_an_edit_of_a_model_state_is_validated_against_the_model_or_refused(
+    url: str, world: Path
+) -> None:
+    """P4: an operator's `edit_state` on a flow whose state is a model is validated as a
+    save is; without `state_type` it is refused (Remit records the model's name and
+    imports nothing); nothing is written either way."""
+    from pydantic import BaseModel, Field
+
+    class Order(BaseModel):
+        amount: int = Field(default=0, ge=0)
+        shipped: bool = False
+
+    def edited_flow() -> type[Any]:
+        from crewai.flow.flow import Flow, start
+        from crewai.flow.persistence import persist
+
+        @persist(RemitFlowPersistence(url))
+        class EditedFlow(Flow[Order]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            def prepare(self) -> None:
+                self.state.amount = 5
+
+        return EditedFlow
+
+    flow_id = f"edited-{uuid.uuid4().hex}"
+    assert run(lambda: kickoff(edited_flow(), inputs={"id": flow_id})).ok
+    persistence = RemitFlowPersistence(url)
+    with pytest.raises(TypeError, match="Order state: pass edit_state"):
+        persistence.edit_state(flow_id, {"amount": -5})
+    with pytest.raises(CheckpointInvalid):
+        persistence.edit_state(flow_id, {"amount": -5}, state_type=Order)
+    assert persistence.load_state(flow_id)["amount"] == 5
+    persistence.edit_state(flow_id, {"amount": 7}, state_type=Order)
+    assert persistence.load_state(flow_id)["amount"] == 7
 
 
 # -- CrewAI's rules for persistence classes ----------------------------------------
