@@ -135,7 +135,7 @@ def _on_pre_step(ctx: Any) -> None:
             RemitError(f"Remit could not prepare step {ctx.step_name!r}: {exc!r}")
         ) from exc
     method = str(ctx.step_name)
-    step_key = f"{session.branch}/{method}#{session.ledger.occurrence(method)}"
+    step_key = f"{session.branch}/{method}#{session.start_occurrence(method)}"
     bind_step_scope(
         _MethodScope(
             backend.remit,

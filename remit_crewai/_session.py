@@ -103,10 +103,27 @@ class Session:
     state_type: type[BaseModel] | None = None
     routes: dict[str, str | None] = field(default_factory=dict)
     answered: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Occurrences of each method started in this process and not completed yet: two
+    #: runs of one method at once (two routes to one listener) are two occurrences.
+    running: dict[str, int] = field(default_factory=dict)
     replay: Replay | None = None
     closed: bool = False
     pid: int = field(default_factory=os.getpid)
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def start_occurrence(self, method: str) -> int:
+        """The occurrence a run of `method` starting now is: completed ones, then those
+        still running here."""
+        with self.lock:
+            running = self.running.get(method, 0)
+            self.running[method] = running + 1
+            return self.ledger.occurrence(method) + running
+
+    def end_occurrence(self, method: str) -> None:
+        """A run of `method` completed (its completion is in the ledger now)."""
+        with self.lock:
+            if self.running.get(method, 0) > 0:
+                self.running[method] -= 1
 
     @property
     def fence(self) -> FenceRef:

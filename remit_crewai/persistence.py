@@ -172,6 +172,8 @@ class RemitFlowPersistence(FlowPersistence):
                     if method_name in session.answered:
                         ledger = ledger.noting(session.answered.pop(method_name))
                 self._commit(session, plain, method_name, kind, ledger)
+                if kind == "step":
+                    session.end_occurrence(method_name)
         finally:
             if one_shot:
                 session.handle.release()
@@ -690,6 +692,7 @@ class RemitFlowPersistence(FlowPersistence):
             )
             session.pending = None
             session.ledger = session.ledger.accepting(codec.loads(stored))
+            session.end_occurrence(method)
 
     def _took_route(self, flow: Flow[Any], method: str, outcome: Any) -> None:
         """Router `method` of `flow` returned `outcome`: its route, recorded by the save

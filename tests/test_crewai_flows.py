@@ -271,6 +271,58 @@ def test_an_edit_of_a_model_state_is_validated_against_the_model_or_refused(
     assert persistence.load_state(flow_id)["amount"] == 7
 
 
+def test_one_listener_run_twice_at_once_applies_each_runs_effect(url: str, world: Path) -> None:
+    """P2: two routes to one listener at once are two occurrences of it, each with its own
+    effect key: both charges apply (as with CrewAI's own backend), neither is dropped."""
+
+    def flow() -> type[Any]:
+        from crewai.flow.flow import Flow, listen, router, start
+        from crewai.flow.persistence import persist
+        from pydantic import BaseModel
+
+        journal, sink = Journal(WorldDB(world)), EffectSink(WorldDB(world))
+
+        @effect(reconcile=sink.reconcile)
+        def charge(*, idempotency_key: str) -> str:
+            return sink.apply("charge", idempotency_key)
+
+        class Bills(BaseModel):
+            receipts: list[str] = []
+
+        @persist(RemitFlowPersistence(url))
+        class TwiceFlow(Flow[Bills]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            def start_a(self) -> None:
+                pass
+
+            @start()
+            def start_b(self) -> None:
+                pass
+
+            @router(start_a)
+            def route_first(self) -> str:
+                return "bill"
+
+            @router(start_b)
+            def route_second(self) -> str:
+                return "bill"
+
+            @listen("bill")
+            def pay(self) -> None:
+                journal.record("enter", "pay")
+                time.sleep(0.2)  # both runs in flight at once
+                self.state.receipts.append(charge())
+
+        return TwiceFlow
+
+    done = run(lambda: kickoff(flow(), inputs={"id": f"twice-{uuid.uuid4().hex}"}))
+    assert done.ok, done.summary()
+    assert entered(world) == {"pay": 2} and applied(world) == {"charge": 2}
+    assert len(set(done.value["state"]["receipts"])) == 2
+
+
 # -- CrewAI's rules for persistence classes ----------------------------------------
 
 
