@@ -212,7 +212,13 @@ def dumps(value: Any, *, exact: bool = True) -> bytes:
     """
     if type(value) is dict and not value:  # empty metadata, the common case
         return b"{}"
-    return json.dumps(_encode(value, exact), separators=(",", ":"), allow_nan=False).encode()
+    try:
+        return json.dumps(_encode(value, exact), separators=(",", ":"), allow_nan=False).encode()
+    except RecursionError:
+        raise TypeError(
+            "Remit cannot store a value nested this deeply (its encoding goes past Python's "
+            "recursion limit)"
+        ) from None
 
 
 def loads(data: bytes) -> Any:

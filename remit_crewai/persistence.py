@@ -463,6 +463,19 @@ class RemitFlowPersistence(FlowPersistence):
     def _plain_state(self, session: Session, state_data: Any) -> dict[str, Any]:
         """The state as plain data the codec stores exactly, or `CheckpointInvalid`."""
         ids = {"run_id": session.run_id, "checkpoint_id": session.head}
+        try:
+            return self._checked_state(session, state_data, ids)
+        except RecursionError:
+            raise CheckpointInvalid(
+                "state is nested too deeply to store (checking it goes past Python's "
+                "recursion limit)",
+                field="<root>",
+                **ids,
+            ) from None
+
+    def _checked_state(
+        self, session: Session, state_data: Any, ids: dict[str, Any]
+    ) -> dict[str, Any]:
         model = type(state_data) if isinstance(state_data, BaseModel) else session.state_type
         if isinstance(state_data, BaseModel):
             session.state_type = model  # recorded with the commit (see `edit_state`)

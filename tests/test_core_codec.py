@@ -136,6 +136,14 @@ def test_a_subclass_that_would_read_back_as_its_base_is_refused(value: Any, base
     assert codec.loads(codec.dumps(value, exact=False)) == value  # as equal base values
 
 
+def test_a_value_nested_past_the_recursion_limit_is_refused_by_name() -> None:
+    deep: Any = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(TypeError, match="nested this deeply"):
+        codec.dumps(deep)
+
+
 @pytest.mark.parametrize(
     "data",
     [b"{not json", b'{"$remit": "pickle", "v": "gASV"}', b'{"$remit": "os.system", "v": "ls"}'],

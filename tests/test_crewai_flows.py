@@ -323,6 +323,21 @@ def test_one_listener_run_twice_at_once_applies_each_runs_effect(url: str, world
     assert len(set(done.value["state"]["receipts"])) == 2
 
 
+def test_a_state_nested_too_deeply_is_refused_and_nothing_is_written(url: str) -> None:
+    """P4: a state whose check goes past Python's recursion limit is `CheckpointInvalid`,
+    not a raw `RecursionError`; nothing is written."""
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(5000):
+        inner["x"] = {}
+        inner = inner["x"]
+    persistence = RemitFlowPersistence(url)
+    flow_id = f"deep-{uuid.uuid4().hex}"
+    with pytest.raises(CheckpointInvalid, match="nested too deeply"):
+        persistence.save_state(flow_id, "prepare", {"id": flow_id, "deep": deep})
+    assert persistence.load_state(flow_id) is None
+
+
 # -- CrewAI's rules for persistence classes ----------------------------------------
 
 
