@@ -684,15 +684,9 @@ class RemitFlowPersistence(FlowPersistence):
             if self.feedback_schema is not None:
                 StateSchema(self.feedback_schema).validate(feedback.feedback, **ids)
             prompt = codec.loads(pending.prompt) if pending.prompt is not None else {}
-            value = {
-                "interrupt": pending.interrupt_id,
-                "method": method,
-                "feedback": feedback.feedback,
-                "outcome": feedback.outcome,
-                "timestamp": feedback.timestamp,
-                "output": prompt.get("method_output"),
-                "metadata": prompt.get("metadata") or {},
-            }
+            value = _feedback_entry(
+                pending.interrupt_id, feedback, prompt.get("method_output"), prompt.get("metadata")
+            )
             # Stored as CrewAI's own JSON would store it (a str Enum as its str, as the
             # pause context above); the ledger holds what a restart reads back.
             stored = codec.dumps(value, exact=False)
@@ -732,15 +726,9 @@ class RemitFlowPersistence(FlowPersistence):
             key = f"{method}#{session.ledger.occurrence(method)}"
             if any(f["interrupt"] == key for f in session.ledger.feedback):
                 return  # the answer to a pause, recorded as it was consumed
-            value = {
-                "interrupt": key,
-                "method": method,
-                "feedback": feedback.feedback,
-                "outcome": feedback.outcome,
-                "timestamp": feedback.timestamp,
-                "output": _as_json(feedback.output),
-                "metadata": _as_json(feedback.metadata or {}),
-            }
+            value = _feedback_entry(
+                key, feedback, _as_json(feedback.output), _as_json(feedback.metadata)
+            )
             # As CrewAI's own JSON stores it (see `_accept`).
             session.answered[method] = codec.loads(codec.dumps(value, exact=False))
 
@@ -763,6 +751,22 @@ class RemitFlowPersistence(FlowPersistence):
                 self._accept(session, flow)
         finally:
             self._release(session)
+
+
+def _feedback_entry(
+    interrupt: str, feedback: HumanFeedbackResult, output: Any, metadata: Any
+) -> dict[str, Any]:
+    """The ledger's record of accepted feedback (`Ledger.feedback`): what a restart
+    rebuilds `last_human_feedback` from. `output` and `metadata` are JSON data."""
+    return {
+        "interrupt": interrupt,
+        "method": feedback.method_name,
+        "feedback": feedback.feedback,
+        "outcome": feedback.outcome,
+        "timestamp": feedback.timestamp,
+        "output": output,
+        "metadata": metadata or {},
+    }
 
 
 def _as_json(value: Any) -> Any:
