@@ -417,8 +417,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         """`keep_latest`: keep each branch's head (and fork bases); `delete`: drop the threads."""
         if strategy == "delete":
             for thread in thread_ids:
-                self.remit.delete_run(str(thread))
-                self._blobs.drop(str(thread))
+                self.delete_thread(thread)
         elif strategy == "keep_latest":
             self.remit.prune([str(t) for t in thread_ids], keep_last=1)
         else:
