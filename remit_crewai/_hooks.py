@@ -159,13 +159,17 @@ def _on_post_step(ctx: Any) -> None:
     _close_scopes(ctx.flow, all_of_them=False)
 
 
-def _on_end(ctx: Any) -> None:
+def _on_end(ctx: Any) -> Any:
     backend = _backend(ctx)
     if backend is None:
-        return
+        return None
     _close_scopes(ctx.flow, all_of_them=True)
+    completed = ctx.status == "completed"
     try:
-        backend._finish(ctx.flow, completed=ctx.status == "completed")
+        # A restart that ran nothing returns the output the finished run returned.
+        output = backend._restart_output(ctx.flow) if completed and ctx.payload is None else None
+        backend._finish(ctx.flow, completed=completed)
+        return output
     except RemitError as exc:
         raise aborting(exc) from exc
     finally:

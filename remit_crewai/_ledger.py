@@ -120,12 +120,18 @@ class Replay:
 
 @dataclass(frozen=True)
 class Body:
-    """The decoded payload of one checkpoint."""
+    """The decoded payload of one checkpoint.
+
+    `output`: what `method` returned, encoded, for a step whose output the codec
+    stores exactly (None otherwise): a finished flow kicked off again runs nothing
+    and returns it, as its first kickoff did.
+    """
 
     state: dict[str, Any]
     method: str
     kind: str
     ledger: Ledger
+    output: bytes | None = None
 
 
 def encode(body: Body) -> bytes:
@@ -139,6 +145,7 @@ def encode(body: Body) -> bytes:
             "counts": ledger.counts,
             "feedback": list(ledger.feedback),
             "routes": {m: list(taken) for m, taken in ledger.routes.items()},
+            **({} if body.output is None else {"output": body.output}),
         }
     )
 
@@ -160,6 +167,7 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
                     for m, taken in raw.get("routes", {}).items()
                 },
             ),
+            output=_bytes_or_none(raw.get("output")),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptRecord(
@@ -167,3 +175,9 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
             run_id=run_id,
             checkpoint_id=checkpoint_id,
         ) from exc
+
+
+def _bytes_or_none(value: Any) -> bytes | None:
+    if value is not None and not isinstance(value, bytes):
+        raise TypeError(f"a step's output is stored as bytes, not {type(value).__name__}")
+    return value

@@ -83,7 +83,8 @@ class Session:
 
     `routes`: what routers of the flow returned in this process, recorded in the
     ledger by the save that completes them; `answered`, the same for feedback a
-    provider gave at once (no pause). `replay`: a restart's walk through
+    provider gave at once (no pause). `output`: what the head's step returned,
+    encoded (`Body.output`). `replay`: a restart's walk through
     the past it continues. `closed`: the session was released. `pid`: the
     process it belongs to (a forked child inherits its context, not its claims).
     """
@@ -97,6 +98,7 @@ class Session:
     ledger: Ledger
     state: dict[str, Any]
     beating: bool
+    output: bytes | None = None
     owner: weakref.ref[Any] | None = None
     #: The interrupt a `from_pending` resume consumes once its value is known.
     pending: InterruptRecord | None = None

@@ -171,7 +171,8 @@ class RemitFlowPersistence(FlowPersistence):
                         ledger = ledger.routing(method_name, session.routes.pop(method_name))
                     if method_name in session.answered:
                         ledger = ledger.noting(session.answered.pop(method_name))
-                self._commit(session, plain, method_name, kind, ledger)
+                output = _output_of(session, method_name) if kind == "step" else None
+                self._commit(session, plain, method_name, kind, ledger, output)
                 if kind == "step":
                     session.end_occurrence(method_name)
         finally:
@@ -392,6 +393,7 @@ class RemitFlowPersistence(FlowPersistence):
             ledger=Ledger() if body is None else body.ledger,
             state={} if body is None else body.state,
             beating=heartbeat,
+            output=None if body is None else body.output,
         )
 
     def _writer(self, flow_id: str) -> tuple[Session, bool]:
@@ -529,7 +531,13 @@ class RemitFlowPersistence(FlowPersistence):
         )
 
     def _commit(
-        self, session: Session, plain: dict[str, Any], method: str, kind: str, ledger: Ledger
+        self,
+        session: Session,
+        plain: dict[str, Any],
+        method: str,
+        kind: str,
+        ledger: Ledger,
+        output: bytes | None = None,
     ) -> CheckpointRecord:
         remit = self.remit
         try:
@@ -553,7 +561,7 @@ class RemitFlowPersistence(FlowPersistence):
             run_id=session.run_id,
             checkpoint_id=f"{plan.seq:012d}-{uuid.uuid4().hex[:12]}",
             parent_id=session.head,
-            state=encode(Body(plain, method, kind, ledger)),
+            state=encode(Body(plain, method, kind, ledger, output)),
             metadata={
                 "flow_id": session.flow_id,
                 "method": method,
@@ -565,6 +573,7 @@ class RemitFlowPersistence(FlowPersistence):
             plan=plan,
         )
         session.head, session.ledger, session.state = record.checkpoint_id, ledger, plain
+        session.output = output
         return record
 
     # -- called by the interception hooks ------------------------------------------
@@ -741,6 +750,16 @@ class RemitFlowPersistence(FlowPersistence):
         with session.lock:
             return session.replay.meet(method)
 
+    def _restart_output(self, flow: Flow[Any]) -> Any:
+        """What a restart of `flow` that ran nothing returns: the output its head's step
+        recorded, as the kickoff that ran that step returned it (None if not recorded)."""
+        session = self._session_of(flow.flow_id, flow)
+        if session is None or session.replay is None or session.output is None:
+            return None
+        if flow.method_outputs:
+            return None  # something ran: CrewAI returns what ran last
+        return codec.loads(session.output)
+
     def _finish(self, flow: Flow[Any], *, completed: bool) -> None:
         """The run of `flow` ended (or failed): consume what it still owes and release it."""
         session = self._session_of(flow.flow_id, flow)
@@ -767,6 +786,20 @@ def _feedback_entry(
         "output": output,
         "metadata": metadata or {},
     }
+
+
+def _output_of(session: Session, method: str) -> bytes | None:
+    """What `method` of the session's flow returned last, encoded, if the codec stores
+    it exactly (a flow's output may be any object; one it cannot store is not kept)."""
+    flow = None if session.owner is None else session.owner()
+    entries = list(getattr(flow, "_method_outputs", ()))  # a copy: other steps append
+    for entry in reversed(entries):
+        if isinstance(entry, dict) and entry.get("method") == method:
+            try:
+                return codec.dumps(entry.get("output"))
+            except (TypeError, ValueError, RecursionError):
+                return None
+    return None
 
 
 def _as_json(value: Any) -> Any:

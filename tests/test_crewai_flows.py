@@ -574,6 +574,74 @@ def test_a_restart_gives_back_feedback_a_provider_gave_at_once(url: str, world: 
     assert entered(world) == {"prepare": 1, "asked": 1, "approve": 2}
 
 
+def totals_flow(url: str, world: Path, *, kill: bool = False, total: Any = None) -> type[Any]:
+    """count -> total (returns `total`, or the count as plain data); built in a child."""
+    from crewai.flow.flow import Flow, listen, start
+    from crewai.flow.persistence import persist
+
+    journal = Journal(WorldDB(world))
+
+    @persist(RemitFlowPersistence(url, lease=1.0))
+    class TotalsFlow(Flow[dict]):  # type: ignore[misc]
+        _skip_auto_memory = True
+
+        @start()
+        def count(self) -> int:
+            journal.record("enter", "count")
+            self.state["n"] = self.state.get("n", 0) + 1
+            return 7
+
+        @listen(count)
+        def total(self) -> Any:
+            journal.record("enter", "total")
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if total is not None:
+                return total
+            return {"n": self.state["n"], "at": dt.date(2026, 12, 1), "pair": (1, "b")}
+
+    return TotalsFlow
+
+
+def kickoff_output(flow_class: type[Any], **kwargs: Any) -> Any:
+    out = flow_class(suppress_flow_events=True).kickoff(**kwargs)
+    return repr(out)
+
+
+def test_a_finished_flow_kicked_off_again_returns_its_output_and_runs_nothing(
+    url: str, world: Path
+) -> None:
+    """P1: the whole run is the prefix a restart continues: nothing runs, and the
+    kickoff returns what the finished run returned (types kept)."""
+    flow_id = f"totals-{uuid.uuid4().hex}"
+    first = run(lambda: kickoff_output(totals_flow(url, world), inputs={"id": flow_id}))
+    again = run(lambda: kickoff_output(totals_flow(url, world), inputs={"id": flow_id}))
+    assert first.ok and again.ok, (first.summary(), again.summary())
+    assert first.value == "{'n': 1, 'at': datetime.date(2026, 12, 1), 'pair': (1, 'b')}"
+    assert again.value == first.value
+    assert entered(world) == {"count": 1, "total": 1}
+
+
+def test_a_restart_returns_what_its_own_run_returned(url: str, world: Path) -> None:
+    """After a crash the restart runs the rest, and returns its own last output; an
+    output the codec cannot store is not kept: a later restart returns None."""
+    flow_id = f"totals-{uuid.uuid4().hex}"
+    crashed = run(
+        lambda: kickoff_output(totals_flow(url, world, kill=True), inputs={"id": flow_id})
+    )
+    assert crashed.status == "killed"
+    time.sleep(1.2)
+    done = run(
+        lambda: kickoff_output(
+            totals_flow(url, world, total=threading.Lock()), inputs={"id": flow_id}
+        )
+    )
+    assert done.ok and done.value.startswith("<unlocked _thread.lock"), done.summary()
+    again = run(lambda: kickoff_output(totals_flow(url, world), inputs={"id": flow_id}))
+    assert again.ok and again.value == "None", again.summary()
+    assert entered(world) == {"count": 1, "total": 2}
+
+
 # -- P5 / L1: one resumer claims the pending feedback ----------------------------------------
 
 
