@@ -141,11 +141,12 @@ class StateSchema:
                 return validated  # plain data validated into plain data: no second pass
             try:
                 plain = self._adapter.dump_python(
-                    validated, round_trip=True, by_alias=True, warnings=False
+                    validated, round_trip=True, by_alias=False, warnings=False
                 )
             except PydanticSerializationError:
                 return validated  # no plain form: the instance check above is all there is
-            self._adapter.validate_python(plain)
+            # (By field name both ways: a model's aliases may differ in and out.)
+            self._adapter.validate_python(plain, by_name=True)
         except ValidationError as exc:
             raise _invalid(exc, ids) from exc
         return validated

@@ -44,6 +44,7 @@ from langgraph.config import get_config
 from langgraph.pregel import Pregel
 from langgraph.pregel._loop import AsyncPregelLoop, PregelLoop, SyncPregelLoop
 from langgraph.types import Command, Interrupt
+from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from remit_core import Remit, codec, policy
 from remit_core.core import ClaimHandle
@@ -63,7 +64,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.schema import StateSchema
-from remit_langgraph._schema import StateCheck
+from remit_langgraph._schema import StateCheck, plain_record_types
 from remit_langgraph._serde import StrictSerializer
 
 if TYPE_CHECKING:
@@ -287,6 +288,7 @@ class Runs:
             schemas = [builder.state_schema, builder.input_schema, builder.output_schema]
             schemas += [node.input_schema for node in builder.nodes.values()]
             self.saver.serde.allow(build_serde_allowlist(schemas=schemas, channels=channels))
+            self.saver.serde.allow(plain_record_types(schemas))
         return check
 
     def active(self, thread: str) -> Run | None:
@@ -318,13 +320,19 @@ class Runs:
                 return None, None  # nothing to run; LangGraph reports the empty input
             handle = self.remit.claim(thread, branch, lease=self.saver.lease)
         run = Run(self.remit, thread, branch, handle, call.check, loop=weakref.ref(loop))
+        owed = None
         try:
             if record is not None:
                 run.committed.add(record.checkpoint_id)
                 if writes is None:
                     writes = self.remit.writes(thread, record.checkpoint_id)
-                self._settle_resume(loop, run, record, writes)
+                owed = self._settle_resume(loop, run, record, writes)
             found = None if record is None else self.saver._tuple(record, writes)
+            if owed is not None and found is not None:
+                # As if LangGraph's own resume write had been stored with the head.
+                found = found._replace(
+                    pending_writes=[*(found.pending_writes or ()), (NULL_TASK_ID, RESUME, owed)]
+                )
         except BaseException:
             handle.release()
             raise
@@ -404,18 +412,15 @@ class Runs:
         run: Run,
         record: CheckpointRecord,
         writes: Sequence[WriteRecord],
-    ) -> None:
+    ) -> Any:
         """Consume what a `Command(resume=...)` answers; re-deliver what a dead resumer
-        took. `writes` are the checkpoint's."""
+        took. `writes` are the checkpoint's. Returns a value still owed to the pause
+        `update_state` moved past (see `_pause`), or None."""
         resume = loop.input.resume if isinstance(loop.input, Command) else None
         recovering = loop.input is None and record.branch == run.branch
         if resume is None and not recovering:
-            return  # new input: no interrupt to settle
-        here = [
-            i
-            for i in self.remit.interrupts(run.thread, branch=record.branch)
-            if i.checkpoint_id == record.checkpoint_id
-        ]
+            return None  # new input: no interrupt to settle
+        here = self._pause(run.thread, record)
         if resume is not None:
             if record.branch != run.branch:
                 raise ResumeConflict(
@@ -425,9 +430,43 @@ class Runs:
                     checkpoint_id=record.checkpoint_id,
                 )
             self._consume(run, here, resume)
-        else:
-            # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
-            self._redeliver(loop, run, writes, here)
+            return None
+        # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
+        if any(i.checkpoint_id != record.checkpoint_id for i in here):
+            return self._owed_across_update(run, writes, here)
+        self._redeliver(loop, run, writes, here)
+        return None
+
+    def _pause(self, thread: str, record: CheckpointRecord) -> list[InterruptRecord]:
+        """The interrupts a resume at `record` answers: its own, or, when `record` was
+        made by `update_state` (edits while paused run no node), those of the pause
+        it edited. LangGraph re-runs the interrupted node from the edited state, and
+        its `interrupt()` takes the value."""
+        raised: dict[str, list[InterruptRecord]] = {}
+        for i in self.remit.interrupts(thread, branch=record.branch):
+            raised.setdefault(i.checkpoint_id, []).append(i)
+        at: CheckpointRecord | None = record
+        while at is not None:
+            if at.checkpoint_id in raised:
+                return raised[at.checkpoint_id]
+            if at.metadata.get("source") != "update" or at.parent_id is None:
+                return []
+            at = self.remit.checkpoint(thread, at.parent_id)
+        return []
+
+    def _owed_across_update(
+        self, run: Run, writes: Sequence[WriteRecord], here: Sequence[InterruptRecord]
+    ) -> Any:
+        """A value consumed at a pause that `update_state` moved past, by a resumer
+        that died before its resume write reached the head: owed again (P5 recovery)."""
+        if any(w.task_id == NULL_TASK_ID and w.channel == RESUME for w in writes):
+            return None  # LangGraph's own write carries it
+        consumed = [i for i in here if i.status == "consumed" and i.value is not None]
+        if len(consumed) != 1 or any(i.status == "pending" for i in here):
+            return None
+        value = consumed[0].value
+        assert value is not None
+        return self.saver._decode(value, run_id=run.thread)
 
     def _consume(self, run: Run, here: Sequence[InterruptRecord], resume: Any) -> None:
         pending = {i.interrupt_id: i for i in here if i.status == "pending"}
@@ -435,12 +474,19 @@ class Runs:
             answers = dict(resume)
         elif len(pending) == 1:
             answers = {next(iter(pending)): resume}
-        elif not pending:
+        elif here and not pending:
             raise ResumeConflict(
                 "no interrupt is pending at the head: it was already consumed; the value was "
                 "not stored",
                 run_id=run.thread,
-                interrupt_id=here[-1].interrupt_id if here else None,
+                interrupt_id=here[-1].interrupt_id,
+            )
+        elif not pending:
+            raise ResumeConflict(
+                "the head has no interrupt() to answer (a pause made by "
+                "interrupt_before/interrupt_after continues with invoke(None, config)); "
+                "the value was not stored",
+                run_id=run.thread,
             )
         else:
             raise ResumeConflict(
@@ -456,7 +502,9 @@ class Runs:
             if interrupt.prompt is not None:
                 schema = codec.loads(interrupt.prompt).get("response_schema")
                 if isinstance(schema, Mapping):
-                    StateSchema(schema).validate(value, run_id=run.thread, interrupt_id=iid)
+                    StateSchema(schema).validate(
+                        _json_form(value), run_id=run.thread, interrupt_id=iid
+                    )
         # Every value is checked and encoded before the first is consumed: a map with
         # one refused value consumes none of its interrupts.
         packed = {
@@ -641,6 +689,15 @@ class Runs:
         )
 
 
+def _json_form(value: Any) -> Any:
+    """What a JSON Schema sees of `value`: a model or dataclass as its JSON data
+    (a resume may be an instance of the interrupt's `response_schema`)."""
+    try:
+        return to_jsonable_python(value, by_alias=True)
+    except PydanticSerializationError:
+        return value  # no JSON form: the schema check refuses it, naming the value
+
+
 def _json_or_none(schema: Any) -> Any:
     """A response schema as plain JSON (LangGraph stores it as a JSON Schema dict)."""
     try:
@@ -674,9 +731,9 @@ def effect_scope() -> StepScope | None:
     run.settle()
     parts = str(conf.get("checkpoint_ns", "")).split("|")
     # The node's own task: its step and path below; each enclosing task by its place.
-    parts = [
-        run.task_identity("|".join(parts[:i]), part) for i, part in enumerate(parts[:-1])
-    ] + [parts[-1].split(":", 1)[0]]
+    parts = [run.task_identity("|".join(parts[:i]), part) for i, part in enumerate(parts[:-1])] + [
+        parts[-1].split(":", 1)[0]
+    ]
     step = meta["langgraph_step"]
     step_key = f"{run.branch}/{'|'.join(parts)}/{step}/{meta.get('langgraph_path')}"
     return StepScope(run.remit, run.thread, step_key, run.fence)

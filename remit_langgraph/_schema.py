@@ -17,6 +17,7 @@ its outer constraints (those hold of the whole value, not of one write).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 from collections.abc import Mapping
@@ -26,8 +27,8 @@ from langgraph._internal._typing import MISSING
 from langgraph.channels.binop import BinaryOperatorAggregate
 from langgraph.channels.last_value import LastValue, LastValueAfterFinish
 from langgraph.types import Overwrite
-from pydantic import BaseModel, TypeAdapter, ValidationError
-from typing_extensions import TypedDict
+from pydantic import BaseModel, PydanticSchemaGenerationError, TypeAdapter, ValidationError
+from typing_extensions import TypedDict, is_typeddict
 
 from remit_core.errors import CheckpointInvalid
 from remit_core.schema import StateSchema
@@ -44,6 +45,7 @@ except ImportError:  # pragma: no cover
         """Stands in for a snapshot kind this LangGraph does not have."""
 
         value: Any
+
 
 #: Channel kinds whose every write is a whole new value of the key (so a write can be checked).
 _PLAIN_CHANNELS = (LastValue, LastValueAfterFinish)
@@ -72,6 +74,44 @@ def _field_types(state_type: Any) -> dict[str, Any]:
     ):
         return typing.get_type_hints(state_type, include_extras=True)
     raise TypeError(f"cannot read state fields from {state_type!r}")
+
+
+def plain_record_types(types: Any) -> set[type]:
+    """The NamedTuple classes and `numpy.ndarray` that `types` name, at any depth.
+    LangGraph's own allowlist of a schema's types leaves them out; both store and
+    rebuild without running code (a tuple by position, an array from its buffer)."""
+    found: set[type] = set()
+    seen: set[int] = set()
+    todo = list(types)
+    while todo:
+        typ = todo.pop()
+        if id(typ) in seen or typ is None:
+            continue
+        seen.add(id(typ))
+        todo.extend(typing.get_args(typ))
+        if not isinstance(typ, type):
+            continue
+        if (issubclass(typ, tuple) and hasattr(typ, "_fields")) or (
+            typ.__module__,
+            typ.__name__,
+        ) == ("numpy", "ndarray"):
+            found.add(typ)
+        if issubclass(typ, tuple) or dataclasses.is_dataclass(typ) or is_typeddict(typ):
+            with contextlib.suppress(Exception):  # (an unresolvable hint names nothing)
+                todo.extend(typing.get_type_hints(typ).values())
+        elif issubclass(typ, BaseModel):
+            todo.extend(f.annotation for f in typ.model_fields.values())
+    return found
+
+
+def _checkable(field_type: Any) -> Any:
+    """`field_type`, or `Any` where Pydantic cannot check it (e.g. `numpy.ndarray`):
+    such a key is still stored through the serializer's allowlist, unchecked."""
+    try:
+        TypeAdapter(field_type)
+    except PydanticSchemaGenerationError:
+        return Any
+    return field_type
 
 
 class StateCheck:
@@ -103,7 +143,7 @@ class StateCheck:
             fields = _field_types(state_type)
         except TypeError:
             return None
-        return cls(fields, declared) if fields else None
+        return cls({k: _checkable(t) for k, t in fields.items()}, declared) if fields else None
 
     def with_channels(self, channels: Mapping[str, Any]) -> StateCheck:
         """Note which keys are plain channels, whose writes are checked one by one."""

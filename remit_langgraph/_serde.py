@@ -226,6 +226,8 @@ class StrictSerializer(SerializerProtocol):
                 if (module, name) == ("langgraph.types", "Send"):
                     return jsonplus._send_from_args(tup[2])
                 return target(*tup[2])
+            if code == jsonplus.EXT_PYDANTIC_V2 and isinstance(target, type(BaseModel)):
+                return _model_from_dump(target, tup[2])
             if code in (
                 jsonplus.EXT_CONSTRUCTOR_KW_ARGS,
                 jsonplus.EXT_PYDANTIC_V1,
@@ -239,6 +241,14 @@ class StrictSerializer(SerializerProtocol):
                 f"stored value of type {module}.{name} does not rebuild: {exc}"
             ) from exc
         raise CorruptRecord(f"stored value has unknown extension code {code}")
+
+
+def _model_from_dump(model: Any, dump: dict[str, Any]) -> Any:
+    """A Pydantic model, validated, from LangGraph's `model_dump()` of it: fields by
+    name (whatever the aliases), and the computed fields the dump also holds left out."""
+    computed = model.model_computed_fields
+    fields = {k: v for k, v in dump.items() if k not in computed}
+    return model.model_validate(fields, by_name=True)
 
 
 def _is_pickle(type_: str) -> bool:

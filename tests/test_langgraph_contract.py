@@ -160,6 +160,74 @@ def test_multi_interrupt_each_value_reaches_its_interrupt(store_url: str, tmp_pa
     assert len(world.entries("approve")) == 1
 
 
+def test_a_pause_edited_with_update_state_takes_exactly_one_resume(
+    store_url: str, tmp_path: Path
+) -> None:
+    import threading
+
+    world, saver, graph, config = paused(store_url, tmp_path)
+    graph.update_state(config, {"amount": 50})  # an edit while paused runs no node
+    assert graph.get_state(config).next == ("approve",)
+    gate = threading.Barrier(4)
+    outcomes: dict[str, str] = {}
+
+    def resumer(i: int) -> None:
+        gate.wait()
+        outcomes[f"t{i}"] = outcome_of(lambda: graph.invoke(Command(resume=f"t{i}"), config))
+
+    threads = [threading.Thread(target=resumer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes.values()) == ["ResumeConflict"] * 3 + ["ok"]
+    final = graph.get_state(config).values
+    winner = next(who for who, out in outcomes.items() if out == "ok")
+    assert (final["amount"], final["approved_by"]) == (50, winner)
+    assert len(world.entries("approve")) == 1
+    assert len(world.applications("charge")) == 1
+    with pytest.raises(ResumeConflict):
+        graph.invoke(Command(resume="late"), config)
+    thread = config["configurable"]["thread_id"]
+    stored = [saver._decode(i.value) for i in saver.remit.interrupts(thread) if i.value]
+    assert stored == [winner]
+
+
+@pytest.mark.parametrize("durability", ["async", "sync", "exit"])
+def test_a_value_taken_at_an_edited_pause_is_redelivered_after_sigkill(
+    store_url: str, tmp_path: Path, durability: str
+) -> None:
+    world, saver, graph, config = paused(store_url, tmp_path, durability=durability)
+    graph.update_state(config, {"amount": 50})
+
+    def doomed() -> None:
+        world.armed["approve.answered"] = "kill"
+        graph.invoke(Command(resume="alice"), config, durability=durability)
+
+    assert run_in_process(doomed) == -signal.SIGKILL
+    time.sleep(LEASE + 0.2)  # the dead resumer's claim expires (L1)
+    final = graph.invoke(None, config, durability=durability)
+    assert "__interrupt__" not in final
+    assert (final["amount"], final["approved_by"]) == (50, "alice")
+    assert len(world.applications("charge")) == 1
+    with pytest.raises(ResumeConflict):
+        graph.invoke(Command(resume="mallory"), config)
+
+
+def test_a_resume_at_a_static_pause_is_refused_with_what_to_do(
+    store_url: str, tmp_path: Path
+) -> None:
+    world = World(tmp_path)
+    graph = build(world, RemitSaver(store_url), asks=0)
+    config = thread_config()
+    graph.invoke(INITIAL, config, interrupt_before=["charge"])
+    assert graph.get_state(config).next == ("charge",)
+    with pytest.raises(ResumeConflict, match=r"invoke\(None, config\)"):
+        graph.invoke(Command(resume="yes"), config)
+    assert world.entries("charge") == []
+    assert graph.invoke(None, config)["log"][-1] == "notify-done"
+
+
 # -- P1 / P2: SIGKILL and recovery ------------------------------------------------------
 
 

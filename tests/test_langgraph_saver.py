@@ -8,7 +8,7 @@ import operator
 import pickle
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import pytest
 from annotated_types import MinLen
@@ -18,7 +18,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.types import Command, interrupt
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 from typing_extensions import TypedDict
 
 from remit_core import (
@@ -311,6 +311,98 @@ def test_the_graphs_schema_types_are_allowed_and_read_back_typed(store_url: str)
     with pytest.raises(CorruptRecord) as err:
         stranger.get_tuple(cfg)
     assert "Point" in str(err.value)
+
+
+class Aliased(BaseModel):
+    user_name: str = Field(alias="userName")
+
+
+class Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    a: int
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def double(self) -> int:
+        return self.a * 2
+
+
+class InOut(BaseModel):
+    x: int = Field(validation_alias="x_in", serialization_alias="x_out")
+
+
+class Pair(NamedTuple):
+    left: int
+    right: str
+
+
+class Records(TypedDict, total=False):
+    aliased: Aliased
+    closed: Closed
+    in_out: InOut
+    pair: Pair
+
+
+def test_models_with_aliases_or_computed_fields_are_stored_and_read_back_validated(
+    store_url: str,
+) -> None:
+    made = {
+        "aliased": Aliased(userName="bo"),
+        "closed": Closed(a=2),
+        "in_out": InOut(x_in=3),
+        "pair": Pair(1, "r"),
+    }
+    cfg = config()
+    one_node(Records, lambda s: made, RemitSaver(store_url)).invoke({}, cfg)
+    # A fresh saver reads it back, as a process that restarts does.
+    values = one_node(Records, lambda s: {}, RemitSaver(store_url)).get_state(cfg).values
+    assert values == made
+    assert [type(v) for v in values.values()] == [type(v) for v in made.values()]
+    with pytest.raises(CheckpointInvalid):  # still checked on write
+        one_node(
+            Records, lambda s: {"closed": Closed.model_construct(a="x")}, RemitSaver(store_url)
+        ).invoke({}, config())
+
+
+def test_an_array_field_numpy_cannot_describe_to_pydantic_is_stored_and_read_back(
+    store_url: str,
+) -> None:
+    np = pytest.importorskip("numpy")
+
+    # (Built at run time: the module postpones annotations, and numpy is imported here.)
+    Arrays = TypedDict("Arrays", {"grid": np.ndarray, "n": int}, total=False)  # type: ignore[misc]  # noqa: UP013
+
+    cfg = config()
+    graph = one_node(Arrays, lambda s: {"grid": np.arange(6).reshape(2, 3)}, RemitSaver(store_url))
+    graph.invoke({"n": 1}, cfg)
+    grid = graph.get_state(cfg).values["grid"]
+    assert isinstance(grid, np.ndarray) and grid.tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(CheckpointInvalid):  # the other keys are still checked
+        one_node(Arrays, lambda s: {"n": "many"}, RemitSaver(store_url)).invoke({"n": 1}, config())
+
+
+class Verdict(BaseModel):
+    ok: bool
+    by: str
+
+
+class Judged(TypedDict, total=False):
+    verdict: Verdict
+    n: int
+
+
+def test_a_resume_may_be_an_instance_of_the_interrupts_response_schema(store_url: str) -> None:
+    graph = one_node(
+        Judged,
+        lambda s: {"verdict": interrupt("ok?", response_schema=Verdict)},
+        RemitSaver(store_url),
+    )
+    cfg = config()
+    graph.invoke({"n": 0}, cfg)
+    with pytest.raises(CheckpointInvalid):
+        graph.invoke(Command(resume={"ok": True}), cfg)
+    done = graph.invoke(Command(resume=Verdict(ok=True, by="me")), cfg)
+    assert done["verdict"] == Verdict(ok=True, by="me")
 
 
 def test_pickle_is_never_loaded(store_url: str) -> None:

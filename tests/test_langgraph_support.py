@@ -105,6 +105,7 @@ def build(world: World, checkpointer: Any, *, amount: int = 100, asks: int = 1) 
     def approve(state: State) -> dict[str, Any]:
         world.enter("approve.top")
         values = [interrupt(f"approve #{i}", response_schema=str) for i in range(asks)]
+        world.point("approve.answered")
         world.enter("approve")
         return {"approved_by": "+".join(values), "log": ["approve"]}
 
