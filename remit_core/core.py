@@ -356,7 +356,12 @@ class Remit:
         """Where a checkpoint with this parent would go (raises `ForkWithoutIntent`)."""
         branches = self.store.list_branches(run_id, ns)
         return policy.plan_commit(
-            run_id, ns, parent_id, branches, fork_token=fork_token, now=self.clock(),
+            run_id,
+            ns,
+            parent_id,
+            branches,
+            fork_token=fork_token,
+            now=self.clock(),
             allow_new_root=allow_new_root,
         )
 
@@ -408,8 +413,12 @@ class Remit:
             seq = self._main_seqs.get((run_id, ns, parent_id))
             if seq is not None:
                 guess = policy.CommitPlan(MAIN_BRANCH, parent_id, seq + 1)
-        plan = plan or guess or self.plan(
-            run_id, parent_id, ns=ns, fork_token=fork_token, allow_new_root=allow_new_root
+        plan = (
+            plan
+            or guess
+            or self.plan(
+                run_id, parent_id, ns=ns, fork_token=fork_token, allow_new_root=allow_new_root
+            )
         )
         if plan.fork is not None:
             created = self.store.create_branch(plan.fork)
@@ -569,7 +578,10 @@ class Remit:
         return _write_with_value(w, codec.seal(w.value, identity))
 
     def put_writes(
-        self, writes: Sequence[WriteRecord], *, mode: WriteMode = "first",
+        self,
+        writes: Sequence[WriteRecord],
+        *,
+        mode: WriteMode = "first",
         fence: FenceRef | None = None,
     ) -> None:
         """Store step writes atomically (see `Store.put_writes` for `mode`)."""

@@ -361,8 +361,9 @@ def _drive(
     idempotent: bool,
 ) -> Any:
     scope = call.scope
-    gen = _protocol(scope.run_id, call.key, has_reconcile=reconcile is not None,
-                    idempotent=idempotent)
+    gen = _protocol(
+        scope.run_id, call.key, has_reconcile=reconcile is not None, idempotent=idempotent
+    )
     result: Any = None
     try:
         while True:
@@ -401,8 +402,9 @@ async def _adrive(
     idempotent: bool,
 ) -> Any:
     scope = call.scope
-    gen = _protocol(scope.run_id, call.key, has_reconcile=reconcile is not None,
-                    idempotent=idempotent)
+    gen = _protocol(
+        scope.run_id, call.key, has_reconcile=reconcile is not None, idempotent=idempotent
+    )
     result: Any = None
     try:
         while True:
@@ -452,8 +454,9 @@ def effect(
             @functools.wraps(f)
             async def awrapper(*args: Any, **kwargs: Any) -> Any:
                 async def apply(idem: str) -> Any:
-                    return await f(*args, **({"idempotency_key": idem} if pass_key else {}),
-                                   **kwargs)
+                    return await f(
+                        *args, **({"idempotency_key": idem} if pass_key else {}), **kwargs
+                    )
 
                 return await arun_effect(fn=apply, **bind(args, kwargs))
 

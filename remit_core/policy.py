@@ -232,9 +232,7 @@ def idempotency_key(run_id: str, effect_key: str) -> str:
 # -- versions (P4) -----------------------------------------------------------
 
 
-def check_workflow_version(
-    record: CheckpointRecord, accepted: Iterable[str] | None
-) -> None:
+def check_workflow_version(record: CheckpointRecord, accepted: Iterable[str] | None) -> None:
     """Refuse a checkpoint written by a workflow version the reader does not accept."""
     if accepted is None:
         return
@@ -267,11 +265,11 @@ def head_after_delete(
             return cursor
         cursor = by_id.get(cursor.parent_id) if cursor.parent_id is not None else None
     survivors = [
-        c for c in checkpoints
+        c
+        for c in checkpoints
         if c.branch == branch.branch and c.ns == branch.ns and c.checkpoint_id not in gone
     ]
     return max(survivors, key=lambda c: c.checkpoint_id, default=None)
-
 
 
 def prunable(

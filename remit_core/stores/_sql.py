@@ -267,8 +267,14 @@ def _ckpt_and_writes(
     w = at + 11
     writes = [
         WriteRecord(
-            record.run_id, record.checkpoint_id, r[w], int(r[w + 1]), r[w + 2],
-            bytes(r[w + 3]), record.ns, r[w + 4],
+            record.run_id,
+            record.checkpoint_id,
+            r[w],
+            int(r[w + 1]),
+            r[w + 2],
+            bytes(r[w + 3]),
+            record.ns,
+            r[w + 4],
         )
         for r in rows
         if r[w] is not None
@@ -379,8 +385,16 @@ class SqlStore(Store):
             cur = txn.execute(
                 f"INSERT INTO remit_writes ({_WRITE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                 f"ON CONFLICT (run_id, ns, checkpoint_id, task_id, idx) {conflict}",
-                (w.run_id, w.checkpoint_id, w.task_id, w.idx, w.channel, w.value, w.ns,
-                 w.task_path),
+                (
+                    w.run_id,
+                    w.checkpoint_id,
+                    w.task_id,
+                    w.idx,
+                    w.channel,
+                    w.value,
+                    w.ns,
+                    w.task_path,
+                ),
             )
             if mode == "expect_absent" and cur.rowcount == 0:
                 raise WriteConflict(
@@ -464,8 +478,16 @@ class SqlStore(Store):
             txn.execute(
                 f"INSERT INTO remit_branches ({_BRANCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT DO NOTHING",
-                (b.run_id, b.branch, b.head_id, b.ns, b.head_seq, b.base_id, b.fork_token,
-                 b.created_at),
+                (
+                    b.run_id,
+                    b.branch,
+                    b.head_id,
+                    b.ns,
+                    b.head_seq,
+                    b.base_id,
+                    b.fork_token,
+                    b.created_at,
+                ),
             )
             failpoints.hit("fork.in_create")
             row = txn.execute(
@@ -555,8 +577,18 @@ class SqlStore(Store):
                     f"INSERT INTO remit_interrupts ({_INTR_COLS}) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT (run_id, branch, interrupt_id) DO NOTHING",
-                    (i.run_id, i.branch, i.interrupt_id, i.checkpoint_id, "pending", i.prompt,
-                     None, None, i.created_at, None),
+                    (
+                        i.run_id,
+                        i.branch,
+                        i.interrupt_id,
+                        i.checkpoint_id,
+                        "pending",
+                        i.prompt,
+                        None,
+                        None,
+                        i.created_at,
+                        None,
+                    ),
                 )
 
     def consume_interrupt(
@@ -640,9 +672,7 @@ class SqlStore(Store):
                 (expires_at, claim.run_id, claim.scope, claim.fence, claim.holder),
             ).rowcount
         if renewed != 1:
-            raise Fenced(
-                "claim was taken over or released", run_id=claim.run_id, scope=claim.scope
-            )
+            raise Fenced("claim was taken over or released", run_id=claim.run_id, scope=claim.scope)
         return Claim(claim.run_id, claim.scope, claim.holder, claim.fence, expires_at)
 
     def release_claim(self, claim: Claim) -> None:
@@ -700,8 +730,9 @@ class SqlStore(Store):
                 (run_id, effect_key),
             ).fetchone()
         if row is None:
-            raise UnknownRecord("no intent recorded for effect", run_id=run_id,
-                                effect_key=effect_key)
+            raise UnknownRecord(
+                "no intent recorded for effect", run_id=run_id, effect_key=effect_key
+            )
         return _effect(row)
 
     def get_effect(self, run_id: str, effect_key: str) -> EffectRecord | None:

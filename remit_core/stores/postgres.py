@@ -137,9 +137,7 @@ _COMMIT_WRITES = """, writes AS (
         channel = excluded.channel, value = excluded.value, task_path = excluded.task_path
 )"""
 #: Parameters: fence, fence, holder (no fence presented: NULL, NULL, "").
-_FENCE_HOLDS = (
-    "(?::bigint IS NULL OR EXISTS (SELECT 1 FROM claim WHERE fence = ? AND holder = ?))"
-)
+_FENCE_HOLDS = "(?::bigint IS NULL OR EXISTS (SELECT 1 FROM claim WHERE fence = ? AND holder = ?))"
 _MOVE_HEAD = (
     "UPDATE remit_branches SET head_id = ?, head_seq = ? WHERE run_id = ? AND ns = ? "
     f"AND branch = ? AND head_id = ? AND {_FENCE_HOLDS} RETURNING 1"
