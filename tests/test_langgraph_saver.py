@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import operator
 import pickle
@@ -403,6 +404,22 @@ def test_a_resume_may_be_an_instance_of_the_interrupts_response_schema(store_url
         graph.invoke(Command(resume={"ok": True}), cfg)
     done = graph.invoke(Command(resume=Verdict(ok=True, by="me")), cfg)
     assert done["verdict"] == Verdict(ok=True, by="me")
+
+
+def test_a_stream_left_early_and_closed_lets_the_next_run_continue(store_url: str) -> None:
+    async def scenario() -> tuple[list[Any], Any]:
+        graph = three_steps(AsyncRemitSaver(store_url))
+        cfg = config()
+        seen = []
+        stream = graph.astream({"big": [], "n": 0}, cfg, durability="sync")
+        async with contextlib.aclosing(stream) as s:
+            async for event in s:
+                seen.append(event)
+                break
+        return seen, await graph.ainvoke(None, cfg)
+
+    seen, final = asyncio.run(scenario())
+    assert len(seen) == 1 and final["n"] == 3
 
 
 def test_pickle_is_never_loaded(store_url: str) -> None:
