@@ -8,7 +8,9 @@ goes idle (waiting for an event) or ends, the claim is released: the run is
 *parked* and any process may resume it. Ticks a parked session reduces
 without work to do (a restore's session start, idle checks) stay in memory;
 anything else takes the claim back first, and fails if another process has
-moved the branch on meanwhile.
+moved the branch on meanwhile. A cancel or the workflow timeout reaching a
+parked run stops this process's copy of it and writes nothing: the run stays
+parked for whoever resumes it.
 
 Events from outside pass the gate (`deliver`): an event that resolves a
 waiter consumes that waiter's Remit interrupt, once across all processes,
@@ -36,7 +38,13 @@ from workflows.runtime.control_loop import replay_ticks_stream
 from workflows.runtime.types.internal_state import BrokerState
 from workflows.runtime.types.plugin import ExternalRunAdapter, as_v2_runtime_compatibility_shim
 from workflows.runtime.types.results import StepWorkerFailed
-from workflows.runtime.types.ticks import TickAddEvent, TickStepResult, WorkflowTick
+from workflows.runtime.types.ticks import (
+    TickAddEvent,
+    TickCancelRun,
+    TickStepResult,
+    TickTimeout,
+    WorkflowTick,
+)
 from workflows.workflow import Workflow
 
 from remit_core import codec, failpoints
@@ -99,6 +107,15 @@ def _validated_event(event: Event, **ids: Any) -> None:
             field=field,
             **ids,
         ) from exc
+
+
+def _stops_process(tick: WorkflowTick) -> bool:
+    """A cancel or the workflow timeout: what stops this process's copy of a run.
+
+    For a parked run it means "stop here, resume later" (the framework's documented
+    pause is `ctx.to_dict()` then `cancel_run()`), so it ends the copy and writes
+    nothing; for a run with work in flight it ends the run as the framework does."""
+    return isinstance(tick, (TickCancelRun, TickTimeout))
 
 
 def _remit_failure(tick: WorkflowTick) -> RemitError | None:
@@ -250,6 +267,8 @@ class Session:
             if failure is not None:
                 raise failure
             status = snap.status_of(self.mirror, replay.exit_command)
+            if self.claim is None and _stops_process(tick) and snap.is_idle(before):
+                return  # the stored run stays parked: any process may resume it
             if status in snap.TERMINAL:
                 self.asks.clear()
             if self.claim is None:
@@ -306,7 +325,9 @@ class Session:
         fence = self.claim.fence
         checkpoint_id = new_checkpoint_id()
         try:
-            body = snap.encode(self.mirror, self.store.payload(self.serializer), self.serializer)
+            metadata = self._metadata(status, exit_command)
+            payload = self.store.payload(self.serializer)
+            body = snap.encode(self.mirror, payload, self.serializer, metadata)
             writes = [
                 WriteRecord(
                     run_id=self.run_id,
@@ -318,7 +339,6 @@ class Session:
                 )
                 for seq, tick in self.unsaved
             ]
-            metadata = self._metadata(status, exit_command)
         except (TypeError, ValueError) as exc:  # the framework's serializer refused a value
             raise _Unstorable() from exc
         self.remit.commit(
@@ -392,20 +412,21 @@ class Session:
             assert record is not None
             ctx = snap.decode(record.state, run_id=self.run_id, checkpoint_id=self.head_id)
             checkpoint_id = new_checkpoint_id()
+            metadata: dict[str, Any] = {
+                "source": "llamaindex",
+                "status": snap.FAILED,
+                "tick": "unstorable",
+                "next": [],
+                "waiting": [],
+                "journal_seq": record.metadata.get("journal_seq"),
+                "error": f"{type(error).__name__}: {error}",
+            }
             self.remit.commit(
                 run_id=self.run_id,
                 checkpoint_id=checkpoint_id,
                 parent_id=self.head_id,
-                state=codec.dumps({"ctx": {**ctx, "is_running": False}}),
-                metadata={
-                    "source": "llamaindex",
-                    "status": snap.FAILED,
-                    "tick": "unstorable",
-                    "next": [],
-                    "waiting": [],
-                    "journal_seq": record.metadata.get("journal_seq"),
-                    "error": f"{type(error).__name__}: {error}",
-                },
+                state=snap.body({**ctx, "is_running": False}, {}, metadata),
+                metadata=metadata,
                 fork_token=self.fork_token,
                 schema_version=self.schema_version,
                 workflow_version=self.workflow_version,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from workflows.context.context_types import SerializedContext
 from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
@@ -18,10 +18,12 @@ from workflows.errors import WorkflowCancelledByUser
 from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StopEvent
 from workflows.runtime.types.commands import CommandCompleteRun, CommandFailWorkflow, CommandHalt
 from workflows.runtime.types.internal_state import BrokerState
+from workflows.runtime.types.results import StepWorkerWaiter
 from workflows.workflow import Workflow
 
 from remit_core import codec
 from remit_core.errors import CorruptRecord, RemitError
+from remit_core.records import CheckpointRecord
 
 #: Store-type tag of the state payload a Remit-backed context serializes to.
 HANDLE_TYPE = "remit"
@@ -55,6 +57,7 @@ class Waiter:
     event_type: str
     resolved_event: Event | None
     timed_out: bool
+    requirements: dict[str, Any]
 
     @property
     def pending(self) -> bool:
@@ -73,24 +76,54 @@ def walk_brokers(
         yield from walk_brokers(child, (*path, key))
 
 
-def waiters(state: BrokerState) -> list[Waiter]:
-    """Every waiter of the run; the interrupt id names step, waiter and work item."""
-    found = []
+def _collected(state: BrokerState) -> Iterator[tuple[str, str, StepWorkerWaiter]]:
+    """(interrupt id, step, waiter) for every waiter of the run; the interrupt id names
+    step, waiter and work item."""
     for path, broker in walk_brokers(state):
         for step_id, worker in sorted(broker.workers.items(), key=lambda kv: str(kv[0])):
             step = "/".join((*path, str(step_id)))
             for w in worker.collected_waiters:
-                found.append(
-                    Waiter(
-                        interrupt_id=f"{step}:{w.waiter_id}@{w.work_item_id or ''}",
-                        step=step,
-                        waiter_id=w.waiter_id,
-                        event_type=_qualname(w.waiting_for_event),
-                        resolved_event=w.resolved_event,
-                        timed_out=w.timed_out,
-                    )
-                )
-    return found
+                yield f"{step}:{w.waiter_id}@{w.work_item_id or ''}", step, w
+
+
+def waiters(state: BrokerState) -> list[Waiter]:
+    """Every waiter of the run, under its interrupt id."""
+    return [
+        Waiter(
+            interrupt_id=interrupt_id,
+            step=step,
+            waiter_id=w.waiter_id,
+            event_type=_qualname(w.waiting_for_event),
+            resolved_event=w.resolved_event,
+            timed_out=w.timed_out,
+            requirements=dict(w.requirements),
+        )
+        for interrupt_id, step, w in _collected(state)
+    ]
+
+
+def requirements(state: BrokerState) -> dict[str, dict[str, Any]]:
+    """The `requirements` of the pending waiters, by interrupt id, where plain data can
+    hold them. The framework's snapshot drops them: a restored waiter would take any
+    event of its type until its step ran again, so one answer would resolve every
+    waiter of that type."""
+    kept = {}
+    for w in waiters(state):
+        if w.pending and w.requirements:
+            try:
+                codec.dumps(w.requirements)
+            except TypeError:  # the framework's re-run of the step restores these
+                continue
+            kept[w.interrupt_id] = w.requirements
+    return kept
+
+
+def restore_requirements(state: BrokerState, stored: dict[str, dict[str, Any]]) -> None:
+    """Give the restored waiters of `state` their stored `requirements` back (the
+    framework then has no step to re-run for them)."""
+    for interrupt_id, _, w in _collected(state):
+        if interrupt_id in stored and w.has_requirements and not w.requirements:
+            w.requirements = dict(stored[interrupt_id])
 
 
 @dataclass(frozen=True)
@@ -168,23 +201,65 @@ def status_of(state: BrokerState, exit_command: object | None) -> str:
     return WAITING if is_idle(state) else RUNNING
 
 
-def encode(state: BrokerState, state_payload: dict[str, Any], serializer: BaseSerializer) -> bytes:
-    """The checkpoint body: the serialized context with the state store's payload."""
+def encode(
+    state: BrokerState,
+    state_payload: dict[str, Any],
+    serializer: BaseSerializer,
+    meta: dict[str, Any],
+) -> bytes:
+    """The checkpoint body: the serialized context with the state store's payload, the
+    waiters' requirements, and a copy of the checkpoint's metadata."""
     ctx = state.to_serialized(serializer)
     ctx.state = state_payload
-    return codec.dumps({"ctx": ctx.model_dump(mode="json")})
+    return body(ctx.model_dump(mode="json"), requirements(state), meta)
 
 
-def decode(body: bytes, **ids: Any) -> dict[str, Any]:
-    """The serialized context a checkpoint body holds (a plain dict)."""
+class Body(NamedTuple):
+    """What a checkpoint body holds."""
+
+    ctx: dict[str, Any]
+    requirements: dict[str, dict[str, Any]]
+    meta: dict[str, Any] | None
+
+
+def body(
+    ctx: dict[str, Any], waiter_requirements: dict[str, dict[str, Any]], meta: dict[str, Any]
+) -> bytes:
+    """A checkpoint body. The metadata (the run's status, result, open interrupts) is
+    copied in because the record's checksum covers the body only."""
+    data: dict[str, Any] = {"ctx": ctx, "meta": meta}
+    if waiter_requirements:
+        data["requirements"] = waiter_requirements
+    return codec.dumps(data)
+
+
+def decode_body(data: bytes, **ids: Any) -> Body:
+    """The parts of a checkpoint body (`meta` is None in bodies written without it)."""
     try:
-        data = codec.loads(body)
-        ctx = data["ctx"]
-    except (ValueError, KeyError, TypeError) as exc:
+        loaded = codec.loads(data)
+        found = Body(loaded["ctx"], loaded.get("requirements", {}), loaded.get("meta"))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptRecord(f"checkpoint body is not a LlamaIndex context ({exc})", **ids) from exc
-    if not isinstance(ctx, dict):
+    if not isinstance(found.ctx, dict) or not isinstance(found.requirements, dict):
         raise CorruptRecord("checkpoint body is not a LlamaIndex context", **ids)
-    return ctx
+    return found
+
+
+def decode(data: bytes, **ids: Any) -> dict[str, Any]:
+    """The serialized context a checkpoint body holds (a plain dict)."""
+    return decode_body(data, **ids).ctx
+
+
+def check_metadata(record: CheckpointRecord) -> None:
+    """Refuse a checkpoint whose metadata differs from the copy sealed in its body."""
+    ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+    sealed = decode_body(record.state, **ids).meta
+    if sealed is not None and {k: record.metadata.get(k) for k in sealed} != sealed:
+        raise CorruptRecord(
+            "checkpoint metadata (status, result, open interrupts) does not match the "
+            "copy sealed in its body",
+            **ids,
+        )
 
 
 def broker_state(

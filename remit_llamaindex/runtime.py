@@ -192,17 +192,18 @@ class RemitRuntime(BaseRuntimeDecorator):
         json_ser = snap.require_json(serializer or self.get_serializer(workflow))
         drawn = _child.was_drawn(run_id)
         child = None
+        found: Session | _child.EndedRun
         if serialized_state is not None and snap.is_handle(serialized_state):
-            session = self._restored(workflow, serialized_state, json_ser)
+            found = self._restored(workflow, serialized_state, json_ser)
         elif drawn and (child := _child.next_child_id()) is not None:
             found = self._child_session(workflow, child, init_state, serialized_state, json_ser)
-            if isinstance(found, _child.EndedRun):
-                return found
-            session = found
-            if session.head_id is not None:
+            if isinstance(found, Session) and found.head_id is not None:
                 start_event = None  # the stored run took its start event already
         else:
-            session = self._fresh(workflow, run_id, init_state, serialized_state, json_ser)
+            found = self._fresh(workflow, run_id, init_state, serialized_state, json_ser)
+        if isinstance(found, _child.EndedRun):
+            return found
+        session = found
         stored = session.head_id is not None
         parked = stored and (snap.is_idle(session.init_state) or not session.init_state.is_running)
         if start_event is not None or session.injections or not parked:
@@ -281,10 +282,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         branch = self.remit.branch(run_id)
         if branch is None or branch.head_id is None:
             return self._new(workflow, run_id, init_state, serialized_state, serializer)
-        record = self._checkpoint(run_id, branch.head_id)
-        if record.metadata.get("status") in snap.TERMINAL:
-            return self._ended_run(workflow, record, serializer)
-        handle = {"run_id": run_id, "branch": MAIN_BRANCH, "checkpoint_id": record.checkpoint_id}
+        handle = {"run_id": run_id, "branch": MAIN_BRANCH, "checkpoint_id": branch.head_id}
         return self._restored(workflow, handle, serializer)
 
     def _ended_run(
@@ -295,7 +293,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         ctx = snap.decode(record.state, **ids)
         init = snap.broker_state(ctx, workflow, serializer)
         state = self._state(workflow, record, ctx, serializer)
-        handle = {"store_type": snap.HANDLE_TYPE, "branch": MAIN_BRANCH, **ids}
+        handle = {"store_type": snap.HANDLE_TYPE, "branch": record.branch, **ids}
         store: RemitStateStore[Any] = RemitStateStore(
             state,
             schema=self._schema(workflow),
@@ -303,10 +301,11 @@ class RemitRuntime(BaseRuntimeDecorator):
             ids=lambda: ids,
             handle=lambda: handle,
         )
+        key = public_run_id(record.run_id, record.branch)
         status = record.metadata.get("status")
         if status == snap.COMPLETED:
             stop = snap.stop_event(record.metadata.get("result"), serializer, **ids)
-            return _child.EndedRun(record.run_id, init, store, lambda: stop)
+            return _child.EndedRun(key, init, store, lambda: stop)
         error = str(record.metadata.get("error") or status)
 
         def raised() -> StopEvent:
@@ -318,12 +317,15 @@ class RemitRuntime(BaseRuntimeDecorator):
                 **ids,
             )
 
-        return _child.EndedRun(record.run_id, init, store, raised)
+        return _child.EndedRun(key, init, store, raised)
 
     def _restored(
         self, workflow: Workflow, handle: dict[str, Any], serializer: JsonSerializer
-    ) -> Session:
-        """Continue the run a handle names; a non-head checkpoint needs its fork token (P3)."""
+    ) -> Session | _child.EndedRun:
+        """Continue the run a handle names; a non-head checkpoint needs its fork token (P3).
+
+        A branch that has ended (a fork token presented again after its branch
+        completed) answers with its stored outcome and runs nothing."""
         run_id, base_id = handle["run_id"], handle["checkpoint_id"]
         token = handle.get("fork_token")
         remit = self.remit
@@ -342,8 +344,13 @@ class RemitRuntime(BaseRuntimeDecorator):
         branch = found
         assert branch.head_id is not None
         record = self._checkpoint(run_id, branch.head_id)
-        ctx = snap.decode(record.state, run_id=run_id, checkpoint_id=record.checkpoint_id)
+        if record.metadata.get("status") in snap.TERMINAL:
+            return self._ended_run(workflow, record, serializer)
+        ctx, requirements, _ = snap.decode_body(
+            record.state, run_id=run_id, checkpoint_id=record.checkpoint_id
+        )
         init = snap.broker_state(ctx, workflow, serializer)
+        snap.restore_requirements(init, requirements)
         state = self._state(workflow, record, ctx, serializer)
         session = self._session(
             workflow,
@@ -451,6 +458,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         if record is None:
             raise UnknownRecord("no such checkpoint", run_id=run_id, checkpoint_id=checkpoint_id)
         policy.check_workflow_version(record, self.accepted_versions)
+        snap.check_metadata(record)
         return record
 
     def _head(self, run_id: str) -> CheckpointRecord:
@@ -653,6 +661,43 @@ class RemitRuntime(BaseRuntimeDecorator):
             checkpoint_id=record.checkpoint_id,
         )
 
+    async def cancel(self, run_id: str) -> str:
+        """End a stored run for good (status `cancelled`), parked or not: a later
+        answer, restore or recovery gets its ended outcome and runs nothing.
+        (`handler.cancel_run()` of a parked run only stops this process's copy.)
+        Returns the head's checkpoint id; an ended run is left as it is."""
+        return await asyncio.to_thread(self._cancel, run_id)
+
+    def _cancel(self, run_id: str) -> str:
+        key_run, branch_name = split_run_id(run_id)
+        with self.remit.claim(key_run, branch_name) as claim:
+            record = self._head(run_id)
+            if record.metadata.get("status") in snap.TERMINAL:
+                return record.checkpoint_id
+            ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+            ctx, _, _ = snap.decode_body(record.state, **ids)
+            metadata = {
+                **record.metadata,
+                "status": snap.CANCELLED,
+                "tick": "cancel",
+                "next": [],
+                "waiting": [],
+            }
+            branch = self.remit.branch(key_run, branch=branch_name)
+            checkpoint_id = new_checkpoint_id()
+            self.remit.commit(
+                run_id=key_run,
+                checkpoint_id=checkpoint_id,
+                parent_id=record.checkpoint_id,
+                state=snap.body({**ctx, "is_running": False}, {}, metadata),
+                metadata=metadata,
+                fork_token=None if branch is None else branch.fork_token,
+                schema_version=record.schema_version,
+                workflow_version=self.workflow_version,
+                fence=claim.fence,
+            )
+        return checkpoint_id
+
     async def update_state(self, workflow: Workflow, run_id: str, values: Mapping[str, Any]) -> str:
         """Edit a stored run's state (validated; `CheckpointInvalid` commits nothing).
 
@@ -668,7 +713,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         with remit.claim(key_run, branch_name) as claim:
             record = self._head(run_id)
             ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
-            ctx = snap.decode(record.state, **ids)
+            ctx, requirements, _ = snap.decode_body(record.state, **ids)
             state = self._state(workflow, record, ctx, serializer)
             for path, value in values.items():
                 state = set_by_path_copy(state, path, value)
@@ -676,9 +721,9 @@ class RemitRuntime(BaseRuntimeDecorator):
             if schema is not None:
                 state = schema.validate(state, **ids)
             check_storable(state, serializer, **ids)
-            body = codec.dumps(
-                {"ctx": {**ctx, "state": create_in_memory_payload(state, serializer).model_dump()}}
-            )
+            payload = create_in_memory_payload(state, serializer).model_dump()
+            metadata = {**record.metadata, "tick": "update_state"}
+            body = snap.body({**ctx, "state": payload}, requirements, metadata)
             branch = remit.branch(key_run, branch=branch_name)
             checkpoint_id = new_checkpoint_id()
             remit.commit(
@@ -686,7 +731,7 @@ class RemitRuntime(BaseRuntimeDecorator):
                 checkpoint_id=checkpoint_id,
                 parent_id=record.checkpoint_id,
                 state=body,
-                metadata={**record.metadata, "tick": "update_state"},
+                metadata=metadata,
                 fork_token=None if branch is None else branch.fork_token,
                 schema_version=schema.version if schema is not None else 1,
                 workflow_version=self.workflow_version,

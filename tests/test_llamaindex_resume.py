@@ -1,0 +1,453 @@
+"""Resuming LlamaIndex runs the ways the framework documents, on SQLite, PostgreSQL
+and Redis: waiters told apart by `requirements`, a parked run stopped with
+`cancel_run` or the workflow timeout and restored from `ctx.to_dict()`, and a
+fork token presented again after its branch ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from workflows import Context, Workflow, step
+from workflows.errors import WorkflowTimeoutError
+from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
+from workflows.retry_policy import retry_policy, stop_after_attempt, wait_fixed
+
+from remit_core import NOT_APPLIED, codec, effect
+from remit_core.errors import (
+    CorruptRecord,
+    EffectInDoubt,
+    ForkWithoutIntent,
+    ResumeConflict,
+)
+from remit_llamaindex import RemitRuntime
+
+
+class Reply(HumanResponseEvent):
+    to: str
+
+
+class ForA(Event):
+    pass
+
+
+class ForB(Event):
+    pass
+
+
+class Got(Event):
+    who: str
+    response: str
+
+
+class TwoWaiters(Workflow):
+    """Two parallel steps wait for a `Reply`, each for its own `to` (`requirements`)."""
+
+    def __init__(self, **kw: Any) -> None:
+        kw.setdefault("timeout", None)
+        super().__init__(**kw)
+
+    @step
+    async def fan(self, ctx: Context, ev: StartEvent) -> ForA | ForB | None:
+        ctx.send_event(ForA())
+        ctx.send_event(ForB())
+        return None
+
+    async def _wait(self, ctx: Context, who: str) -> Got:
+        reply = await ctx.wait_for_event(
+            Reply,
+            waiter_event=InputRequiredEvent(prefix=f"{who}?"),
+            requirements={"to": who},
+            timeout=None,
+        )
+        return Got(who=who, response=reply.response)
+
+    @step
+    async def wait_a(self, ctx: Context, ev: ForA) -> Got:
+        return await self._wait(ctx, "a")
+
+    @step
+    async def wait_b(self, ctx: Context, ev: ForB) -> Got:
+        return await self._wait(ctx, "b")
+
+    @step
+    async def gather(self, ctx: Context, ev: Got) -> StopEvent | None:
+        got = ctx.collect_events(ev, [Got, Got])
+        if got is None:
+            return None
+        return StopEvent(result=sorted(f"{g.who}={g.response}" for g in got))
+
+
+def new_run() -> str:
+    return f"li-{uuid.uuid4().hex[:12]}"
+
+
+async def parked(rt: RemitRuntime, run: str, waiting: int) -> None:
+    """Wait until the run's head is parked with `waiting` open interrupts."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        history = rt.checkpoints(run)
+        if history and history[0].status == "waiting" and len(history[0].waiting) == waiting:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"run {run} did not park with {waiting} waiters")
+
+
+def test_each_reply_reaches_the_waiter_whose_requirements_it_meets(store_url: str) -> None:
+    """P5 with `requirements`: after a restore in another runtime, a reply for "b"
+    consumes b's waiter only; a's stays pending for its own reply, and a second reply
+    for "b" is refused."""
+    run = new_run()
+
+    async def go() -> None:
+        first = RemitRuntime(store_url)
+        started = TwoWaiters(runtime=first).run(run_id=run)
+        await parked(first, run, waiting=2)
+        await started.cancel_run()  # stopped here: the run stays parked
+        rt = RemitRuntime(store_url)
+        wf = TwoWaiters(runtime=rt)
+        handler = await rt.respond(wf, run, Reply(to="b", response="yes-b"))
+        await parked(rt, run, waiting=1)
+        statuses = {i.interrupt_id: i.status for i in rt.remit.interrupts(run)}
+        assert sorted(statuses.values()) == ["consumed", "pending"]
+        (consumed,) = [i for i, s in statuses.items() if s == "consumed"]
+        assert "wait_b" in consumed
+        with pytest.raises(ResumeConflict):
+            await rt.send_event(handler, Reply(to="b", response="again"))
+        other = RemitRuntime(store_url)
+        resumed = await other.respond(
+            TwoWaiters(runtime=other), run, Reply(to="a", response="yes-a")
+        )
+        assert await asyncio.wait_for(resumed, 20) == ["a=yes-a", "b=yes-b"]
+        for interrupt in other.remit.interrupts(run):
+            who = "a" if "wait_a" in interrupt.interrupt_id else "b"
+            assert f"yes-{who}".encode() in (interrupt.value or b"")
+        await handler.cancel_run()  # this copy of the run waits for a reply it won't get
+
+    asyncio.run(go())
+
+
+def test_replies_to_a_restored_snapshot_reach_their_own_waiters(store_url: str) -> None:
+    """The same through `Context.from_dict`: both replies sent to one restored run."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        wf = TwoWaiters(runtime=rt)
+        handler = wf.run(run_id=run)
+        await parked(rt, run, waiting=2)
+        snapshot = handler.ctx.to_dict()
+        await handler.cancel_run()
+        other = RemitRuntime(store_url)
+        again = TwoWaiters(runtime=other)
+        restored = again.run(ctx=Context.from_dict(again, snapshot))
+        await other.send_event(restored, Reply(to="a", response="yes-a"))
+        await other.send_event(restored, Reply(to="b", response="yes-b"))
+        assert await asyncio.wait_for(restored, 20) == ["a=yes-a", "b=yes-b"]
+
+    asyncio.run(go())
+
+
+CHARGED: dict[str, int] = {}
+
+
+@effect(reconcile=lambda key: CHARGED.get(key, NOT_APPLIED))
+def charge_card(amount: int, *, idempotency_key: str) -> int:
+    CHARGED[idempotency_key] = CHARGED.get(idempotency_key, 0) + 1
+    return amount
+
+
+class Approval(Workflow):
+    """approve (waits for a `HumanResponseEvent`) -> charge (an effect)."""
+
+    def __init__(self, **kw: Any) -> None:
+        kw.setdefault("timeout", None)
+        super().__init__(**kw)
+
+    @step
+    async def approve(self, ctx: Context, ev: StartEvent) -> StopEvent:
+        answer = await ctx.wait_for_event(
+            HumanResponseEvent, waiter_event=InputRequiredEvent(prefix="ok?"), timeout=None
+        )
+        charge_card(7)
+        return StopEvent(result=answer.response)
+
+
+@pytest.fixture(autouse=True)
+def _no_charges() -> None:
+    CHARGED.clear()
+
+
+def test_cancel_run_while_parked_leaves_the_run_resumable(store_url: str) -> None:
+    """The framework's documented pause: `ctx.to_dict()`, `cancel_run()`, later
+    `Context.from_dict` and `run(ctx=...)`. Cancelling a parked run stops this
+    process's copy only: the stored run stays parked, the restore continues it (same
+    run, no fork), and restoring the same snapshot once it moved on is still a fork."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        wf = Approval(runtime=rt)
+        handler = wf.run(run_id=run)
+        await parked(rt, run, waiting=1)
+        snapshot = handler.ctx.to_dict()
+        head = rt.checkpoints(run)[0]
+        await handler.cancel_run()
+        assert rt.checkpoints(run)[0] == head and rt.status(run) == "waiting"
+
+        later = RemitRuntime(store_url)
+        again = Approval(runtime=later)
+        restored = again.run(ctx=Context.from_dict(again, snapshot))
+        assert restored.run_id == run
+        await later.send_event(restored, HumanResponseEvent(response="ada"))
+        assert await restored == "ada"
+        assert later.status(run) == "completed" and len(later.remit.branches(run)) == 1
+        with pytest.raises(ForkWithoutIntent):
+            again.run(ctx=Context.from_dict(again, snapshot))
+        with pytest.raises(ResumeConflict):
+            await later.respond(again, run, HumanResponseEvent(response="bob"))
+
+    asyncio.run(go())
+    assert list(CHARGED.values()) == [1]
+
+
+def test_a_parked_run_is_ended_for_good_with_rt_cancel(store_url: str) -> None:
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        wf = Approval(runtime=rt)
+        handler = wf.run(run_id=run)
+        await parked(rt, run, waiting=1)
+        snapshot = handler.ctx.to_dict()
+        await handler.cancel_run()
+        assert rt.status(run) == "waiting"
+        head = await rt.cancel(run)
+        assert rt.status(run) == "cancelled" and rt.checkpoints(run)[0].checkpoint_id == head
+        assert await rt.cancel(run) == head  # already ended: nothing more is written
+
+        later = RemitRuntime(store_url)
+        again = Approval(runtime=later)
+        with pytest.raises(ResumeConflict):
+            await later.respond(again, run, HumanResponseEvent(response="ada"))
+        with pytest.raises(ForkWithoutIntent):  # the snapshot is no longer the head
+            again.run(ctx=Context.from_dict(again, snapshot))
+        assert later.recover(again, run) is None
+        assert later.checkpoints(run)[0].checkpoint_id == head
+
+    asyncio.run(go())
+    assert CHARGED == {}
+
+
+def test_cancel_run_of_a_running_run_still_cancels_it(store_url: str) -> None:
+    """A run that is not parked (a step in flight) is cancelled for good."""
+    run = new_run()
+
+    class Slow(Workflow):
+        @step
+        async def work(self, ctx: Context, ev: StartEvent) -> StopEvent:
+            await asyncio.sleep(30)
+            return StopEvent(result="late")
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        handler = Slow(runtime=rt, timeout=None).run(run_id=run)
+        while not rt.checkpoints(run):
+            await asyncio.sleep(0.05)
+        await handler.cancel_run()
+        assert rt.status(run) == "cancelled"
+        assert rt.recover(Slow(runtime=rt, timeout=None), run) is None
+
+    asyncio.run(go())
+
+
+def test_a_timeout_while_parked_leaves_the_run_resumable_elsewhere(store_url: str) -> None:
+    """The workflow timeout firing in a process whose run is parked ends that process's
+    copy only (as stopping the process would): the stored run stays parked, and another
+    process resumes it, before or after the timeout fired."""
+    early, late = new_run(), new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        timing_out = {r: Approval(runtime=rt, timeout=1.0).run(run_id=r) for r in (early, late)}
+        for r in (early, late):
+            await parked(rt, r, waiting=1)
+        other = RemitRuntime(store_url)
+        resumed = await other.respond(
+            Approval(runtime=other), early, HumanResponseEvent(response="ada")
+        )
+        assert await resumed == "ada"
+        for handler in timing_out.values():
+            with pytest.raises(WorkflowTimeoutError):
+                await handler
+        assert other.status(early) == "completed" and other.status(late) == "waiting"
+        resumed = await other.respond(
+            Approval(runtime=other), late, HumanResponseEvent(response="bob")
+        )
+        assert await resumed == "bob"
+        assert other.result(early) == "ada" and other.result(late) == "bob"
+
+    asyncio.run(go())
+    assert sorted(CHARGED.values()) == [1, 1]
+
+
+def test_a_fork_token_presented_again_after_its_branch_completed(store_url: str) -> None:
+    """P3: the same token, from any process, names the same branch; once that branch
+    completed, running it again answers at once with its recorded result and writes
+    nothing (it neither waits for an event nor stores the branch again)."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        wf = Approval(runtime=rt)
+        handler = wf.run(run_id=run)
+        await parked(rt, run, waiting=1)
+        await rt.send_event(handler, HumanResponseEvent(response="ada"))
+        assert await handler == "ada"
+        base = next(c for c in rt.checkpoints(run) if c.status == "waiting").checkpoint_id
+        forked = wf.run(ctx=rt.context(wf, run, checkpoint_id=base, fork_token="what-if"))
+        await rt.send_event(forked, HumanResponseEvent(response="eve"))
+        assert await forked == "eve"
+        history = rt.checkpoints(run)
+
+        other = RemitRuntime(store_url)
+        again = Approval(runtime=other, timeout=5)
+        ctx = other.context(again, run, checkpoint_id=base, fork_token="what-if")
+        presented = again.run(ctx=ctx)
+        assert presented.run_id == forked.run_id
+        assert await asyncio.wait_for(presented, 2) == "eve"
+        assert other.checkpoints(run) == history
+        assert other.status(forked.run_id) == "completed" and other.result(forked.run_id) == "eve"
+        with pytest.raises(ResumeConflict):
+            await other.respond(again, forked.run_id, HumanResponseEvent(response="bob"))
+
+    asyncio.run(go())
+    assert list(CHARGED.values()) == [1, 1]
+
+
+SENT: list[str] = []
+
+
+def _send(key: str) -> str:
+    SENT.append(key)
+    if len(SENT) == 1:
+        raise ConnectionError("mail server went away")
+    return "sent"
+
+
+@effect(name="mail")
+def mail_plain(*, idempotency_key: str) -> str:
+    return _send(idempotency_key)
+
+
+@effect(name="mail", reconcile=lambda key: "sent" if SENT[1:].count(key) else NOT_APPLIED)
+def mail_reconciled(*, idempotency_key: str) -> str:
+    return _send(idempotency_key)
+
+
+@effect(name="mail", idempotent=True)
+def mail_idempotent(*, idempotency_key: str) -> str:
+    return _send(idempotency_key)
+
+
+class Mailer(Workflow):
+    """One step that sends a mail through `mail`, retried once when it raises."""
+
+    def __init__(self, mail: Any, **kw: Any) -> None:
+        super().__init__(timeout=None, **kw)
+        self.mail = mail
+
+    @step(retry_policy=retry_policy(wait=wait_fixed(0), stop=stop_after_attempt(2)))
+    async def send(self, ctx: Context, ev: StartEvent) -> StopEvent:
+        return StopEvent(result=self.mail())
+
+
+@pytest.mark.parametrize(
+    "mail", [mail_reconciled, mail_idempotent], ids=["reconcile", "idempotent"]
+)
+def test_an_effect_whose_body_raised_is_retried_through_reconcile_or_idempotent(
+    store_url: str, mail: Any
+) -> None:
+    """P2: an effect whose body raised may have reached its target (a timeout after the
+    mail went out), so it stays in doubt; the step's retry applies it again through
+    `reconcile` (it answers "not applied") or `idempotent=True` (the same key)."""
+    SENT.clear()
+
+    async def go() -> Any:
+        return await Mailer(mail, runtime=RemitRuntime(store_url)).run(run_id=new_run())
+
+    result = asyncio.run(go())
+    assert result == "sent" and len(SENT) == 2 and SENT[0] == SENT[1]
+
+
+def test_an_effect_whose_body_raised_is_in_doubt_without_reconcile(store_url: str) -> None:
+    """Without `reconcile` or `idempotent`, its retry raises `EffectInDoubt`: Remit never
+    applies an effect twice on a guess."""
+    SENT.clear()
+    run = new_run()
+
+    async def go() -> Any:
+        return await Mailer(mail_plain, runtime=RemitRuntime(store_url)).run(run_id=run)
+
+    with pytest.raises(EffectInDoubt) as refused:
+        asyncio.run(go())
+    assert refused.value.run_id == run and len(SENT) == 1
+
+
+def _edit_metadata(url: str, run_id: str, checkpoint_id: str, **changes: Any) -> None:
+    """Change a stored checkpoint's metadata in place, as a writer of the store could."""
+    if url.startswith("redis://"):
+        from redis import Redis
+
+        from remit_core.stores.redis import run_prefix
+
+        client = Redis.from_url(url)
+        key, field = run_prefix(run_id) + "ck", f"{checkpoint_id}\x00"
+        head, _, state = client.hget(key, field).partition(b"\n")
+        header = codec.loads(head)
+        header[5] = {**header[5], **changes}
+        client.hset(key, field, codec.dumps(header, exact=False) + b"\n" + state)
+        client.close()
+        return
+    where = "WHERE run_id = {0} AND checkpoint_id = {0}"
+    if url.startswith("sqlite:///"):
+        conn: Any = sqlite3.connect(url.removeprefix("sqlite:///"))
+        mark = "?"
+    else:
+        conn = psycopg.connect(url, autocommit=True)
+        mark = "%s"
+    with contextlib.closing(conn):
+        select = f"SELECT metadata FROM remit_checkpoints {where.format(mark)}"
+        (text,) = conn.execute(select, (run_id, checkpoint_id)).fetchone()
+        meta = {**codec.loads(text.encode()), **changes}
+        update = f"UPDATE remit_checkpoints SET metadata = {mark} {where.format(mark)}"
+        conn.execute(update, (codec.dumps(meta, exact=False).decode(), run_id, checkpoint_id))
+        conn.commit()
+
+
+def test_edited_run_metadata_is_refused_as_corrupt(store_url: str) -> None:
+    """P4: a parked run whose stored status was changed to "completed" (which would turn
+    every answer away) is refused with `CorruptRecord` naming run and checkpoint."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        started = TwoWaiters(runtime=rt).run(run_id=run)
+        await parked(rt, run, waiting=2)
+        await started.cancel_run()
+        head = rt.checkpoints(run)[0].checkpoint_id
+        _edit_metadata(store_url, run, head, status="completed", result=None)
+        with pytest.raises(CorruptRecord) as refused:
+            rt.status(run)
+        assert (refused.value.run_id, refused.value.checkpoint_id) == (run, head)
+        with pytest.raises(CorruptRecord):
+            await rt.respond(TwoWaiters(runtime=rt), run, Reply(to="a", response="yes-a"))
+
+    asyncio.run(go())
