@@ -20,12 +20,13 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Annotated, Any, Generic, Union
 
 import pydantic
+import pydantic_core
 from pydantic_core import PydanticSerializationError
 from pydantic_graph import End
 from pydantic_graph.persistence import NodeSnapshot, RunEndT, Snapshot, StateT
 from typing_extensions import is_typeddict
 
-__all__ = ["SnapshotCodec", "Unfit"]
+__all__ = ["ForeignNode", "SnapshotCodec", "Unfit"]
 
 _Path = tuple[str | int, ...]
 #: How deep `_unfit` looks for the bad part of a value.
@@ -42,6 +43,14 @@ class Unfit(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field, self.problem = field, problem
+
+
+class ForeignNode(ValueError):
+    """A stored node snapshot whose node (`node_id`) is not one of the graph's (`node_ids`)."""
+
+    def __init__(self, node_id: object, node_ids: Collection[str]) -> None:
+        super().__init__(f"node {node_id!r} is not one of {sorted(node_ids)}")
+        self.node_id, self.node_ids = node_id, node_ids
 
 
 class SnapshotCodec(Generic[StateT, RunEndT]):
@@ -62,7 +71,14 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         self.node_ids = frozenset(node_ids)
 
     def decode(self, body: bytes) -> Snapshot[StateT, RunEndT]:
-        """A stored snapshot (`pydantic.ValidationError` if it does not fit these types)."""
+        """A stored snapshot: `ForeignNode` if its node is not one of the graph's (a graph
+        of one node class would take any node whose fields fit), else
+        `pydantic.ValidationError` if it does not fit these types."""
+        if self.node_ids:
+            stored = pydantic_core.from_json(body)
+            node = stored.get("node") if isinstance(stored, dict) else None
+            if isinstance(node, dict) and node.get("node_id") not in self.node_ids:
+                raise ForeignNode(node.get("node_id"), self.node_ids)
         return self.adapter.validate_json(body)
 
     def encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:

@@ -17,30 +17,30 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
 - P3: starting a new node on a run that already has a head, or running a
   snapshot that is not the head, is a fork and needs `fork_token`.
 - P4: every snapshot round-trips through the graph's own type adapter before
-  it is written (`_codec`); stored bytes are verified and version-checked on read.
+  it is written (`_codec`); on read, stored bytes are verified and
+  version-checked, and a stored node must be one of the graph's.
 - P5: `resume(node)` delivers a human's answer to a paused run, once, and
   gives the run back: any process may continue it. A driver that loaded the
   paused node as the answer came does not run it without the answer; an answer
-  that comes while another process runs the paused node is refused.
+  that comes while another process runs the paused node is refused. An answer
+  is for one pause (`pause_id`, the paused snapshot's id): a retried answer is
+  not taken by a later pause at the same node.
 
-Each asyncio task (or thread) calling an instance is a resumer of its own,
-with its own holder identity: tasks sharing one instance exclude each other
-as processes do. Store calls are blocking; every async method runs them in a
-worker thread.
+An instance is one resumer: its claim is the instance's, whichever asyncio
+task, event loop or thread makes each call, and instances exclude each other
+through the store as processes do. It makes one call at a time: a call made
+while another is in progress (a node running included) gets `ResumeConflict`.
+Store calls are blocking; every async method runs them in a worker thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import itertools
 import threading
 import time
 import uuid
-import weakref
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
-from contextvars import ContextVar
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from time import perf_counter
@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 import pydantic
 from pydantic_graph import BaseNode, End
+from pydantic_graph.basenode import generate_snapshot_id
 from pydantic_graph.exceptions import GraphNodeStatusError
-from pydantic_graph.graph import GraphRun
 from pydantic_graph.persistence import (
     BaseStatePersistence,
     EndSnapshot,
@@ -74,7 +74,7 @@ from remit_core.errors import (
     VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, FenceRef, WriteRecord
-from remit_pydantic_graph._codec import SnapshotCodec, Unfit
+from remit_pydantic_graph._codec import ForeignNode, SnapshotCodec, Unfit
 
 if TYPE_CHECKING:
     from pydantic_graph.graph import Graph
@@ -114,51 +114,15 @@ class _Head:
     top: _Stored
 
 
-_serials = itertools.count(1)
-#: The resumer each instance made in this context, by instance id (weakly: a
-#: resumer lives while its instance keeps it). Tasks inherit it from their starter.
-_MADE_HERE: ContextVar[dict[str, weakref.ref[_Resumer]]] = ContextVar("remit_pg_resumers")
-
-
 @dataclass
 class _Resumer:
-    """One caller of an instance (an asyncio task, or a thread outside one) and
-    what it holds between calls: its claim, the node `load_next` handed it, the
-    node it ran. Each has its own holder identity, so callers sharing an
-    instance exclude each other as separate processes do (K8-THREADS)."""
+    """What an instance holds between its calls, whichever task or thread makes
+    them: its claim, the node `load_next` handed out, the node it ran."""
 
-    driver: object
-    holder: str
     claim: ClaimHandle | None = None
     loaded: str | None = None
     ran: tuple[_Head, float] | None = None
     started: _Head | None = None
-
-
-def _driver() -> object:
-    """Who is calling: the running asyncio task, or the thread outside any task."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:  # no event loop in this thread
-        task = None
-    return task if task is not None else threading.current_thread()
-
-
-def _is_graph_step(driver: object) -> bool:
-    """Whether `driver` is a task that runs one `GraphRun.next` (or `__anext__`)."""
-    coro = driver.get_coro() if isinstance(driver, asyncio.Task) else None
-    frame = getattr(coro, "cr_frame", None)
-    return (
-        frame is not None
-        and frame.f_code.co_name in ("next", "__anext__")
-        and isinstance(frame.f_locals.get("self"), GraphRun)
-    )
-
-
-def _ended(driver: object) -> bool:
-    if isinstance(driver, asyncio.Future):
-        return driver.done()
-    return isinstance(driver, threading.Thread) and not driver.is_alive()
 
 
 def _check_versions(workflow_version: object, accept_versions: object) -> frozenset[str]:
@@ -219,8 +183,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._codec: SnapshotCodec[StateT, RunEndT] | None = None
         self._edges: dict[str, tuple[frozenset[str], bool]] = {}
         self._instance = uuid.uuid4().hex[:8]
-        self._resumers: dict[object, _Resumer] = {}
-        self._resumers_lock = threading.Lock()
+        self._resumer = _Resumer()
+        self._busy = False
+        self._busy_lock = threading.Lock()
 
     # -- types (the graph's own adapters) ---------------------------------------
     def set_graph_types(self, graph: Graph[StateT, Any, RunEndT]) -> None:
@@ -281,6 +246,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         policy.check_workflow_version(record, self.accept_versions)
         try:
             snapshot = self._types().decode(record.state)
+        except ForeignNode as exc:
+            raise VersionMismatch(
+                f"stored snapshot is of node {exc.node_id!r}, which is not a node of this "
+                f"graph ({', '.join(sorted(exc.node_ids))}); it was written by another graph, "
+                "or another version of this one",
+                run_id=self.run_id,
+                checkpoint_id=checkpoint_id,
+            ) from exc
         except pydantic.ValidationError as exc:
             raise VersionMismatch(
                 f"stored snapshot does not fit this graph's types ({exc.errors()[0].get('msg')}); "
@@ -304,6 +277,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 idx = last.idx
         return _Stored(record, snapshot, idx)
 
+    def _stored(self, checkpoint_id: str) -> bool:
+        return self.remit.checkpoint(self.run_id, checkpoint_id) is not None
+
     def _read_head(self) -> _Head | None:
         branch = self.remit.branch(self.run_id, branch=self.branch)
         if branch is None or branch.head_id is None:
@@ -311,47 +287,32 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         return _Head(branch, self._read(branch.head_id, branch.base_id))
 
     # -- resumers and their claims -------------------------------------------------
-    def _resumer(self, *, keep: bool = True) -> _Resumer:
-        """The caller's resumer, made on its first call and kept until `_drop` (not
-        kept if `keep` is false: a read that takes no claim).
+    def _holder(self) -> str:
+        """This instance's claim holder (its process's identity: fresh in a forked child)."""
+        return f"{self.remit.holder}/{self._instance}"
 
-        A task that is a step of a caller holding a claim (a `GraphRun.next` in a task
-        of its own, as `asyncio.wait_for(run.next())` makes on Python 3.11) acts for
-        that caller: it finds the caller's resumer in the context it inherited. Any
-        other task is a resumer of its own, also one the caller started while it
-        holds the claim.
-        """
-        driver = _driver()
-        with self._resumers_lock:
-            resumer = self._resumers.get(driver)
-        if resumer is not None:
-            return resumer
-        made = _MADE_HERE.get({})
-        ref = made.get(self._instance)
-        caller = None if ref is None else ref()
-        if (
-            caller is not None
-            and caller.claim is not None
-            and not caller.claim.released
-            and _is_graph_step(driver)
-        ):
-            return caller
-        resumer = _Resumer(driver, f"{self.remit.holder}/{self._instance}.{next(_serials)}")
-        if keep:
-            with self._resumers_lock:
-                for gone in [d for d, r in self._resumers.items() if r.claim is None and _ended(d)]:
-                    del self._resumers[gone]  # ended holding nothing: nothing to release
-                self._resumers[driver] = resumer
-            live = {k: r for k, r in made.items() if r() is not None}
-            _MADE_HERE.set({**live, self._instance: weakref.ref(resumer)})
-        return resumer
+    @contextmanager
+    def _turn(self) -> Iterator[_Resumer]:
+        """The instance's resumer, for one call at a time (from any task or thread)."""
+        with self._busy_lock:
+            if self._busy:
+                raise ResumeConflict(
+                    "this instance is in another call on its run (loading, running a node or "
+                    "answering): an instance makes one call at a time",
+                    run_id=self.run_id,
+                )
+            self._busy = True
+        try:
+            yield self._resumer
+        finally:
+            self._busy = False
 
     def _acquire(self, resumer: _Resumer, *, heartbeat: bool) -> ClaimHandle:
         """Take (or keep) the resumer's leased claim on its branch: `ResumeConflict` if held."""
         if resumer.claim is not None:
             resumer.claim.abandon()
         resumer.claim = self.remit.claim(
-            self.run_id, self.branch, lease=self.lease, heartbeat=heartbeat, holder=resumer.holder
+            self.run_id, self.branch, lease=self.lease, heartbeat=heartbeat, holder=self._holder()
         )
         return resumer.claim
 
@@ -359,9 +320,6 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Give the resumer's claim back and forget it: it holds nothing now."""
         claim = resumer.claim
         resumer.claim = resumer.loaded = resumer.ran = resumer.started = None
-        with self._resumers_lock:
-            if self._resumers.get(resumer.driver) is resumer:
-                del self._resumers[resumer.driver]
         if claim is not None:
             claim.release()
 
@@ -507,6 +465,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return
         ran, duration = resumer.ran
         try:
+            if isinstance(snapshot, NodeSnapshot) and self._stored(snapshot.id):
+                # A node object that runs again (a node returning itself) is a new snapshot,
+                # as with pydantic-graph's default persistence: it gets a new id.
+                snapshot.node.set_snapshot_id(generate_snapshot_id(snapshot.node.get_node_id()))
+                snapshot.id = snapshot.node.get_snapshot_id()
             try:
                 body = self._encode(snapshot)
             except CheckpointInvalid:
@@ -519,28 +482,32 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     # -- the interface pydantic-graph calls ----------------------------------------
     async def snapshot_node(self, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]) -> None:
         snapshot = NodeSnapshot(state=state, node=next_node)
-        await anyio.to_thread.run_sync(self._advance, self._resumer(), snapshot)
+        with self._turn() as resumer:
+            await anyio.to_thread.run_sync(self._advance, resumer, snapshot)
 
     async def snapshot_node_if_new(
         self, snapshot_id: str, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]
     ) -> None:
         snapshot = NodeSnapshot(state=state, node=next_node)
-        resumer = self._resumer()
-        try:
-            await anyio.to_thread.run_sync(self._snapshot_if_new, resumer, snapshot_id, snapshot)
-        except BaseException:
-            self._drop(resumer)  # cut short (cancelled): the node will not run now
-            raise
+        with self._turn() as resumer:
+            try:
+                await anyio.to_thread.run_sync(
+                    self._snapshot_if_new, resumer, snapshot_id, snapshot
+                )
+            except BaseException:
+                self._drop(resumer)  # cut short (cancelled): the node will not run now
+                raise
 
     def _snapshot_if_new(
         self, resumer: _Resumer, snapshot_id: str, snapshot: NodeSnapshot[StateT, RunEndT]
     ) -> None:
-        if self.remit.checkpoint(self.run_id, snapshot_id) is None:
+        if not self._stored(snapshot_id):
             self._start(resumer, snapshot, keep_claim=True)
 
     async def snapshot_end(self, state: StateT, end: End[RunEndT]) -> None:
         snapshot = EndSnapshot(state=state, result=end)
-        await anyio.to_thread.run_sync(self._advance, self._resumer(), snapshot)
+        with self._turn() as resumer:
+            await anyio.to_thread.run_sync(self._advance, resumer, snapshot)
 
     @asynccontextmanager
     async def record_run(self, snapshot_id: str) -> AsyncIterator[None]:
@@ -551,38 +518,38 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         the next snapshot is committed: until then, one whose process died is
         handed out again (P1).
         """
-        resumer = self._resumer()
-        resumer.started = None
-        try:
-            head = await anyio.to_thread.run_sync(self._begin_run, resumer, snapshot_id)
-        except BaseException:
-            if resumer.started is not None:  # cancelled while the node was being marked running
-                self._end_run(resumer, resumer.started, "created", None)
-            raise
-        claim = resumer.claim
-        assert claim is not None
-        # A node run on a fork is the fork's own work, also the one at the fork's base
-        # (main may be running it still, or the fork may run it with another state):
-        # its effects are keyed under the fork's branch.
-        step = snapshot_id if self.branch == MAIN_BRANCH else f"{self.branch}/{snapshot_id}"
-        start = perf_counter()
-        try:
-            with step_scope(self.remit, self.run_id, step, fence=claim.fence):
-                yield
-        except Exception:
+        with self._turn() as resumer:
+            resumer.started = None
+            try:
+                head = await anyio.to_thread.run_sync(self._begin_run, resumer, snapshot_id)
+            except BaseException:
+                if resumer.started is not None:  # cancelled while the node was being marked running
+                    self._end_run(resumer, resumer.started, "created", None)
+                raise
+            claim = resumer.claim
+            assert claim is not None
+            # A node run on a fork is the fork's own work, also the one at the fork's base
+            # (main may be running it still, or the fork may run it with another state):
+            # its effects are keyed under the fork's branch.
+            step = snapshot_id if self.branch == MAIN_BRANCH else f"{self.branch}/{snapshot_id}"
+            start = perf_counter()
+            try:
+                with step_scope(self.remit, self.run_id, step, fence=claim.fence):
+                    yield
+            except Exception:
+                duration = perf_counter() - start
+                await anyio.to_thread.run_sync(self._end_run, resumer, head, "error", duration)
+                raise
+            except BaseException:
+                # Cancelled: give the node back now, on this thread; it has no result.
+                self._end_run(resumer, head, "created", None)
+                raise
             duration = perf_counter() - start
-            await anyio.to_thread.run_sync(self._end_run, resumer, head, "error", duration)
-            raise
-        except BaseException:
-            # Cancelled: give the node back now, on this thread; it has no result.
-            self._end_run(resumer, head, "created", None)
-            raise
-        duration = perf_counter() - start
-        try:
-            await anyio.to_thread.run_sync(self._finish_run, resumer, head, duration)
-        except BaseException:
-            self._drop(resumer)  # no next snapshot will follow: let another resumer rerun it
-            raise
+            try:
+                await anyio.to_thread.run_sync(self._finish_run, resumer, head, duration)
+            except BaseException:
+                self._drop(resumer)  # no next snapshot will follow: let another resumer rerun it
+                raise
 
     def _run_reason(self, snapshot_id: str, head: _Head | None) -> str | None:
         if head is not None and head.top.id == snapshot_id:
@@ -637,12 +604,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """The head node if it is free to run, marked `pending`; None if there is none,
         or if this caller already loaded it and has not run it yet (as pydantic-graph's
         own backends answer a second call)."""
-        resumer = self._resumer()
-        try:
-            return await anyio.to_thread.run_sync(self._load_next, resumer)
-        except BaseException:
-            self._drop(resumer)  # cut short (cancelled): the node stays free to load
-            raise
+        with self._turn() as resumer:
+            try:
+                return await anyio.to_thread.run_sync(self._load_next, resumer)
+            except BaseException:
+                self._drop(resumer)  # cut short (cancelled): the node stays free to load
+                raise
 
     def _load_next(self, resumer: _Resumer) -> NodeSnapshot[StateT, RunEndT] | None:
         """Claim the head node: new, pending, or left by a dead process (L1)."""
@@ -656,7 +623,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 self._drop(resumer)
                 return None
             if head.top.id == resumer.loaded and head.top.status == "pending":
-                return None  # handed out by this caller's last load_next; still its to run
+                return None  # handed out by this instance's last load_next; still its to run
             self._set_status(resumer, head.top, "pending")
             resumer.loaded = head.top.id
         except BaseException:
@@ -683,7 +650,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         return out
 
     # -- the side API: resume values, state edits, forks ------------------------------
-    async def resume(self, node: BaseNode[StateT, Any, RunEndT]) -> NodeSnapshot[StateT, RunEndT]:
+    async def resume(
+        self, node: BaseNode[StateT, Any, RunEndT], *, pause_id: str | None = None
+    ) -> NodeSnapshot[StateT, RunEndT]:
         """Deliver the answer to a paused run as the node that follows the pause (P5).
 
         The run is paused when its head node has not started (the driver
@@ -694,9 +663,18 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         it with `graph.iter_from_persistence(...)` in this or any process. A
         second or late answer raises `ResumeConflict` and nothing is stored; an
         invalid one raises `CheckpointInvalid` and the run stays paused.
+
+        An answer is for one pause: `pause_id` (the paused snapshot's id, from
+        `paused()`) names it, and the answer is refused unless the run is paused
+        there, so a retried answer is not taken by a later pause at the same node.
+        Without it, the answer is for the pause the run is at when it arrives.
+        The same node object is one answer: sent again, it is refused.
         """
         self._check_answer(node)
-        return await anyio.to_thread.run_sync(self._resume, self._resumer(), node)
+        if pause_id is not None:
+            checked_id("pause_id", pause_id)
+        with self._turn() as resumer:
+            return await anyio.to_thread.run_sync(self._resume, resumer, node, pause_id)
 
     def _check_answer(self, node: object) -> None:
         """`TypeError` / `ValueError` for an answer that cannot be a node of this graph."""
@@ -717,20 +695,27 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
 
     def _resume(
-        self, resumer: _Resumer, node: BaseNode[StateT, Any, RunEndT]
+        self, resumer: _Resumer, node: BaseNode[StateT, Any, RunEndT], pause_id: str | None
     ) -> NodeSnapshot[StateT, RunEndT]:
         try:
-            return self._answer(resumer, node)
+            return self._answer(resumer, node, pause_id)
         finally:
             self._drop(resumer)
 
     def _answer(
-        self, resumer: _Resumer, node: BaseNode[StateT, Any, RunEndT]
+        self, resumer: _Resumer, node: BaseNode[StateT, Any, RunEndT], pause_id: str | None
     ) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
-        paused = self._paused_head(resumer)
+        paused = self._paused_head(pause_id)
         self._check_successor(paused.top, node)
         snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
+        if self._stored(snapshot.id):
+            raise ResumeConflict(
+                f"this answer (snapshot {snapshot.id}) was taken already: the same node sent "
+                "again is not a new answer. The value was not stored",
+                run_id=self.run_id,
+                checkpoint_id=paused.top.id,
+            )
         body = self._encode(snapshot)
         pause_id = paused.top.id
         self.remit.open_interrupts(
@@ -740,7 +725,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         # take the run's claim, so they cannot get in the way of the winner's run.
         self.remit.consume(self.run_id, pause_id, body, branch=self.branch)
         acquired = self._acquire_patiently(resumer)
-        if self.remit.checkpoint(self.run_id, snapshot.id) is not None:
+        if self._stored(snapshot.id):
             return snapshot  # settled already, by the claim's holder
         head = self._read_head()
         if head is not None and head.top.id == pause_id and head.top.status in _NOT_STARTED:
@@ -772,12 +757,19 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                     return False
                 time.sleep(0.05)
 
-    def _paused_head(self, resumer: _Resumer) -> _Head:
-        """The head if the run is paused: a node not started, not holding an answer, unclaimed."""
+    def _paused_head(self, pause_id: str | None = None) -> _Head:
+        """The head if the run is paused (at `pause_id`, if given): a node not started, not
+        holding an answer, unclaimed."""
         head = self._read_head()
         if head is None:
             raise UnknownRecord("the run has no snapshots to resume", run_id=self.run_id)
         ids = {"run_id": self.run_id, "checkpoint_id": head.top.id}
+        if pause_id is not None and head.top.id != pause_id:
+            raise ResumeConflict(
+                f"the answer is for pause {pause_id}, but the run is at {head.top.describe()}: "
+                "that pause was answered already, or is not this run's. The value was not stored",
+                **ids,
+            )
         if not head.top.is_node:
             raise ResumeConflict("the run has ended; the value was not stored", **ids)
         if head.top.status not in _NOT_STARTED:
@@ -793,7 +785,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 **ids,
             )
         claim = self.remit.store.get_claim(self.run_id, self.branch)
-        if policy.decide_claim(claim, resumer.holder, self.remit.clock()) == "conflict":
+        if policy.decide_claim(claim, self._holder(), self.remit.clock()) == "conflict":
             raise ResumeConflict(
                 "another process holds the run (it is loading or running the paused node); "
                 "the value was not stored",
@@ -848,12 +840,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     async def paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
         """The head snapshot if the run is paused and free to resume, else None."""
-        return await anyio.to_thread.run_sync(self._paused, self._resumer(keep=False))
+        return await anyio.to_thread.run_sync(self._paused)
 
-    def _paused(self, resumer: _Resumer) -> NodeSnapshot[StateT, RunEndT] | None:
+    def _paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
         self._types()
         try:
-            head = self._paused_head(resumer)
+            head = self._paused_head()
         except (ResumeConflict, UnknownRecord):
             return None
         pause = self.remit.interrupt(self.run_id, head.top.id, branch=self.branch)
@@ -869,17 +861,18 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         Commits the paused node again with `state` as the new head; the old
         head stays in the history. `CheckpointInvalid` leaves the run as it was.
         """
-        return await anyio.to_thread.run_sync(self._update_state, self._resumer(), state)
+        with self._turn() as resumer:
+            return await anyio.to_thread.run_sync(self._update_state, resumer, state)
 
     def _update_state(self, resumer: _Resumer, state: StateT) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
         self._acquire(resumer, heartbeat=False)
         try:
-            paused = self._paused_head(resumer)
+            paused = self._paused_head()
             node = paused.top.snapshot.node
             assert isinstance(node, BaseNode)
             again = node.deep_copy()
-            again.set_snapshot_id(f"{node.get_node_id()}:{uuid.uuid4().hex}")
+            again.set_snapshot_id(generate_snapshot_id(node.get_node_id()))
             snapshot = NodeSnapshot(state=state, node=again)
             body = self._encode(snapshot)
             self._commit(
@@ -913,10 +906,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         return other
 
     def release(self) -> None:
-        """Give up the claims this instance holds for the caller and for callers that
-        have ended (e.g. after `load_next` on a run you leave paused)."""
-        mine = self._resumer(keep=False)
-        with self._resumers_lock:
-            ended = [r for d, r in self._resumers.items() if _ended(d) and r is not mine]
-        for resumer in (mine, *ended):
+        """Give up the claim this instance holds (e.g. after `load_next` on a run you
+        leave paused); `ResumeConflict` while another call of the instance is in progress."""
+        with self._turn() as resumer:
             self._drop(resumer)

@@ -586,11 +586,11 @@ def test_an_answer_consumed_while_a_driver_runs_the_pause_is_refused_not_acknowl
     assert world.entered() == {"wait": 1}
 
 
-def test_a_task_a_driver_starts_inside_a_node_is_a_resumer_of_its_own(
+def test_a_task_that_uses_the_instance_while_it_runs_a_node_is_refused(
     url: str, run_id: str, world: World
 ) -> None:
-    """P5 in one process: a task the driver starts while it runs a node (not a step it
-    awaits) does not act for the driver: its own run gets `ResumeConflict`, runs nothing."""
+    """P5 in one process: an instance makes one call at a time. A task the driver starts
+    while the instance runs a node gets `ResumeConflict` for its own run, runs nothing."""
     asyncio.run(to_pause(url, run_id, world))
     p = persistence(url, run_id)
     asyncio.run(p.resume(Answer("ann")))
@@ -768,7 +768,8 @@ def test_resume_gives_the_run_back_to_any_process(url: str, run_id: str, world: 
 
 def test_tasks_sharing_one_instance_exclude_each_other(url: str, run_id: str, world: World) -> None:
     """K8-THREADS on one instance: of 8 asyncio tasks, one proceeds and 7 get
-    ResumeConflict before running a node, whether they continue or answer."""
+    ResumeConflict before running a node (the instance is in a call), whether they
+    continue or answer."""
 
     async def outcome(work: Any) -> Any:
         try:
@@ -800,7 +801,7 @@ def test_tasks_sharing_one_instance_exclude_each_other(url: str, run_id: str, wo
 
 def test_a_task_its_caller_awaits_acts_for_it(url: str, run_id: str, world: World) -> None:
     """`asyncio.wait_for(run.next())` runs each node in a task of its own (Python 3.11):
-    that task acts for the caller that loaded the node, it is no rival resumer."""
+    the claim is the instance's, so that task runs the node its caller loaded."""
 
     async def go() -> Any:
         p = persistence(url, run_id)
