@@ -420,7 +420,7 @@ class Runs:
         recovering = loop.input is None and record.branch == run.branch
         if resume is None and not recovering:
             return None  # new input: no interrupt to settle
-        here = self._pause(run.thread, record)
+        here = self._pause(run, record)
         if resume is not None:
             if record.branch != run.branch:
                 raise ResumeConflict(
@@ -437,22 +437,43 @@ class Runs:
         self._redeliver(loop, run, writes, here)
         return None
 
-    def _pause(self, thread: str, record: CheckpointRecord) -> list[InterruptRecord]:
+    def _pause(self, run: Run, record: CheckpointRecord) -> list[InterruptRecord]:
         """The interrupts a resume at `record` answers: its own, or, when `record` was
         made by `update_state` (edits while paused run no node), those of the pause
         it edited. LangGraph re-runs the interrupted node from the edited state, and
-        its `interrupt()` takes the value."""
+        its `interrupt()` takes the value. A fork made by such an edit asks its
+        base's question again, as its own (L3)."""
         raised: dict[str, list[InterruptRecord]] = {}
-        for i in self.remit.interrupts(thread, branch=record.branch):
+        for i in self.remit.interrupts(run.thread, branch=record.branch):
             raised.setdefault(i.checkpoint_id, []).append(i)
         at: CheckpointRecord | None = record
         while at is not None:
             if at.checkpoint_id in raised:
                 return raised[at.checkpoint_id]
+            if at.branch != record.branch:
+                return self._ask_again(run, record.branch, at)
             if at.metadata.get("source") != "update" or at.parent_id is None:
                 return []
-            at = self.remit.checkpoint(thread, at.parent_id)
+            at = self.remit.checkpoint(run.thread, at.parent_id)
         return []
+
+    def _ask_again(self, run: Run, branch: str, base: CheckpointRecord) -> list[InterruptRecord]:
+        """The interrupts raised at a fork's `base`, opened anew on the fork's `branch`."""
+        asked = {
+            i.interrupt_id: i.prompt
+            for i in self.remit.interrupts(run.thread, branch=base.branch)
+            if i.checkpoint_id == base.checkpoint_id
+        }
+        if not asked:
+            return []
+        self.remit.open_interrupts(
+            run.thread, asked, branch=branch, checkpoint_id=base.checkpoint_id, fence=run.fence
+        )
+        return [
+            i
+            for i in self.remit.interrupts(run.thread, branch=branch)
+            if i.checkpoint_id == base.checkpoint_id
+        ]
 
     def _owed_across_update(
         self, run: Run, writes: Sequence[WriteRecord], here: Sequence[InterruptRecord]

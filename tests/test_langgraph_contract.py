@@ -408,6 +408,23 @@ def test_a_fork_of_a_paused_run_has_its_own_interrupt(store_url: str, tmp_path: 
     assert len(saver.remit.branches(head["thread_id"])) == 2
 
 
+def test_a_fork_made_by_editing_a_pause_answers_its_question_once(
+    store_url: str, tmp_path: Path
+) -> None:
+    world, saver, graph, config = paused(store_url, tmp_path)
+    head = graph.get_state(config).config["configurable"]
+    main_done = graph.invoke(Command(resume="alice"), config)
+    graph.update_state({"configurable": {**head, "fork_token": "edit"}}, {"amount": 5})
+    fork = {"configurable": {"thread_id": head["thread_id"], "fork_token": "edit"}}
+    assert graph.get_state(fork).next == ("approve",)
+    fork_done = graph.invoke(Command(resume="bob"), fork)
+    assert (fork_done["amount"], fork_done["approved_by"]) == (5, "bob")
+    with pytest.raises(ResumeConflict):
+        graph.invoke(Command(resume="mallory"), fork)
+    assert graph.get_state(config).values == main_done  # L3: main is untouched
+    assert len(world.applications("charge")) == 2  # one per timeline
+
+
 # -- P4: state validity ----------------------------------------------------------------
 
 
