@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from remit_core import codec
+from remit_core.core import checked_id
 from remit_core.errors import CorruptRecord
 from remit_core.records import MAIN_BRANCH
 
@@ -26,8 +27,8 @@ ASK_CHECKPOINT = "_ask_checkpoint"
 
 
 def locate(flow_id: str) -> tuple[str, str]:
-    """The (run id, branch) a flow id names."""
-    match = _FORKED.match(flow_id)
+    """The (run id, branch) a flow id names (`TypeError` naming it if not a str)."""
+    match = _FORKED.match(checked_id("flow id (inputs['id'])", flow_id))
     if match is None:
         return flow_id, MAIN_BRANCH
     return match["run"], match["branch"]

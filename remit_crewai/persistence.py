@@ -351,6 +351,8 @@ class RemitFlowPersistence(FlowPersistence):
                             "edit_state(..., state_type=<that model>) so that the edit is "
                             "validated as a save is; nothing was written"
                         )
+                if session.state_type is not None:
+                    _check_fields(session.state_type, changes, flow_id)
                 merged = {**session.state, **changes, "id": flow_id}
                 plain = self._plain_state(session, merged)
                 self._commit(session, plain, "", "edit", session.ledger)
@@ -826,3 +828,19 @@ def _name(model: type[BaseModel]) -> str:
         model,
     )
     return f"{own.__module__}.{own.__qualname__}"
+
+
+def _check_fields(model: type[BaseModel], changes: Mapping[str, Any], flow_id: str) -> None:
+    """`CheckpointInvalid` for an edit naming a field `model` does not have (a model
+    that ignores unknown fields would drop it, and the edit would change nothing)."""
+    if model.model_config.get("extra") == "allow":
+        return
+    known = {"id", *model.model_fields}
+    known |= {f.alias for f in model.model_fields.values() if f.alias}
+    unknown = sorted(str(k) for k in changes if k not in known)
+    if unknown:
+        raise CheckpointInvalid(
+            f"{model.__name__} has no field {unknown[0]!r}; the edit was not written",
+            field=unknown[0],
+            run_id=flow_id,
+        )

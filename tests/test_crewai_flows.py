@@ -267,8 +267,33 @@ def test_an_edit_of_a_model_state_is_validated_against_the_model_or_refused(
     with pytest.raises(CheckpointInvalid):
         persistence.edit_state(flow_id, {"amount": -5}, state_type=Order)
     assert persistence.load_state(flow_id)["amount"] == 5
+    before = len(persistence.checkpoints(flow_id))
+    with pytest.raises(CheckpointInvalid, match="no field 'amuont'") as typo:
+        persistence.edit_state(flow_id, {"amuont": 7}, state_type=Order)
+    assert typo.value.field == "amuont"
+    assert len(persistence.checkpoints(flow_id)) == before
     persistence.edit_state(flow_id, {"amount": 7}, state_type=Order)
     assert persistence.load_state(flow_id)["amount"] == 7
+
+
+@pytest.mark.parametrize("bad", [123, None])
+def test_a_flow_id_that_is_not_a_str_is_refused_naming_it(url: str, world: Path, bad: Any) -> None:
+    def body() -> Any:
+        from crewai.flow.flow import Flow, start
+        from crewai.flow.persistence import persist
+
+        @persist(RemitFlowPersistence(url))
+        class Plain(Flow[dict]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            def go(self) -> None:
+                self.state["went"] = True
+
+        return kickoff(Plain, inputs={"id": bad})
+
+    out = run(body)
+    assert out.raised("TypeError") and "flow id (inputs['id']) must be a str" in out.error_text()
 
 
 def test_one_listener_run_twice_at_once_applies_each_runs_effect(url: str, world: Path) -> None:
