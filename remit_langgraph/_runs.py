@@ -202,6 +202,15 @@ def current_run() -> Run | None:
     return None if run is None or run.claim._released else run  # (`given_up`, inline)
 
 
+def no_such_fork(thread: str, token: str) -> UnknownRecord:
+    """A fork token given without a checkpoint names a branch, and none has it."""
+    return UnknownRecord(
+        f"no branch of this thread was made with fork token {token!r}; to make one, pass "
+        "it with the checkpoint_id to fork from",
+        run_id=thread,
+    )
+
+
 def _is_resume_map(resume: Any) -> bool:
     return (
         isinstance(resume, dict)
@@ -347,9 +356,9 @@ class Runs:
         branches = self.remit.branches(thread, ns="")
         forked = next((b for b in branches if token and b.fork_token == token), None)
         if not checkpoint_id:
-            if forked is not None:
-                return self.remit.head(thread, branch=forked.branch), forked.branch
-            return self.remit.head(thread), MAIN_BRANCH
+            if forked is None:
+                raise no_such_fork(thread, str(token))
+            return self.remit.head(thread, branch=forked.branch), forked.branch
         record = self.remit.checkpoint(thread, checkpoint_id)
         if record is None:
             raise UnknownRecord("no such checkpoint", run_id=thread, checkpoint_id=checkpoint_id)
@@ -449,13 +458,30 @@ class Runs:
         at: CheckpointRecord | None = record
         while at is not None:
             if at.checkpoint_id in raised:
-                return raised[at.checkpoint_id]
+                asked = at is record or self._still_asked(run.thread, record, at)
+                return raised[at.checkpoint_id] if asked else []
             if at.branch != record.branch:
                 return self._ask_again(run, record.branch, at)
             if at.metadata.get("source") != "update" or at.parent_id is None:
                 return []
             at = self.remit.checkpoint(run.thread, at.parent_id)
         return []
+
+    def _still_asked(self, thread: str, head: CheckpointRecord, paused: CheckpointRecord) -> bool:
+        """Whether the nodes that asked at `paused` are still to run at `head`: an edit
+        made as that node (`update_state(..., as_node=...)`), or as one after it,
+        answers or skips the question, and LangGraph then drops a resume value."""
+        pull = "~__pregel_pull, "
+        nodes = {
+            w.task_path[len(pull) :]
+            for w in self.remit.writes(thread, paused.checkpoint_id)
+            if w.channel == INTERRUPT and w.task_path.startswith(pull)
+        }
+        triggers = {f"branch:to:{n}" for n in nodes}
+        before = self.saver._tuple(paused).checkpoint["channel_values"]
+        if not triggers or not triggers <= before.keys():
+            return True  # scheduled some other way: as it was asked
+        return bool(triggers & self.saver._tuple(head).checkpoint["channel_values"].keys())
 
     def _ask_again(self, run: Run, branch: str, base: CheckpointRecord) -> list[InterruptRecord]:
         """The interrupts raised at a fork's `base`, opened anew on the fork's `branch`."""
@@ -491,6 +517,13 @@ class Runs:
 
     def _consume(self, run: Run, here: Sequence[InterruptRecord], resume: Any) -> None:
         pending = {i.interrupt_id: i for i in here if i.status == "pending"}
+        if isinstance(resume, dict) and not resume:
+            # (LangGraph reads {} as a map that answers nothing: the node would ask again.)
+            raise ResumeConflict(
+                "an empty resume map answers no interrupt; pending: "
+                f"{', '.join(sorted(pending)) or 'none'}. Nothing was stored",
+                run_id=run.thread,
+            )
         if _is_resume_map(resume):
             answers = dict(resume)
         elif len(pending) == 1:
@@ -504,9 +537,10 @@ class Runs:
             )
         elif not pending:
             raise ResumeConflict(
-                "the head has no interrupt() to answer (a pause made by "
-                "interrupt_before/interrupt_after continues with invoke(None, config)); "
-                "the value was not stored",
+                "the thread is not paused at an interrupt(): it has finished, an "
+                "update_state as the asking node answered it, or it paused before or after a "
+                "node (interrupt_before/interrupt_after), which continues with "
+                "invoke(None, config); the value was not stored",
                 run_id=run.thread,
             )
         else:
@@ -517,8 +551,15 @@ class Runs:
             )
         known = {i.interrupt_id: i for i in here}
         for iid, value in answers.items():
-            interrupt = known.get(iid)
+            interrupt = known.get(iid) or self.remit.interrupt(run.thread, iid, branch=run.branch)
             policy.check_consumable(interrupt, run.thread, iid)
+            if iid not in known:  # an earlier pause's (pending there only if never answered)
+                raise ResumeConflict(
+                    "this interrupt belongs to an earlier pause of the thread, not to its "
+                    "head; the value was not stored",
+                    run_id=run.thread,
+                    interrupt_id=iid,
+                )
             assert interrupt is not None
             if interrupt.prompt is not None:
                 schema = codec.loads(interrupt.prompt).get("response_schema")

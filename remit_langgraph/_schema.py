@@ -171,7 +171,7 @@ class StateCheck:
         chosen = self.fields if keys is None else self.fields & set(keys)
         present = {k: _unwrapped(values[k]) for k in chosen if k in values}
         if present:
-            self._partial.validate(present, **ids)
+            _as_declared(present, self._partial.validate(present, **ids), ids)
 
     def writes(self, writes: Any, **ids: Any) -> None:
         """Check a task's writes to state channels (see the module docstring)."""
@@ -183,16 +183,18 @@ class StateCheck:
             elif ch in self._reducers:
                 reduced.setdefault(ch, []).append(v)
         if present:
-            self._partial.validate(present, **ids)
+            _as_declared(present, self._partial.validate(present, **ids), ids)
         for ch, values in reduced.items():
             value = self._reduce(ch, values, **ids)
             if value is MISSING:
                 continue
             try:
-                self._reducers[ch][1].validate_python(value)
+                validated = self._reducers[ch][1].validate_python(value)
             except ValidationError:
                 assert self._reduced is not None
                 self._reduced.validate({ch: value}, **ids)  # raises, naming the field
+                raise
+            _as_declared({ch: value}, {ch: validated}, ids)
 
     def _reduce(self, channel: str, values: list[Any], **ids: Any) -> Any:
         """What the reducer of `channel` makes of its empty value and `values`; MISSING
@@ -226,6 +228,47 @@ class StateCheck:
         state = {k: values[k] for k in self.fields if k in values}
         upgraded = self.declared.upgrade(state, written_version, **ids)
         return {**{k: v for k, v in values.items() if k not in self.fields}, **upgraded}
+
+
+_SCALARS = (bool, int, float, str, bytes)
+
+
+def _as_declared(given: Any, validated: Any, ids: Mapping[str, Any]) -> None:
+    """`CheckpointInvalid` where validation passed `given` only by converting a plain
+    value to another type ("5" to 5, 1 to True): LangGraph stores what the node
+    returned, not the converted value, so the stored state would not be of its
+    declared type. (An int where a float is declared is a float's value.)"""
+    where = _converted(given, validated, "")
+    if where is not None:
+        path, value, kept = where
+        raise CheckpointInvalid(
+            f"state value at {path} is a {type(value).__name__} ({value!r:.40}); the schema "
+            f"declares {type(kept).__name__}, and the value would be stored unconverted",
+            field=path,
+            **ids,
+        )
+
+
+def _converted(given: Any, kept: Any, path: str) -> tuple[str, Any, Any] | None:
+    if given is kept:
+        return None
+    if isinstance(given, _SCALARS) or isinstance(kept, _SCALARS):
+        same = (isinstance(kept, type(given)) or isinstance(given, type(kept))) and (
+            isinstance(given, bool) == isinstance(kept, bool)
+        )
+        widened = type(given) is int and type(kept) is float
+        equal = given == kept or given != given  # (NaN is itself)
+        return None if (same or widened) and equal else (path or "<state>", given, kept)
+    steps: Any = ()
+    if isinstance(given, Mapping) and isinstance(kept, Mapping):
+        steps = ((k, v, kept[k]) for k, v in given.items() if k in kept)
+    elif isinstance(given, (list, tuple)) and isinstance(kept, (list, tuple)):
+        steps = ((i, a, b) for i, (a, b) in enumerate(zip(given, kept, strict=False)))
+    for step, a, b in steps:
+        found = _converted(a, b, f"{path}.{step}" if path else str(step))
+        if found is not None:
+            return found
+    return None
 
 
 def _unwrapped(value: Any) -> Any:

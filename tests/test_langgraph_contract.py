@@ -193,6 +193,21 @@ def test_a_pause_edited_with_update_state_takes_exactly_one_resume(
     assert stored == [winner]
 
 
+def test_a_pause_answered_by_update_state_as_its_node_takes_no_resume(
+    store_url: str, tmp_path: Path
+) -> None:
+    world, saver, graph, config = paused(store_url, tmp_path)
+    graph.update_state(config, {"approved_by": "manual"}, as_node="approve")
+    assert graph.get_state(config).next == ("charge",)
+    with pytest.raises(ResumeConflict):  # LangGraph would drop the value unread
+        graph.invoke(Command(resume="alice"), config)
+    thread = config["configurable"]["thread_id"]
+    assert [i.status for i in saver.remit.interrupts(thread)] == ["pending"]
+    final = graph.invoke(None, config)
+    assert final["approved_by"] == "manual" and world.entries("approve") == []
+    assert len(world.applications("charge")) == 1
+
+
 @pytest.mark.parametrize("durability", ["async", "sync", "exit"])
 def test_a_value_taken_at_an_edited_pause_is_redelivered_after_sigkill(
     store_url: str, tmp_path: Path, durability: str

@@ -12,7 +12,7 @@ import uuid
 from typing import Annotated, Any, NamedTuple
 
 import pytest
-from annotated_types import MinLen
+from annotated_types import Ge, MinLen
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, RemoveMessage
 from langgraph.channels.delta import DeltaChannel
 from langgraph.checkpoint.memory import InMemorySaver
@@ -26,6 +26,7 @@ from remit_core import (
     CheckpointInvalid,
     CorruptRecord,
     ResumeConflict,
+    UnknownRecord,
     VersionMismatch,
     WriteRecord,
     effect,
@@ -861,3 +862,60 @@ def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
     assert graph.invoke(Command(resume="a"), cfg)["value"] == "a"
     with pytest.raises(ResumeConflict):
         graph.invoke(Command(resume="b"), cfg)
+
+
+def test_a_resume_by_id_after_the_run_finished_is_refused_as_consumed(store_url: str) -> None:
+    graph = one_node(Free, lambda s: {"value": interrupt("?")}, RemitSaver(store_url))
+    cfg = config()
+    asked = graph.invoke({"n": 1}, cfg)["__interrupt__"][0]
+    graph.invoke(Command(resume={asked.id: "a"}), cfg)
+    with pytest.raises(ResumeConflict, match="already consumed"):
+        graph.invoke(Command(resume={asked.id: "b"}), cfg)
+
+
+def test_an_empty_resume_map_is_refused_and_the_interrupt_stays_pending(store_url: str) -> None:
+    graph = one_node(Free, lambda s: {"value": interrupt("?")}, RemitSaver(store_url))
+    cfg = config()
+    graph.invoke({"n": 1}, cfg)
+    with pytest.raises(ResumeConflict, match="empty resume map"):
+        graph.invoke(Command(resume={}), cfg)
+    assert graph.invoke(Command(resume="real"), cfg)["value"] == "real"
+
+
+def test_a_run_with_a_fork_token_that_names_no_branch_is_refused(store_url: str) -> None:
+    """A token without a checkpoint names a branch; a run with a token no branch has
+    (a typo) is refused instead of writing to main. (A read gets the thread's latest
+    checkpoint, as LangGraph itself asks with such a config.)"""
+    graph = three_steps(RemitSaver(store_url))
+    cfg = config()
+    graph.invoke({"big": [], "n": 0}, cfg)
+    typo = {"configurable": {**cfg["configurable"], "fork_token": "no-such-fork"}}
+    with pytest.raises(UnknownRecord, match="no-such-fork"):
+        graph.invoke({"big": [], "n": 100}, typo)
+    assert graph.get_state(cfg).values["n"] == 3
+
+
+class Typed(TypedDict, total=False):
+    amount: Annotated[int, Ge(0)]
+    ratio: float
+    flag: bool
+    tags: list[int]
+
+
+@pytest.mark.parametrize(
+    "write",
+    [{"amount": "5"}, {"amount": 5.0}, {"amount": True}, {"flag": 1}, {"tags": ["1"]}],
+    ids=["str-for-int", "float-for-int", "bool-for-int", "int-for-bool", "str-in-list"],
+)
+def test_a_value_valid_only_once_converted_is_refused(store_url: str, write: Any) -> None:
+    """P4: LangGraph stores what a node returns, so a value the schema accepts only by
+    converting it ("5" for an int) would be stored as the wrong type."""
+    cfg = config()
+    graph = one_node(Typed, lambda s: write, RemitSaver(store_url))
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke({"amount": 1}, cfg)
+    assert err.value.field is not None and err.value.field.split(".")[0] in write
+    with pytest.raises(CheckpointInvalid):
+        graph.update_state(cfg, write)
+    ok = one_node(Typed, lambda s: {"ratio": 2, "tags": [1]}, RemitSaver(store_url))
+    assert ok.invoke({"amount": 1, "flag": False}, config())["ratio"] == 2  # an int is a float
