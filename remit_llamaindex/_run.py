@@ -278,7 +278,7 @@ class Session:
             try:
                 await asyncio.to_thread(self._commit, status, replay.exit_command)
             except _Unstorable as exc:
-                found = unstorable(await self.store.get_state(), self.serializer)
+                found = exc.found or unstorable(await self.store.get_state(), self.serializer)
                 await asyncio.to_thread(self._commit_failed, exc.__cause__, found)
             if isinstance(tick, TickStepResult):
                 failpoints.hit("step.after")
@@ -324,6 +324,10 @@ class Session:
         assert self.claim is not None
         fence = self.claim.fence
         checkpoint_id = new_checkpoint_id()
+        try:
+            self.store.check_live()
+        except CheckpointInvalid as exc:
+            raise _Unstorable((exc.field or "<state>", exc.message)) from exc
         try:
             metadata = self._metadata(status, exit_command)
             payload = self.store.payload(self.serializer)
@@ -604,5 +608,10 @@ def _prompt(w: snap.Waiter) -> dict[str, Any]:
 
 
 class _Unstorable(Exception):
-    """Raised from a commit whose checkpoint the serializer could not encode (the
-    framework's error is its cause)."""
+    """Raised from a commit whose checkpoint cannot be stored: the serializer could not
+    encode it, or its state fails the schema (the error is its cause; `found` names the
+    field and the reason when known)."""
+
+    def __init__(self, found: tuple[str, str] | None = None) -> None:
+        super().__init__()
+        self.found = found

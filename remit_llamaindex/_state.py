@@ -59,6 +59,13 @@ class RemitStateStore(InMemoryStateStore[MODEL_T]):
         if self._after_write is not None:
             await self._after_write()
 
+    def check_live(self) -> None:
+        """Validate the live state as a checkpoint stores it: a value changed in place
+        after `get` reached it without a write (`CheckpointInvalid` naming it)."""
+        record = self._memory_storage.load_sync()
+        if self._schema is not None and record is not None:
+            self._schema.validate(record.data, **self._ids())
+
     def payload(self, serializer: BaseSerializer) -> dict[str, Any]:
         """The in-memory payload of the current state (what a checkpoint stores)."""
         return super().to_dict(serializer)

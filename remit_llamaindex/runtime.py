@@ -334,6 +334,13 @@ class RemitRuntime(BaseRuntimeDecorator):
             if token is not None
             else remit.branch(run_id, branch=handle.get("branch", MAIN_BRANCH))
         )
+        if found is None and remit.checkpoint(run_id, base_id) is None:
+            raise UnknownRecord(
+                "the context names a run this store does not hold (restored against "
+                "another store?)",
+                run_id=run_id,
+                checkpoint_id=base_id,
+            )
         if found is None or (token is None and found.head_id != base_id):
             raise ForkWithoutIntent(
                 f"checkpoint {base_id!r} is not the head of run {run_id!r}; restoring it "
@@ -428,6 +435,17 @@ class RemitRuntime(BaseRuntimeDecorator):
     def get_external_adapter(self, run_id: str) -> ExternalRunAdapter:
         session = self._live(run_id)
         return _External(self._decorated.get_external_adapter(session.inner_id), session)
+
+    def _session_of(self, handler: WorkflowHandler) -> Session:
+        """The live session `handler` drives: its own state store tells it apart from
+        another restore of the same run in this process."""
+        ctx = getattr(handler, "ctx", None)
+        store = ctx.store if ctx is not None else None
+        with self._lock:
+            for s in self._sessions.values():
+                if s.store is store and not s.done:
+                    return s
+        return self._live(handler.run_id)
 
     def _live(self, run_id: str) -> Session:
         """The newest live session of `run_id` in this process and event loop."""
@@ -608,7 +626,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         returned was answered already, or when another resumer holds the run or
         moved it on; `CheckpointInvalid` for an event that fails its own model.
         """
-        session = self._live(handler.run_id)
+        session = self._session_of(handler)
         await session.deliver(
             TickAddEvent(event=event, step_id=StepId.root(step) if step else None)
         )
@@ -621,7 +639,9 @@ class RemitRuntime(BaseRuntimeDecorator):
         as does an event for a run that has ended (nothing runs, nothing is stored).
         """
         ctx = await asyncio.to_thread(self.context, workflow, run_id)
-        if not ctx.is_running:  # running it would start the workflow over
+        # (Not running: running it would start the workflow over. Ended with a step in
+        # flight, e.g. cancelled: running it would only answer with its outcome.)
+        if not ctx.is_running or await asyncio.to_thread(self.status, run_id) in snap.TERMINAL:
             raise await asyncio.to_thread(self._ended, run_id, event)
         try:
             handler = workflow.run(ctx=ctx)

@@ -26,6 +26,7 @@ from remit_core.errors import (
     EffectInDoubt,
     ForkWithoutIntent,
     ResumeConflict,
+    UnknownRecord,
 )
 from remit_llamaindex import RemitRuntime
 
@@ -246,6 +247,51 @@ def test_a_parked_run_is_ended_for_good_with_rt_cancel(store_url: str) -> None:
     assert CHARGED == {}
 
 
+def test_a_context_restored_against_another_store_is_unknown_there(
+    store_url: str, tmp_path: Any
+) -> None:
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        handler = Approval(runtime=rt).run(run_id=run)
+        await parked(rt, run, waiting=1)
+        snapshot = handler.ctx.to_dict()
+        await handler.cancel_run()
+        elsewhere = RemitRuntime(f"sqlite:///{tmp_path}/elsewhere.db")
+        other = Approval(runtime=elsewhere)
+        with pytest.raises(UnknownRecord, match="does not hold"):
+            other.run(ctx=Context.from_dict(other, snapshot))
+        assert rt.status(run) == "waiting"
+
+    asyncio.run(go())
+
+
+def test_an_answer_reaches_the_handler_it_was_sent_to(store_url: str) -> None:
+    """Two live restores of one parked run in one process (two requests of a server):
+    the answer sent through the first is driven by the first, which returns the result;
+    the second's answer is refused."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        handler = Approval(runtime=rt).run(run_id=run)
+        await parked(rt, run, waiting=1)
+        snapshot = handler.ctx.to_dict()
+        await handler.cancel_run()
+        first, second = (Approval(runtime=rt) for _ in range(2))
+        a = first.run(ctx=Context.from_dict(first, snapshot))
+        b = second.run(ctx=Context.from_dict(second, snapshot))
+        await rt.send_event(a, HumanResponseEvent(response="ada"))
+        with pytest.raises(ResumeConflict):
+            await rt.send_event(b, HumanResponseEvent(response="bob"))
+        assert await asyncio.wait_for(a, 20) == "ada"
+        await b.cancel_run()
+
+    asyncio.run(go())
+    assert list(CHARGED.values()) == [1]
+
+
 def test_cancel_run_of_a_running_run_still_cancels_it(store_url: str) -> None:
     """A run that is not parked (a step in flight) is cancelled for good."""
     run = new_run()
@@ -264,6 +310,9 @@ def test_cancel_run_of_a_running_run_still_cancels_it(store_url: str) -> None:
         await handler.cancel_run()
         assert rt.status(run) == "cancelled"
         assert rt.recover(Slow(runtime=rt, timeout=None), run) is None
+        other = RemitRuntime(store_url)
+        with pytest.raises(ResumeConflict, match="ended"):  # refused before anything runs
+            await other.respond(Slow(runtime=other, timeout=None), run, Reply(to="x"))
 
     asyncio.run(go())
 

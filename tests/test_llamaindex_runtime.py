@@ -615,24 +615,47 @@ class Mutating(Workflow):
         return StopEvent(result="done")
 
 
+class Tagged(BaseModel):
+    tags: list[str] = []
+
+
+class MutatingTyped(Workflow):
+    @step
+    async def first(self, ctx: Context[Tagged], ev: StartEvent) -> Asked:
+        await ctx.store.set("tags", ["a"])
+        return Asked()
+
+    @step
+    async def second(self, ctx: Context[Tagged], ev: Asked) -> StopEvent:
+        (await ctx.store.get("tags")).append(7)  # in place, storable, against the schema
+        return StopEvent(result="done")
+
+
+@pytest.mark.parametrize(
+    ("flow", "field", "kept"),
+    [(Mutating, "d.when", {"d": {"n": 1}}), (MutatingTyped, "tags[1]", {"tags": ["a"]})],
+    ids=["unstorable", "against-the-schema"],
+)
 def test_a_run_whose_checkpoint_cannot_be_stored_is_committed_as_failed(
-    store_url: str,
+    store_url: str, flow: type[Workflow], field: str, kept: dict[str, Any]
 ) -> None:
-    """A value that never passed a write (changed in place) fails the commit after the
-    step: the run raises `CheckpointInvalid` naming the key and is committed as failed
-    with its last stored state, instead of staying "running" for recoveries that would
-    fail the same way."""
+    """A value that never passed a write (changed in place) is checked when the step's
+    checkpoint is committed: one the serializer cannot store, or one against the schema
+    (P4), makes the run raise `CheckpointInvalid` naming it, and the run is committed as
+    failed with its last stored state, instead of staying "running" for recoveries that
+    would fail the same way, or committing the invalid state."""
     run = new_run()
 
     async def go() -> None:
         rt = RemitRuntime(store_url)
         with pytest.raises(CheckpointInvalid) as refused:
-            await Mutating(runtime=rt).run(run_id=run)
-        assert refused.value.field == "d.when" and refused.value.run_id == run
+            await flow(runtime=rt).run(run_id=run)
+        assert refused.value.field == field and refused.value.run_id == run
         other = RemitRuntime(store_url)
         assert other.status(run) == "failed"
-        assert other.recover(Mutating(runtime=other), run) is None
-        assert dict(other.get_state(Mutating(runtime=other), run).items()) == {"d": {"n": 1}}
+        assert other.recover(flow(runtime=other), run) is None
+        state = other.get_state(flow(runtime=other), run)
+        assert (dict(state.items()) if hasattr(state, "items") else state.model_dump()) == kept
 
     asyncio.run(go())
 
