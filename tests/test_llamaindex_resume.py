@@ -181,6 +181,16 @@ class Approval(Workflow):
         return StopEvent(result=answer.response)
 
 
+async def paused_snapshot(rt: RemitRuntime, run: str) -> dict[str, Any]:
+    """Start `Approval` as `run`, and once it is parked, pause it as the framework
+    documents (`ctx.to_dict()`, then `cancel_run()`); returns the snapshot."""
+    handler = Approval(runtime=rt).run(run_id=run)
+    await parked(rt, run, waiting=1)
+    snapshot = handler.ctx.to_dict()
+    await handler.cancel_run()
+    return snapshot
+
+
 @pytest.fixture(autouse=True)
 def _no_charges() -> None:
     CHARGED.clear()
@@ -254,10 +264,7 @@ def test_a_context_restored_against_another_store_is_unknown_there(
 
     async def go() -> None:
         rt = RemitRuntime(store_url)
-        handler = Approval(runtime=rt).run(run_id=run)
-        await parked(rt, run, waiting=1)
-        snapshot = handler.ctx.to_dict()
-        await handler.cancel_run()
+        snapshot = await paused_snapshot(rt, run)
         elsewhere = RemitRuntime(f"sqlite:///{tmp_path}/elsewhere.db")
         other = Approval(runtime=elsewhere)
         with pytest.raises(UnknownRecord, match="does not hold"):
@@ -275,10 +282,7 @@ def test_an_answer_reaches_the_handler_it_was_sent_to(store_url: str) -> None:
 
     async def go() -> None:
         rt = RemitRuntime(store_url)
-        handler = Approval(runtime=rt).run(run_id=run)
-        await parked(rt, run, waiting=1)
-        snapshot = handler.ctx.to_dict()
-        await handler.cancel_run()
+        snapshot = await paused_snapshot(rt, run)
         first, second = (Approval(runtime=rt) for _ in range(2))
         a = first.run(ctx=Context.from_dict(first, snapshot))
         b = second.run(ctx=Context.from_dict(second, snapshot))
