@@ -752,15 +752,20 @@ def test_a_checkpoint_and_its_writes_read_together(store: Store, run_id: str) ->
     record, writes = store.get_checkpoint_and_writes(run_id, "", "c01")
     assert record == store.get_checkpoint(run_id, "", "c01") and writes == []
     store.put_writes(
-        [write(run_id, "c01", "t2", 0, b"c"), write(run_id, "c01", "t1", 1, b"b"),
-         write(run_id, "c01", "t1", 0, b"a")],
+        [
+            write(run_id, "c01", "t2", 0, b"c"),
+            write(run_id, "c01", "t1", 1, b"b"),
+            write(run_id, "c01", "t1", 0, b"a"),
+        ],
         mode="overwrite",
     )
     record, writes = store.get_checkpoint_and_writes(run_id, "", "c01")
     assert record == store.get_checkpoint(run_id, "", "c01")
     assert writes == store.get_writes(run_id, "", "c01")
     assert [(w.task_id, w.idx, w.value) for w in writes] == [
-        ("t1", 0, b"a"), ("t1", 1, b"b"), ("t2", 0, b"c")
+        ("t1", 0, b"a"),
+        ("t1", 1, b"b"),
+        ("t2", 0, b"c"),
     ]
 
 
@@ -895,14 +900,20 @@ def test_claim_at_head_returns_the_head_the_claim_starts_from(store: Store, run_
     assert head is not None and head.checkpoint_id == "c02" and writes == []
     # The head's writes come with it, ordered as `get_writes`; not its parent's.
     store.put_writes(
-        [write(run_id, "c02", "t2", 0, b"c"), write(run_id, "c02", "t1", 1, b"b"),
-         write(run_id, "c02", "t1", 0, b"a"), write(run_id, "c01", "t0", 0, b"z")],
+        [
+            write(run_id, "c02", "t2", 0, b"c"),
+            write(run_id, "c02", "t1", 1, b"b"),
+            write(run_id, "c02", "t1", 0, b"a"),
+            write(run_id, "c01", "t0", 0, b"z"),
+        ],
         mode="overwrite",
     )
     _, head, writes = store.acquire_claim_at_head(run_id, MAIN_BRANCH, "A", now=101.5, lease=10.0)
     assert head is not None and writes == store.get_writes(run_id, "", "c02")
     assert [(w.task_id, w.idx, w.value) for w in writes] == [
-        ("t1", 0, b"a"), ("t1", 1, b"b"), ("t2", 0, b"c")
+        ("t1", 0, b"a"),
+        ("t1", 1, b"b"),
+        ("t2", 0, b"c"),
     ]
     _, sub, writes = store.acquire_claim_at_head(
         run_id, MAIN_BRANCH, "A", now=102.0, lease=10.0, ns="sub"
@@ -1060,8 +1071,9 @@ def test_a_bad_id_is_refused_alike_on_every_engine_and_nothing_is_written(
     remit.commit(run_id=run_id, checkpoint_id="c1", parent_id=None, state=b"s")
     if bad is not None:  # (None is no token at all)
         with pytest.raises(error):
-            remit.commit(run_id=run_id, checkpoint_id="c2", parent_id="c0", state=b"s",
-                         fork_token=bad)
+            remit.commit(
+                run_id=run_id, checkpoint_id="c2", parent_id="c0", state=b"s", fork_token=bad
+            )
         with pytest.raises(error):
             remit.fork(run_id, "c1", bad)
     assert [c.checkpoint_id for c in remit.history(run_id)] == ["c1"]
@@ -1594,3 +1606,23 @@ def test_commit_after_main_was_rewound(store: Store, run_id: str) -> None:
     assert head is not None and (head.checkpoint_id, head.seq) == ("c03b", 3)
     children = sorted(c.checkpoint_id for c in here.history(run_id) if c.parent_id == "c02")
     assert children == ["c03", "c03b"]
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("synchronus=FULL", "unknown SQLite URL option 'synchronus'"),
+        ("busy_timeout=soon", "busy_timeout='soon' is not an integer"),
+    ],
+)
+def test_a_sqlite_url_option_that_is_not_understood_is_refused_naming_it(
+    tmp_path: Path, query: str, named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        SQLiteStore(f"sqlite:///{tmp_path}/t.db?{query}")
+    assert not (tmp_path / "t.db").exists()  # nothing was opened
+
+
+def test_a_postgres_size_option_that_is_not_an_integer_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="max_size='abc' is not an integer"):
+        PostgresStore("postgresql://postgres@127.0.0.1:5432/test?max_size=abc")

@@ -85,6 +85,18 @@ _CKPT_COLS = (
 )
 
 
+def int_option(options: dict[str, str], name: str, default: int, url: str) -> int:
+    """The integer URL option `name` (removed from `options`), or `default`; a
+    `ValueError` naming it if it is not an integer."""
+    raw = options.pop(name, None)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"store URL option {name}={raw!r} is not an integer ({url!r})") from None
+
+
 def _ckpt_params(r: CheckpointRecord) -> list[Any]:
     """A checkpoint row's values, in `_CKPT_COLS` order."""
     return [

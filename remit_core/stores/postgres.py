@@ -44,6 +44,7 @@ from remit_core.stores._sql import (
     _ckpt_params,
     _claim_of,
     _flat,
+    int_option,
 )
 from remit_core.stores.base import stale_fence
 
@@ -316,8 +317,8 @@ class PostgresStore(SqlStore):
         self.url = url
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
-        self._min = int(query.pop("min_size", "1"))
-        self._max = int(query.pop("max_size", "4"))
+        self._min = int_option(query, "min_size", 1, url)
+        self._max = int_option(query, "max_size", 4, url)
         if self._max < 1 or self._min < 0:
             raise ValueError(
                 f"PostgreSQL URL: max_size must be >= 1 and min_size >= 0, "
@@ -326,7 +327,7 @@ class PostgresStore(SqlStore):
         # A client paused inside a transaction (a SIGSTOPped "zombie") would keep its
         # row locks and block the takeover that L1 promises; the server ends such a
         # transaction after this long. Remit's own transactions are never idle.
-        idle_ms = int(query.pop("idle_txn_timeout_ms", "10000"))
+        idle_ms = int_option(query, "idle_txn_timeout_ms", 10000, url)
         query["options"] = (
             query.get("options", "") + f" -c idle_in_transaction_session_timeout={idle_ms}"
         ).strip()

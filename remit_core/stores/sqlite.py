@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from remit_core import failpoints
 from remit_core.errors import HeadMoved, StoreUnavailable
@@ -46,6 +46,7 @@ from remit_core.stores._sql import (
     _claim_of,
     _flat,
     _release_params,
+    int_option,
 )
 from remit_core.stores.base import stale_fence
 
@@ -420,11 +421,16 @@ class SQLiteStore(SqlStore):
     def __init__(self, url: str) -> None:
         self.url = url
         self.path = sqlite_path(url)
-        opts = parse_qs(urlsplit(url).query)
-        self._synchronous = opts.get("synchronous", ["NORMAL"])[0].upper()
+        opts = dict(parse_qsl(urlsplit(url).query))
+        self._synchronous = opts.pop("synchronous", "NORMAL").upper()
         if self._synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"unknown synchronous mode {self._synchronous!r} in {url!r}")
-        self._busy_ms = int(opts.get("busy_timeout", ["30000"])[0])
+        self._busy_ms = int_option(opts, "busy_timeout", 30000, url)
+        if opts:
+            raise ValueError(
+                f"unknown SQLite URL option {next(iter(opts))!r} in {url!r} (known: "
+                "synchronous, busy_timeout)"
+            )
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._one_statement = _OneStatement(self)
