@@ -199,17 +199,18 @@ def _approval(value: Any) -> Approval:
 async def _settle(handler: WorkflowHandler) -> str:
     """Run until the workflow pauses for approval ("paused") or ends ("done")."""
 
-    async def paused() -> None:
+    async def paused() -> bool:
         async for ev in handler.stream_events():
             if isinstance(ev, InputRequiredEvent):
-                return
+                return True
+        return False  # the stream ended: the run did
 
     watch = asyncio.ensure_future(paused())
     result = asyncio.ensure_future(handler.stop_event_result())
     done, _ = await asyncio.wait({watch, result}, return_when=asyncio.FIRST_COMPLETED)
-    if result in done:
+    if result in done or not watch.result():
         watch.cancel()
-        result.result()
+        await result
         return "done"
     return "paused"
 

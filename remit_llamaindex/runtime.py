@@ -43,7 +43,7 @@ from workflows.context.state_store import (
 )
 from workflows.context.state_store_integration import decode_seed_state
 from workflows.errors import WorkflowCancelledByUser
-from workflows.events import Event, StartEvent, StopEvent
+from workflows.events import Event, StartEvent, StopEvent, WorkflowFailedEvent
 from workflows.handler import WorkflowHandler
 from workflows.plugins.basic import BasicRuntime, get_current_run_id
 from workflows.runtime.runtime_decorators import (
@@ -773,7 +773,14 @@ class _Internal(BaseInternalRunAdapterDecorator):
 
     async def on_tick(self, tick: WorkflowTick) -> None:
         await super().on_tick(tick)
-        await self._session.on_tick(tick)
+        try:
+            await self._session.on_tick(tick)
+        except RemitError as exc:
+            # The run stops here, not through a step's failure: tell the event stream,
+            # as the framework does when a step fails, so that its readers end too.
+            step = str(getattr(tick, "step_id", "") or "")
+            await self.write_to_event_stream(WorkflowFailedEvent(step_name=step, exception=exc))
+            raise
 
     async def wait_receive(self, timeout_seconds: float | None = None) -> WaitResult:
         if self._session.injections:

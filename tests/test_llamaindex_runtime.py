@@ -29,6 +29,7 @@ from workflows.events import (
     InputRequiredEvent,
     StartEvent,
     StopEvent,
+    WorkflowFailedEvent,
 )
 from workflows.handler import WorkflowHandler
 
@@ -648,8 +649,15 @@ def test_a_run_whose_checkpoint_cannot_be_stored_is_committed_as_failed(
 
     async def go() -> None:
         rt = RemitRuntime(store_url)
+        handler = flow(runtime=rt).run(run_id=run)
+
+        async def streamed() -> list[Any]:
+            return [ev async for ev in handler.stream_events()]
+
+        events = await asyncio.wait_for(streamed(), 20)  # the stream ends too
+        assert isinstance(events[-1], WorkflowFailedEvent)
         with pytest.raises(CheckpointInvalid) as refused:
-            await flow(runtime=rt).run(run_id=run)
+            await handler
         assert refused.value.field == field and refused.value.run_id == run
         other = RemitRuntime(store_url)
         assert other.status(run) == "failed"
