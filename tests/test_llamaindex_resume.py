@@ -101,6 +101,18 @@ async def parked(rt: RemitRuntime, run: str, waiting: int) -> None:
     raise AssertionError(f"run {run} did not park with {waiting} waiters")
 
 
+async def paused_snapshot(
+    rt: RemitRuntime, run: str, flow: type[Workflow], waiting: int = 1
+) -> dict[str, Any]:
+    """Start `flow` as `run`, and once it is parked with `waiting` waiters, pause it as
+    the framework documents (`ctx.to_dict()`, then `cancel_run()`); returns the snapshot."""
+    handler = flow(runtime=rt).run(run_id=run)
+    await parked(rt, run, waiting=waiting)
+    snapshot = handler.ctx.to_dict()
+    await handler.cancel_run()
+    return snapshot
+
+
 def test_each_reply_reaches_the_waiter_whose_requirements_it_meets(store_url: str) -> None:
     """P5 with `requirements`: after a restore in another runtime, a reply for "b"
     consumes b's waiter only; a's stays pending for its own reply, and a second reply
@@ -141,11 +153,7 @@ def test_replies_to_a_restored_snapshot_reach_their_own_waiters(store_url: str) 
 
     async def go() -> None:
         rt = RemitRuntime(store_url)
-        wf = TwoWaiters(runtime=rt)
-        handler = wf.run(run_id=run)
-        await parked(rt, run, waiting=2)
-        snapshot = handler.ctx.to_dict()
-        await handler.cancel_run()
+        snapshot = await paused_snapshot(rt, run, TwoWaiters, waiting=2)
         other = RemitRuntime(store_url)
         again = TwoWaiters(runtime=other)
         restored = again.run(ctx=Context.from_dict(again, snapshot))
@@ -179,16 +187,6 @@ class Approval(Workflow):
         )
         charge_card(7)
         return StopEvent(result=answer.response)
-
-
-async def paused_snapshot(rt: RemitRuntime, run: str) -> dict[str, Any]:
-    """Start `Approval` as `run`, and once it is parked, pause it as the framework
-    documents (`ctx.to_dict()`, then `cancel_run()`); returns the snapshot."""
-    handler = Approval(runtime=rt).run(run_id=run)
-    await parked(rt, run, waiting=1)
-    snapshot = handler.ctx.to_dict()
-    await handler.cancel_run()
-    return snapshot
 
 
 @pytest.fixture(autouse=True)
@@ -234,11 +232,7 @@ def test_a_parked_run_is_ended_for_good_with_rt_cancel(store_url: str) -> None:
 
     async def go() -> None:
         rt = RemitRuntime(store_url)
-        wf = Approval(runtime=rt)
-        handler = wf.run(run_id=run)
-        await parked(rt, run, waiting=1)
-        snapshot = handler.ctx.to_dict()
-        await handler.cancel_run()
+        snapshot = await paused_snapshot(rt, run, Approval)
         assert rt.status(run) == "waiting"
         head = await rt.cancel(run)
         assert rt.status(run) == "cancelled" and rt.checkpoints(run)[0].checkpoint_id == head
@@ -264,7 +258,7 @@ def test_a_context_restored_against_another_store_is_unknown_there(
 
     async def go() -> None:
         rt = RemitRuntime(store_url)
-        snapshot = await paused_snapshot(rt, run)
+        snapshot = await paused_snapshot(rt, run, Approval)
         elsewhere = RemitRuntime(f"sqlite:///{tmp_path}/elsewhere.db")
         other = Approval(runtime=elsewhere)
         with pytest.raises(UnknownRecord, match="does not hold"):
@@ -282,7 +276,7 @@ def test_an_answer_reaches_the_handler_it_was_sent_to(store_url: str) -> None:
 
     async def go() -> None:
         rt = RemitRuntime(store_url)
-        snapshot = await paused_snapshot(rt, run)
+        snapshot = await paused_snapshot(rt, run, Approval)
         first, second = (Approval(runtime=rt) for _ in range(2))
         a = first.run(ctx=Context.from_dict(first, snapshot))
         b = second.run(ctx=Context.from_dict(second, snapshot))
