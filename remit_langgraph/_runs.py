@@ -202,15 +202,6 @@ def current_run() -> Run | None:
     return None if run is None or run.claim._released else run  # (`given_up`, inline)
 
 
-def no_such_fork(thread: str, token: str) -> UnknownRecord:
-    """A fork token given without a checkpoint names a branch, and none has it."""
-    return UnknownRecord(
-        f"no branch of this thread was made with fork token {token!r}; to make one, pass "
-        "it with the checkpoint_id to fork from",
-        run_id=thread,
-    )
-
-
 def _is_resume_map(resume: Any) -> bool:
     return (
         isinstance(resume, dict)
@@ -356,8 +347,12 @@ class Runs:
         branches = self.remit.branches(thread, ns="")
         forked = next((b for b in branches if token and b.fork_token == token), None)
         if not checkpoint_id:
-            if forked is None:
-                raise no_such_fork(thread, str(token))
+            if forked is None:  # a token without a checkpoint names a branch: none has it
+                raise UnknownRecord(
+                    f"no branch of this thread was made with fork token {token!r}; to make "
+                    "one, pass it with the checkpoint_id to fork from",
+                    run_id=thread,
+                )
             return self.remit.head(thread, branch=forked.branch), forked.branch
         record = self.remit.checkpoint(thread, checkpoint_id)
         if record is None:
