@@ -15,7 +15,7 @@ import contextlib
 import copy
 import random
 import sys
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -207,18 +207,28 @@ class RemitSaver(BaseCheckpointSaver[str]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
-        """Checkpoints newest first; `filter` matches metadata keys exactly."""
+        """Checkpoints newest first; `filter` matches metadata keys exactly.
+
+        With a `fork_token` that names a branch, the fork's own line: its
+        checkpoints and those it continues from, not what the other branches
+        wrote since (a subgraph with a line of its own, restored during a
+        fork's first run, finds where its line stood at the fork's base).
+        """
         conf = _conf(config)
         thread = conf.get("thread_id")
         ns = conf.get("checkpoint_ns")
         before_id = _conf(before).get("checkpoint_id")
-        records = self.remit.history(
-            None if thread is None else str(thread),
-            ns=ns,
-            before_id=before_id,
-            limit=None if filter or thread is None else limit,
-            verify=False,
-        )
+        line = self._fork_line(conf)
+        if line is not None:
+            records = [r for r in line if before_id is None or r.checkpoint_id < before_id]
+        else:
+            records = self.remit.history(
+                None if thread is None else str(thread),
+                ns=ns,
+                before_id=before_id,
+                limit=None if filter or thread is None else limit,
+                verify=False,
+            )
         if conf.get("checkpoint_id"):
             records = [r for r in records if r.checkpoint_id == conf["checkpoint_id"]]
         count = 0
@@ -232,6 +242,28 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 continue  # deleted while listing, or another shim's run
             count += 1
             yield self._tuple(record)
+
+    def _fork_line(self, conf: Mapping[str, Any]) -> list[CheckpointRecord] | None:
+        """The checkpoints of the branch `conf`'s fork token names, in `conf`'s
+        namespace, newest first back to the first: None if no such branch."""
+        token, thread, ns = conf.get("fork_token"), conf.get("thread_id"), conf.get("checkpoint_ns")
+        if not token or thread is None or ns is None:
+            return None
+        thread = str(thread)
+        forked = (
+            self.remit.fork_branch(thread, token)
+            if ns == ""
+            else self._runs.fork_in(thread, ns, token)
+        )
+        if forked is None:
+            return None
+        by_id = {r.checkpoint_id: r for r in self.remit.history(thread, ns=ns, verify=False)}
+        line = []
+        at = by_id.get(forked.head_id)
+        while at is not None:
+            line.append(at)
+            at = None if at.parent_id is None else by_id.get(at.parent_id)
+        return line
 
     # -- writes -----------------------------------------------------------------
     def put(

@@ -855,6 +855,30 @@ def test_a_fork_has_its_own_line_of_a_persistent_subgraph(store_url: str, first:
     assert graph.get_state(fork).values["log"] == ["p1", "s1,s2:F"]
 
 
+def test_a_fork_of_a_finished_run_restores_the_subgraph_line_as_it_stood_then(
+    store_url: str,
+) -> None:
+    """A new input on a fork of run 1's end: the subgraph continues its line from
+    where run 1 left it, not from what main's run 2 added since, and the fork's
+    answer reaches the fork (L3)."""
+    graph = with_a_persistent_subgraph(RemitSaver(store_url))
+    main = config()
+    for answer in ("M1", "M2"):  # two runs on main, each asked inside the subgraph
+        graph.invoke({"x": 0, "log": []}, main)
+        graph.invoke(Command(resume=answer), main)
+    assert graph.get_state(main).values["log"][-1] == "s1,s2:M1,s1,s2:M2"
+    run_1_end = [h for h in graph.get_state_history(main) if not h.next][-1]
+    assert run_1_end.values["log"] == ["p1", "s1,s2:M1"]
+    fork = {"configurable": {**run_1_end.config["configurable"], "fork_token": "redo"}}
+    graph.invoke({"x": 0, "log": []}, fork)
+    done = graph.invoke(Command(resume="F"), fork)
+    assert done["log"] == ["p1", "s1,s2:M1", "p1", "s1,s2:M1,s1,s2:F"]
+    assert graph.get_state(main).values["log"][-1] == "s1,s2:M1,s1,s2:M2"
+    # The fork's history is its own line: run 1, then the fork's run.
+    logs = [h.values.get("log") for h in graph.get_state_history(fork)]
+    assert all("s1,s2:M1,s1,s2:M2" not in (log or []) for log in logs)
+
+
 def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
     graph = one_node(Free, lambda s: {"value": interrupt("?")}, RemitSaver(store_url))
     cfg = config()
