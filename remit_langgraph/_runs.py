@@ -322,6 +322,13 @@ class Runs:
         run = Run(self.remit, thread, branch, handle, call.check, loop=weakref.ref(loop))
         owed = None
         try:
+            if record is None and isinstance(loop.input, Command) and loop.input.resume is not None:
+                # No checkpoint asked anything: the value would answer nothing.
+                raise UnknownRecord(
+                    "nothing to resume: the thread has no checkpoint; the resume value was "
+                    "not stored (start the run with its input)",
+                    run_id=thread,
+                )
             if record is not None:
                 run.committed.add(record.checkpoint_id)
                 if writes is None:

@@ -888,6 +888,19 @@ def test_a_resume_after_the_run_finished_is_refused(store_url: str) -> None:
         graph.invoke(Command(resume="b"), cfg)
 
 
+def test_a_resume_on_a_thread_with_no_checkpoint_is_refused_and_stores_nothing(
+    store_url: str,
+) -> None:
+    saver = RemitSaver(store_url)
+    graph = one_node(Free, lambda s: {"value": interrupt("?")}, saver)
+    cfg = config()
+    with pytest.raises(UnknownRecord, match="nothing to resume"):
+        graph.invoke(Command(resume="a"), cfg)
+    assert saver.get_tuple(cfg) is None
+    graph.invoke({"n": 1}, cfg)  # the claim was given back: the thread starts as usual
+    assert graph.invoke(Command(resume="b"), cfg)["value"] == "b"
+
+
 def test_a_resume_by_id_after_the_run_finished_is_refused_as_consumed(store_url: str) -> None:
     graph = one_node(Free, lambda s: {"value": interrupt("?")}, RemitSaver(store_url))
     cfg = config()
