@@ -1613,6 +1613,8 @@ def test_commit_after_main_was_rewound(store: Store, run_id: str) -> None:
     [
         ("synchronus=FULL", "unknown SQLite URL option 'synchronus'"),
         ("busy_timeout=soon", "busy_timeout='soon' is not an integer"),
+        ("busy_timeout=-5", "busy_timeout=-5 is below 0"),
+        ("synchronous=FULL&synchronous=NORMAL", "'synchronous' is given twice"),
     ],
 )
 def test_a_sqlite_url_option_that_is_not_understood_is_refused_naming_it(
@@ -1623,6 +1625,32 @@ def test_a_sqlite_url_option_that_is_not_understood_is_refused_naming_it(
     assert not (tmp_path / "t.db").exists()  # nothing was opened
 
 
-def test_a_postgres_size_option_that_is_not_an_integer_is_refused_naming_it() -> None:
-    with pytest.raises(ValueError, match="max_size='abc' is not an integer"):
-        PostgresStore("postgresql://postgres@127.0.0.1:5432/test?max_size=abc")
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("max_size=abc", "max_size='abc' is not an integer"),
+        ("max_size=0", "max_size=0 is below 1"),
+        ("max_size=2&min_size=5", "min_size=5 is above max_size=2"),
+        ("min_size=1&min_size=2", "'min_size' is given twice"),
+    ],
+)
+def test_a_postgres_pool_option_that_cannot_hold_is_refused_naming_it(
+    query: str, named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        PostgresStore(f"postgresql://postgres@127.0.0.1:5432/test?{query}")
+
+
+def test_a_postgres_min_size_alone_raises_the_default_max_size_to_it() -> None:
+    store = PostgresStore("postgresql://postgres@127.0.0.1:5432/test?min_size=6")
+    assert (store._min, store._max) == (6, 6)
+
+
+def test_a_redis_url_option_redis_py_does_not_know_is_refused_naming_it() -> None:
+    from remit_core.stores.redis import RedisStore
+
+    with pytest.raises(ValueError, match="unknown Redis URL option 'socket_timout'"):
+        RedisStore("redis://127.0.0.1:6379/0?socket_timout=2")
+    # Options of redis-py's connections and pool are passed on.
+    store = Remit("redis://127.0.0.1:6379/0?socket_timeout=5&max_connections=8").store
+    assert isinstance(store, RedisStore) and store.list_checkpoints(uuid.uuid4().hex, "") == []

@@ -85,16 +85,21 @@ _CKPT_COLS = (
 )
 
 
-def int_option(options: dict[str, str], name: str, default: int, url: str) -> int:
+def int_option(
+    options: dict[str, str], name: str, default: int, url: str, *, minimum: int = 0
+) -> int:
     """The integer URL option `name` (removed from `options`), or `default`; a
-    `ValueError` naming it if it is not an integer."""
+    `ValueError` naming it if it is not an integer of at least `minimum`."""
     raw = options.pop(name, None)
     if raw is None:
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ValueError(f"store URL option {name}={raw!r} is not an integer ({url!r})") from None
+    if value < minimum:
+        raise ValueError(f"store URL option {name}={value} is below {minimum} ({url!r})")
+    return value
 
 
 def _ckpt_params(r: CheckpointRecord) -> list[Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from urllib.parse import parse_qsl, urlsplit
 
 from remit_core.errors import Fenced, VersionMismatch
 from remit_core.records import (
@@ -28,6 +29,17 @@ from remit_core.records import (
 #: Migration steps are numbered from 1; a store records each applied number.
 #: A step may change one engine only (2 to 4: SQLite's one-statement commits).
 SCHEMA_VERSION = 4
+
+
+def url_options(url: str) -> dict[str, str]:
+    """The query options of a store URL; an option given twice is a `ValueError`
+    naming it (which one was meant is unclear)."""
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if name in options:
+            raise ValueError(f"store URL option {name!r} is given twice in {url!r}")
+        options[name] = value
+    return options
 
 
 def newer_schema(applied: Iterable[int], where: str) -> VersionMismatch | None:

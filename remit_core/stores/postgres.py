@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from remit_core import failpoints
 from remit_core.errors import HeadMoved, StoreUnavailable
@@ -46,7 +46,7 @@ from remit_core.stores._sql import (
     _flat,
     int_option,
 )
-from remit_core.stores.base import stale_fence
+from remit_core.stores.base import stale_fence, url_options
 
 try:
     import psycopg
@@ -316,13 +316,12 @@ class PostgresStore(SqlStore):
     def __init__(self, url: str) -> None:
         self.url = url
         parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query))
+        query = url_options(url)
         self._min = int_option(query, "min_size", 1, url)
-        self._max = int_option(query, "max_size", 4, url)
-        if self._max < 1 or self._min < 0:
+        self._max = int_option(query, "max_size", max(4, self._min), url, minimum=1)
+        if self._min > self._max:
             raise ValueError(
-                f"PostgreSQL URL: max_size must be >= 1 and min_size >= 0, "
-                f"not {self._max} and {self._min}"
+                f"PostgreSQL URL: min_size={self._min} is above max_size={self._max} ({url!r})"
             )
         # A client paused inside a transaction (a SIGSTOPped "zombie") would keep its
         # row locks and block the takeover that L1 promises; the server ends such a

@@ -43,6 +43,7 @@ the script is sent: a crash there leaves nothing written, as in SQL.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 import time
@@ -75,7 +76,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores import _redis_lua as lua
-from remit_core.stores.base import Store, newer_schema, stale_fence
+from remit_core.stores.base import Store, newer_schema, stale_fence, url_options
 
 #: Numbered layout versions recorded by `setup()`. Keys are created on first
 #: write, so version 1 creates nothing; a later version would convert keys here.
@@ -248,6 +249,20 @@ def _write_args(keys: _Keys, writes: Sequence[WriteRecord]) -> list[Any]:
     return args
 
 
+def _parameters(cls: type) -> set[str]:
+    """The named arguments of `cls` and its bases' `__init__`."""
+    names: set[str] = set()
+    for klass in cls.__mro__[:-1]:  # not object's
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names |= {
+                p.name
+                for p in inspect.signature(init).parameters.values()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            }
+    return names - {"self"}
+
+
 class RedisStore(Store):
     """A pooled Redis store; the pool is re-created in a forked child."""
 
@@ -264,6 +279,15 @@ class RedisStore(Store):
             pool = ConnectionPool.from_url(self.url, decode_responses=False)
         except ValueError as exc:
             raise ValueError(f"bad Redis URL {self.url!r}: {exc}") from exc
+        # redis-py hands an option it does not know to each new connection, which
+        # would fail only at the first command.
+        known = _parameters(type(pool)) | _parameters(pool.connection_class)
+        unknown = sorted(set(url_options(self.url)) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown Redis URL option {unknown[0]!r} in {self.url!r} (the options are "
+                "redis-py's connection and pool arguments, e.g. socket_timeout, max_connections)"
+            )
         return pool, Redis(connection_pool=pool), os.getpid()
 
     def _client(self) -> Redis:

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from remit_core import failpoints
 from remit_core.errors import HeadMoved, StoreUnavailable
@@ -48,7 +48,7 @@ from remit_core.stores._sql import (
     _release_params,
     int_option,
 )
-from remit_core.stores.base import stale_fence
+from remit_core.stores.base import stale_fence, url_options
 
 
 def sqlite_path(url: str) -> str:
@@ -421,7 +421,7 @@ class SQLiteStore(SqlStore):
     def __init__(self, url: str) -> None:
         self.url = url
         self.path = sqlite_path(url)
-        opts = dict(parse_qsl(urlsplit(url).query))
+        opts = url_options(url)
         self._synchronous = opts.pop("synchronous", "NORMAL").upper()
         if self._synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"unknown synchronous mode {self._synchronous!r} in {url!r}")
