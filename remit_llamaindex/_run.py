@@ -19,7 +19,9 @@ resolved is refused with `ResumeConflict`. The classic human in the loop has
 no waiter: a step returns an `InputRequiredEvent` (an *ask*, opened as an
 interrupt with the step's result) and another step takes the
 `HumanResponseEvent`. An answer consumes the oldest open ask the same way; an
-answer when every ask was answered already is refused.
+answer when every ask was answered already is refused. An event no waiter waits
+for and no step takes is refused too: the framework would drop it, so an answer
+sent before its waiter exists would be acknowledged and lost.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from workflows.runtime.control_loop import replay_ticks_stream
 from workflows.runtime.types.internal_state import BrokerState
 from workflows.runtime.types.plugin import ExternalRunAdapter, as_v2_runtime_compatibility_shim
 from workflows.runtime.types.results import StepWorkerFailed
+from workflows.runtime.types.step_id import StepId
 from workflows.runtime.types.ticks import (
     TickAddEvent,
     TickCancelRun,
@@ -90,11 +93,27 @@ def split_run_id(key: str) -> tuple[str, str]:
     return key, MAIN_BRANCH
 
 
+def checked_new_run_id(run_id: str) -> str:
+    """`run_id` if a new run can be stored under it as given, else a `ValueError`.
+
+    "<run>@fork-..." is how a fork's run is addressed (`public_run_id`): a new run
+    under such an id would be stored as another run, and looked up as a branch of
+    that run, which it is not."""
+    base, branch = split_run_id(run_id)
+    if branch != MAIN_BRANCH:
+        raise ValueError(
+            f"run id {run_id!r} reads as branch {branch!r} of run {base!r} (a fork's run is "
+            'addressed as "<run>@fork-..."); nothing was stored: start the run under an '
+            "id whose last '@' is not followed by 'fork-'"
+        )
+    return run_id
+
+
 async def _one(tick: WorkflowTick) -> AsyncIterator[WorkflowTick]:
     yield tick
 
 
-def _validated_event(event: Event, **ids: Any) -> None:
+def validated_event(event: Event, **ids: Any) -> None:
     """Re-validate a delivered event against its own model (catches `model_construct`)."""
     try:
         type(event).model_validate(event.model_dump())
@@ -107,6 +126,30 @@ def _validated_event(event: Event, **ids: Any) -> None:
             field=field,
             **ids,
         ) from exc
+
+
+def check_awaited(state: BrokerState, event: Event, step: StepId | None, **ids: Any) -> None:
+    """Refuse with `ResumeConflict` an event from outside that the run would drop
+    (`snap.takes`): accepted and then lost, it would tell its sender that the run has
+    the value while the run goes on to ask for it again."""
+    if snap.takes(state, event, step):
+        return
+    waits = sorted({w.event_type.rpartition(".")[2] for w in snap.waiters(state) if w.pending})
+    if waits:
+        now = f"it waits for {', '.join(waits)}"
+    elif snap.is_idle(state):
+        now = "it waits for no event"
+    else:
+        now = (
+            "a step is still in flight; if the run's process died, continue the run with "
+            "RemitRuntime.recover first"
+        )
+    raise ResumeConflict(
+        f"no waiter of the run waits for {type(event).__name__} and no step takes it, so "
+        f"the run would drop it ({now}); the event was not delivered: send it once the "
+        "run waits for it",
+        **ids,
+    )
 
 
 def _stops_process(tick: WorkflowTick) -> bool:
@@ -527,9 +570,10 @@ class Session:
     async def _resolved_by(self, tick: TickAddEvent) -> dict[str, dict[str, Any]]:
         """The interrupts `tick` resolves (id -> prompt): the pending waiters it answers,
         else for an answer the oldest open ask. Refuses a response to a resolved waiter,
-        an answer when every ask was answered, and any event once the run has ended."""
+        an answer when every ask was answered, any event once the run has ended, and
+        an event the run would drop (`check_awaited`)."""
         ids = {"run_id": self.run_id, "checkpoint_id": self.head_id}
-        _validated_event(tick.event, **ids)
+        validated_event(tick.event, **ids)
         before = {w.interrupt_id: w for w in snap.waiters(self.mirror)}
         after = snap.waiters(
             (await replay_ticks_stream(self.mirror, _one(tick), run_id=self.key)).state
@@ -572,6 +616,7 @@ class Session:
                 )
         if not self.mirror.is_running and self.ticks:
             raise ResumeConflict("the run has ended; the event was not delivered", **ids)
+        check_awaited(self.mirror, tick.event, tick.step_id, **ids)
         return {}
 
     def _consume(self, targets: Mapping[str, dict[str, Any]], value: bytes) -> None:

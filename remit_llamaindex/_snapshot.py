@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from workflows._event_matching import event_matches, step_accepts_event
 from workflows.context.context_types import SerializedContext
 from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
 from workflows.errors import WorkflowCancelledByUser
@@ -19,6 +20,7 @@ from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, Stop
 from workflows.runtime.types.commands import CommandCompleteRun, CommandFailWorkflow, CommandHalt
 from workflows.runtime.types.internal_state import BrokerState
 from workflows.runtime.types.results import StepWorkerWaiter
+from workflows.runtime.types.step_id import StepId
 from workflows.workflow import Workflow
 
 from remit_core import codec
@@ -162,6 +164,32 @@ def is_answer(event: Event) -> bool:
 def event_types(event: Event) -> set[str]:
     """Qualified names of an event's class and its bases (what a waiter may wait for)."""
     return {_qualname(c) for c in type(event).__mro__}
+
+
+def takes(state: BrokerState, event: Event, step: StepId | None = None) -> bool:
+    """Whether the control loop does anything with `event` sent from outside (to `step`,
+    or to every step): a pending waiter of the run waits for it, or a step accepts it.
+
+    The framework drops any other event (it only publishes an `UnhandledEvent`): an
+    answer sent before the step that waits for it has asked is lost, not kept for it.
+    The matching is the reducer's: the framework's own rule, and a waiter's
+    `requirements`."""
+    for step_id, config in state.config.steps.items():
+        subclasses = config.accept_event_subclasses
+        for w in state.workers[step_id].collected_waiters:
+            if (
+                w.resolved_event is None
+                and not w.timed_out
+                and event_matches(event, w.waiting_for_event, allow_subclasses=subclasses)
+                and all(getattr(event, k, None) == v for k, v in w.requirements.items())
+            ):
+                return True
+        targeted = step is None or step == step_id
+        if targeted and step_accepts_event(
+            event, config.accepted_events, allow_subclasses=subclasses
+        ):
+            return True
+    return False
 
 
 def busy_steps(state: BrokerState) -> list[str]:

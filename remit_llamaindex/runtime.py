@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from workflows.context.context import Context
 from workflows.context.serializers import BaseSerializer, JsonSerializer
 from workflows.context.state_store import (
@@ -73,6 +73,7 @@ from remit_core import codec, connect, failpoints, policy
 from remit_core.core import DEFAULT_LEASE, Remit
 from remit_core.effects import step_scope
 from remit_core.errors import (
+    CheckpointInvalid,
     CorruptRecord,
     ForkWithoutIntent,
     RemitError,
@@ -83,7 +84,15 @@ from remit_core.records import MAIN_BRANCH, CheckpointRecord
 from remit_core.schema import StateSchema
 from remit_llamaindex import _child
 from remit_llamaindex import _snapshot as snap
-from remit_llamaindex._run import Session, new_checkpoint_id, public_run_id, split_run_id
+from remit_llamaindex._run import (
+    Session,
+    check_awaited,
+    checked_new_run_id,
+    new_checkpoint_id,
+    public_run_id,
+    split_run_id,
+    validated_event,
+)
 from remit_llamaindex._state import RemitStateStore
 from remit_llamaindex._storable import check_storable
 
@@ -242,7 +251,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         serializer: JsonSerializer,
     ) -> Session:
         """A new Remit run (a vanilla snapshot's state is imported, lineage unknown)."""
-        run_id, _ = split_run_id(run_id)
+        run_id = checked_new_run_id(run_id)
         if self.remit.branch(run_id) is not None:
             raise ForkWithoutIntent(
                 f"run {run_id!r} already exists; continue it from RemitRuntime.context(...) "
@@ -623,8 +632,10 @@ class RemitRuntime(BaseRuntimeDecorator):
         and not delivered. This method raises the refusal instead:
         `ResumeConflict` when the waiter it answers was already resolved, when
         it is a `HumanResponseEvent` and every `InputRequiredEvent` the run
-        returned was answered already, or when another resumer holds the run or
-        moved it on; `CheckpointInvalid` for an event that fails its own model.
+        returned was answered already, when no waiter of the run waits for it
+        and no step takes it (the framework would drop it: send an answer once
+        its waiter exists), or when another resumer holds the run or moved it
+        on; `CheckpointInvalid` for an event that fails its own model.
         """
         session = self._session_of(handler)
         await session.deliver(
@@ -636,13 +647,17 @@ class RemitRuntime(BaseRuntimeDecorator):
 
         The event's interrupt is claimed and consumed before any step runs;
         of k concurrent resumers one proceeds and the others get `ResumeConflict`,
-        as does an event for a run that has ended (nothing runs, nothing is stored).
+        as does an event for a run that has ended, or one the stored run does not
+        wait for and no step of it takes (nothing runs, nothing is stored). A run
+        whose process died before it reached the step that waits for the event
+        is continued with `recover` first; answer it once it waits.
         """
         ctx = await asyncio.to_thread(self.context, workflow, run_id)
         # (Not running: running it would start the workflow over. Ended with a step in
         # flight, e.g. cancelled: running it would only answer with its outcome.)
         if not ctx.is_running or await asyncio.to_thread(self.status, run_id) in snap.TERMINAL:
             raise await asyncio.to_thread(self._ended, run_id, event)
+        await asyncio.to_thread(self._check_awaited, workflow, run_id, event)
         try:
             handler = workflow.run(ctx=ctx)
         except ForkWithoutIntent as exc:
@@ -660,26 +675,52 @@ class RemitRuntime(BaseRuntimeDecorator):
             raise
         return handler
 
+    def _check_awaited(self, workflow: Workflow, run_id: str, event: Event) -> None:
+        """Refuse, before the stored run is restored (a run with a step in flight would
+        start running it), an event that fails its model or that the run would drop:
+        naming the interrupt it would have answered if that one was consumed already."""
+        record = self._head(run_id)
+        ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+        validated_event(event, **ids)
+        ctx, requirements, _ = snap.decode_body(record.state, **ids)
+        state = snap.broker_state(ctx, workflow, self.get_serializer(workflow))
+        snap.restore_requirements(state, requirements)
+        if snap.takes(state, event):
+            return
+        consumed = self._consumed_refusal(run_id, record, event, "")
+        if consumed is not None:
+            raise consumed
+        check_awaited(state, event, None, **ids)
+
     def _ended(self, run_id: str, event: Event) -> ResumeConflict:
         """The refusal of an event for a run that has ended, naming the interrupt the
         event would have answered if there is one."""
         record = self._head(run_id)
+        consumed = self._consumed_refusal(run_id, record, event, " and the run has ended")
+        if consumed is not None:
+            return consumed
+        return ResumeConflict(
+            f"the run has ended ({record.metadata.get('status')}); the event was not delivered",
+            run_id=run_id,
+            checkpoint_id=record.checkpoint_id,
+        )
+
+    def _consumed_refusal(
+        self, run_id: str, record: CheckpointRecord, event: Event, why: str
+    ) -> ResumeConflict | None:
+        """The refusal naming a consumed interrupt of the run's branch that `event`
+        would have answered, if there is one (`why`: what else the message says)."""
         types = snap.event_types(event)
         for interrupt in self.remit.interrupts(record.run_id, branch=record.branch):
             prompt = codec.loads(interrupt.prompt) if interrupt.prompt else {}
             asked = prompt.get("kind") == "ask" and snap.is_answer(event)
             if interrupt.status == "consumed" and (asked or prompt.get("event_type") in types):
                 return ResumeConflict(
-                    "interrupt was already consumed and the run has ended; the value was "
-                    "not delivered",
+                    f"interrupt was already consumed{why}; the value was not delivered",
                     run_id=run_id,
                     interrupt_id=interrupt.interrupt_id,
                 )
-        return ResumeConflict(
-            f"the run has ended ({record.metadata.get('status')}); the event was not delivered",
-            run_id=run_id,
-            checkpoint_id=record.checkpoint_id,
-        )
+        return None
 
     async def cancel(self, run_id: str) -> str:
         """End a stored run for good (status `cancelled`), parked or not: a later
@@ -734,9 +775,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             record = self._head(run_id)
             ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
             ctx, requirements, _ = snap.decode_body(record.state, **ids)
-            state = self._state(workflow, record, ctx, serializer)
-            for path, value in values.items():
-                state = set_by_path_copy(state, path, value)
+            state = _edited(self._state(workflow, record, ctx, serializer), values, **ids)
             schema = self._schema(workflow)
             if schema is not None:
                 state = schema.validate(state, **ids)
@@ -758,6 +797,28 @@ class RemitRuntime(BaseRuntimeDecorator):
                 fence=claim.fence,
             )
         return checkpoint_id
+
+
+def _edited(state: BaseModel, values: Mapping[str, Any], **ids: Any) -> BaseModel:
+    """`state` with `values` set by path (the framework's `set_by_path_copy`), or
+    `CheckpointInvalid` naming a path the state has no field for."""
+    for path, value in values.items():
+        try:
+            state = set_by_path_copy(state, path, value)
+        except ValidationError as exc:  # a model that validates assignments
+            raise CheckpointInvalid(
+                f"state does not satisfy its schema at {path}: {exc.errors()[0].get('msg')}; "
+                "the edit was not written",
+                field=path,
+                **ids,
+            ) from exc
+        except (ValueError, TypeError, AttributeError, LookupError) as exc:
+            raise CheckpointInvalid(
+                f"{type(state).__name__} has no field {path!r} ({exc}); the edit was not written",
+                field=path,
+                **ids,
+            ) from exc
+    return state
 
 
 class _Internal(BaseInternalRunAdapterDecorator):

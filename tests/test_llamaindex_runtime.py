@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from remit_core.errors import (
     ForkWithoutIntent,
     RemitError,
     ResumeConflict,
+    UnknownRecord,
 )
 from remit_llamaindex import RemitRuntime
 from remit_llamaindex._run import JOURNAL_TASK
@@ -74,17 +76,32 @@ def charge_card(amount: int, *, idempotency_key: str) -> int:
 
 
 class OrderFlow(Workflow):
-    """prepare -> approve (waits for an `Answer`) -> charge (an effect)."""
+    """prepare -> approve (waits for an `Answer`) -> charge (an effect).
 
-    def __init__(self, bad_write: str = "", gate: asyncio.Event | None = None, **kw: Any) -> None:
+    `hold` keeps `prepare` running until it is set; `crash` kills the process in it."""
+
+    def __init__(
+        self,
+        bad_write: str = "",
+        gate: asyncio.Event | None = None,
+        hold: asyncio.Event | None = None,
+        crash: bool = False,
+        **kw: Any,
+    ) -> None:
         super().__init__(timeout=None, **kw)
         self.bad_write = bad_write
         self.gate = gate
+        self.hold = hold
+        self.crash = crash
 
     @step
     async def prepare(self, ctx: Context[Order], ev: StartEvent) -> Asked:
         ENTERED["prepare"] += 1
         await ctx.store.set("amount", ev.get("amount", 100))
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.crash:
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.bad_write == "set":
             await ctx.store.set("amount", "lots")
         if self.bad_write == "model_construct":
@@ -284,6 +301,48 @@ def test_invalid_external_edit_and_invalid_response_are_refused(store_url: str) 
     assert list(CHARGED.values()) == [1]
 
 
+class Checked(BaseModel, validate_assignment=True):
+    amount: int = Field(default=0, ge=0)
+
+
+class CheckedFlow(Workflow):
+    """Parks at once; its state model validates assignments."""
+
+    @step
+    async def wait(self, ctx: Context[Checked], ev: StartEvent) -> StopEvent:
+        await ctx.wait_for_event(Answer, waiter_event=InputRequiredEvent(prefix="?"))
+        return StopEvent(result="done")
+
+
+def test_an_unknown_field_in_an_external_edit_is_refused_naming_it(store_url: str) -> None:
+    """P4: an edit naming a field the state model does not have (or a path into a value
+    that has none), or one a model that validates assignments refuses, is refused with
+    `CheckpointInvalid` naming it, not the framework's bare `ValueError` or pydantic's
+    `ValidationError`; nothing is committed."""
+    run, checked = new_run(), new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        wf = await started(rt, run)
+        history = rt.checkpoints(run)
+        for path in ("amuont", "amount.cents"):
+            with pytest.raises(CheckpointInvalid) as refused:
+                await rt.update_state(wf, run, {"approved_by": "eve", path: 7})
+            assert (refused.value.field, refused.value.run_id) == (path, run)
+        assert rt.checkpoints(run) == history
+        assert rt.get_state(wf, run) == Order(amount=100)
+
+        flow = CheckedFlow(runtime=rt, timeout=None)
+        assert await settle(flow.run(run_id=checked)) == "paused"
+        history = rt.checkpoints(checked)
+        with pytest.raises(CheckpointInvalid, match="does not satisfy") as refused:
+            await rt.update_state(flow, checked, {"amount": -1})
+        assert refused.value.field == "amount"
+        assert rt.checkpoints(checked) == history
+
+    asyncio.run(go())
+
+
 def test_restoring_one_snapshot_twice_is_a_fork(store_url: str) -> None:
     """`ctx.to_dict()` names the run's checkpoint: the first restore continues the run;
     the second needs a fork token, and one token makes one branch with its own id."""
@@ -354,6 +413,133 @@ def test_a_taken_over_run_is_fenced_and_stops(store_url: str) -> None:
 
     asyncio.run(go())
     assert CHARGED == {}
+
+
+def test_a_run_id_that_reads_as_a_fork_is_refused_before_anything_is_stored(
+    store_url: str,
+) -> None:
+    """A fork's run is addressed as "<run>@fork-...": a new run under such an id would be
+    stored as run "<run>" and looked up as one of its branches. It is refused up front,
+    naming the id; an "@fork-" that is not after the last "@" is an ordinary id."""
+    base = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        mine = f"{base}@fork-and-knife.com"
+        with pytest.raises(ValueError, match=mine):
+            OrderFlow(runtime=rt).run(run_id=mine, amount=1)
+        for lookup in (base, mine):
+            with pytest.raises(UnknownRecord):
+                rt.status(lookup)
+        kept = f"{base}@fork-and-knife.com@example.org"
+        assert await settle(OrderFlow(runtime=rt).run(run_id=kept, amount=1)) == "paused"
+        assert rt.status(kept) == "waiting" and rt.checkpoints(kept)[0].branch == "main"
+
+    asyncio.run(go())
+
+
+# -- an event the run does not wait for ----------------------------------------------
+
+
+DYING_IN_PREPARE = """
+import asyncio, sys
+sys.path.insert(0, {tests!r})
+from remit_llamaindex import RemitRuntime
+from test_llamaindex_runtime import OrderFlow
+
+async def main():
+    flow = OrderFlow(runtime=RemitRuntime({url!r}, lease=1), crash=True)
+    await flow.run(run_id={run!r}, amount=100)
+
+asyncio.run(main())
+"""
+
+
+def test_an_answer_to_a_run_that_died_before_it_waits_is_refused(store_url: str) -> None:
+    """P5: the process dies (SIGKILL) in `prepare`, before `approve` waits for the answer.
+    The framework drops an event nothing waits for or takes, so an answer taken now would
+    be acknowledged and lost, and the run would ask again. `respond` refuses it before
+    anything runs or is stored; recovered and waiting, the run takes one answer."""
+    run = new_run()
+    code = DYING_IN_PREPARE.format(tests=str(Path(__file__).parent), url=store_url, run=run)
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url, lease=1)
+        wf = OrderFlow(runtime=rt)
+        history = rt.checkpoints(run)
+        assert (history[0].status, history[0].next_steps) == ("running", ("prepare",))
+        for _ in range(2):  # while the dead process's lease lasts, and once it ran out
+            with pytest.raises(ResumeConflict, match="recover") as refused:
+                await rt.respond(wf, run, Answer(response="ada"))
+            assert refused.value.run_id == run
+            assert rt.checkpoints(run) == history and rt.remit.interrupts(run) == []
+            await asyncio.sleep(1.5)
+        assert ENTERED == Counter()
+        handler = rt.recover(wf, run)
+        assert handler is not None and await settle(handler) == "paused"
+        await rt.send_event(handler, Answer(response="bob"))
+        assert await handler == "charged"
+        with pytest.raises(ResumeConflict):
+            await rt.respond(OrderFlow(runtime=rt), run, Answer(response="eve"))
+        assert rt.get_state(wf, run).approved_by == "bob"
+
+    asyncio.run(go())
+    assert ENTERED == Counter(prepare=1, approve=1, charge=1)
+    assert list(CHARGED.values()) == [1]
+
+
+class Ping(Event):
+    n: int
+
+
+class Pinged(Workflow):
+    """Idle after its start; a `Ping` from outside is an ordinary event a step takes."""
+
+    @step
+    async def start(self, ctx: Context, ev: StartEvent) -> Ping | None:
+        return None  # the `Ping` comes from outside
+
+    @step
+    async def pong(self, ctx: Context, ev: Ping) -> StopEvent:
+        return StopEvent(result=ev.n)
+
+
+def test_an_event_the_live_run_would_drop_is_refused(store_url: str) -> None:
+    """An answer sent while the step before its waiter still runs (the framework drops
+    it: no waiter yet, no step takes it) is refused, not acknowledged and lost; sent once
+    the run waits, it is taken. An ordinary event a step takes is delivered as before."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        hold = asyncio.Event()
+        wf = OrderFlow(runtime=rt, hold=hold)
+        handler = wf.run(run_id=run, amount=5)
+        while ENTERED["prepare"] == 0:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ResumeConflict, match="Answer") as refused:
+            await rt.send_event(handler, Answer(response="early"))
+        assert refused.value.run_id == run and rt.remit.interrupts(run) == []
+        hold.set()
+        assert await settle(handler) == "paused"
+        await rt.send_event(handler, Answer(response="ada"))
+        assert await handler == "charged"
+        assert rt.get_state(wf, run).approved_by == "ada"
+
+        idle = Pinged(runtime=rt, timeout=None).run(run_id=new_run())
+        while not rt.checkpoints(idle.run_id) or rt.status(idle.run_id) != "waiting":
+            await asyncio.sleep(0.01)
+        with pytest.raises(ResumeConflict, match="waits for no event"):
+            await rt.send_event(idle, Answer(response="nobody asked"))
+        await rt.send_event(idle, Ping(n=3))
+        assert await idle == 3
+
+    asyncio.run(go())
+    assert ENTERED == Counter(prepare=1, approve=1, charge=1)
 
 
 # -- classic human in the loop: InputRequiredEvent returned, HumanResponseEvent taken --
