@@ -283,10 +283,7 @@ class RemitFlowPersistence(FlowPersistence):
         run_id, branch = locate(flow_id)
         remit = self.remit
         if checkpoint_id is None:
-            current = remit.branch(run_id, branch=branch)
-            if current is None or current.head_id is None:
-                raise UnknownRecord("flow has no checkpoint to fork from", run_id=run_id)
-            checkpoint_id = current.head_id
+            checkpoint_id = self._fork_base(flow_id, fork_token)
         base = remit.checkpoint(run_id, checkpoint_id)
         if base is None:
             raise UnknownRecord("no such checkpoint", run_id=run_id, checkpoint_id=checkpoint_id)
@@ -306,6 +303,31 @@ class RemitFlowPersistence(FlowPersistence):
                     checkpoint_id=checkpoint_id,
                 )
         return flow_id_of(run_id, created.branch)
+
+    def _fork_base(self, flow_id: str, fork_token: str | None) -> str:
+        """Where a fork of `flow_id` that names no checkpoint starts: where its token's
+        fork started, if the token made one (the same token continues the same fork,
+        however far `flow_id` has moved on since, P3), else at `flow_id`'s head."""
+        run_id, branch = locate(flow_id)
+        current = self.remit.branch(run_id, branch=branch)
+        if current is None or current.head_id is None:
+            raise UnknownRecord("flow has no checkpoint to fork from", run_id=run_id)
+        made = None if fork_token is None else self.remit.fork_branch(run_id, fork_token)
+        if made is None or made.base_id is None:
+            return current.head_id
+        parents = {r.checkpoint_id: r.parent_id for r in self.remit.history(run_id, verify=False)}
+        cursor: str | None = current.head_id
+        while cursor is not None and cursor != made.base_id:
+            cursor = parents.get(cursor)
+        if cursor is None:
+            raise ForkWithoutIntent(
+                f"fork token {fork_token!r} already made fork {flow_id_of(run_id, made.branch)!r} "
+                f"from checkpoint {made.base_id!r}, which is not on the line of {flow_id!r}: "
+                "use a new token to fork this flow",
+                run_id=run_id,
+                checkpoint_id=made.base_id,
+            )
+        return made.base_id
 
     def checkpoints(self, flow_id: str) -> list[SavedCheckpoint]:
         """The flow's checkpoints, newest first, along its line back to the start."""

@@ -65,6 +65,7 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
     ) -> None:
         self.state_type, self.run_end_type = state_type, run_end_type
         snapshot = Snapshot[state_type, run_end_type]  # type: ignore[valid-type]
+        self.declared: Any = snapshot
         self.adapter: pydantic.TypeAdapter[Snapshot[StateT, RunEndT]] = pydantic.TypeAdapter(
             Annotated[snapshot, pydantic.Discriminator("kind")]
         )
@@ -97,7 +98,7 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
                 f"does not satisfy the graph's types: {first.get('msg')}",
             ) from exc
         if not _equal(back, snapshot):
-            found = _difference(snapshot, back, ())
+            found = _difference(snapshot, back, (), self.declared)
             if found is not None:
                 path, ours, read = found
                 raise Unfit(
@@ -173,9 +174,17 @@ def _parts(value: Any, declared: Any) -> Iterator[tuple[str | int, Any, Any]]:
     """`value`'s fields or items, each with its declared type (Any where none is known)."""
     while typing.get_origin(declared) is Annotated:
         declared = typing.get_args(declared)[0]
-    if declared is Any:
+    if declared is Any or isinstance(declared, typing.TypeVar):
         declared = type(value)
     origin, args = typing.get_origin(declared) or declared, typing.get_args(declared)
+    if (
+        isinstance(origin, type)
+        and type(value) is not origin
+        and (dataclasses.is_dataclass(value) or isinstance(value, pydantic.BaseModel))
+        and _is_instance(value, origin)
+    ):
+        # A node declared as `BaseNode[...]`: its own class has the fields.
+        origin, args = type(value), ()
     if origin in (Union, types.UnionType):
         member = next((m for m in args if _is_instance(value, m)), None)
         if member is not None:
@@ -229,8 +238,8 @@ def _hints(cls: type, args: tuple[Any, ...]) -> dict[str, Any]:
 
 
 def _bind(hint: Any, bound: Mapping[Any, Any]) -> Any:
-    if hint in bound:
-        return bound[hint]
+    if isinstance(hint, typing.TypeVar):  # (an `Annotated` hint may not be hashable)
+        return bound.get(hint, hint)
     inner = getattr(hint, "__parameters__", ())
     return hint[tuple(bound.get(p, p) for p in inner)] if inner else hint
 
@@ -242,12 +251,16 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _difference(ours: Any, read: Any, path: _Path) -> tuple[_Path, Any, Any] | None:
+def _difference(
+    ours: Any, read: Any, path: _Path, declared: Any = Any
+) -> tuple[_Path, Any, Any] | None:
     """The first place where `read` (a round trip) differs from `ours`, by value.
 
     Objects are compared field by field (so a class compared by identity is
-    compared by its data), sequences item by item (a tuple read back as a list
-    of equal items is equal), NaN equals NaN; anything else by `==`.
+    compared by its data), sequences item by item, NaN equals NaN; anything
+    else by `==`. A tuple read back as a list (or a list as a tuple) is equal
+    only where its `declared` type makes it one (a tuple in a `list[int]`
+    field); in an `Any` field it would come back as another type.
     """
     children: Callable[[Any], Mapping[Any, Any]] | None = None
     if dataclasses.is_dataclass(ours) and not isinstance(ours, type):
@@ -257,6 +270,8 @@ def _difference(ours: Any, read: Any, path: _Path) -> tuple[_Path, Any, Any] | N
     elif isinstance(ours, Mapping) and isinstance(read, Mapping):
         children = dict
     elif isinstance(ours, (list, tuple)) and isinstance(read, (list, tuple)):
+        if type(ours) is not type(read) and not _declares(declared, type(read)):
+            return path, ours, read
         children = _indexed
     if children is None:
         if isinstance(ours, float) and isinstance(read, float) and math.isnan(ours):
@@ -267,11 +282,26 @@ def _difference(ours: Any, read: Any, path: _Path) -> tuple[_Path, Any, Any] | N
     mine, theirs = children(ours), children(read)
     if mine.keys() != theirs.keys():
         return path, ours, read
+    declared_parts = {key: part for key, _, part in _parts(ours, declared)}
     for key, value in mine.items():
-        found = _difference(value, theirs[key], (*path, key))
+        found = _difference(value, theirs[key], (*path, key), declared_parts.get(key, Any))
         if found is not None:
             return found
     return None
+
+
+def _declares(declared: Any, kind: type) -> bool:
+    """Whether every type `declared` allows for a sequence reads it back as `kind`
+    (`list[int]`, `Sequence[int]` for a list): then a round trip that gives a `kind`
+    follows the declared type. `Any`, or a union that also allows another sequence
+    type, would not have changed it."""
+    while typing.get_origin(declared) is Annotated:
+        declared = typing.get_args(declared)[0]
+    origin = typing.get_origin(declared) or declared
+    if origin in (Union, types.UnionType):
+        members = [m for m in typing.get_args(declared) if m is not type(None)]
+        return all(_declares(m, kind) for m in members)
+    return isinstance(origin, type) and origin is not object and issubclass(kind, origin)
 
 
 def _dataclass_fields(obj: Any) -> dict[str, Any]:

@@ -15,7 +15,8 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
   id (and, on a fork, by the fork's branch), so `remit_core.effect` functions
   inside it apply once.
 - P3: starting a new node on a run that already has a head, or running a
-  snapshot that is not the head, is a fork and needs `fork_token`.
+  snapshot that is not the head, is a fork and needs `fork_token`. A token
+  that starts a run names that run's line; no node starts after an `End`.
 - P4: every snapshot round-trips through the graph's own type adapter before
   it is written (`_codec`); on read, stored bytes are verified and
   version-checked, and a stored node must be one of the graph's.
@@ -81,7 +82,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RemitStatePersistence"]
 
-_NOT_STARTED = ("created", "pending")
+#: A head node an answer may take the place of: one not started, or one that raised
+#: (a pause run by mistake): nothing followed it.
+_ANSWERABLE = ("created", "pending", "error")
 
 
 @dataclass
@@ -147,10 +150,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     `url` is a store URL (`sqlite:///remit.db`, `postgresql://...`,
     `redis://...`) or a `Remit`. `fork_token` allows this instance to fork
     (start a new node on a run that already has one, or run an old snapshot
-    again); the same token from any process names the same branch.
-    `lease` (seconds, above 0) is how long a dead resumer's claim blocks the
-    run. `workflow_version` is recorded on every snapshot; a run written by a
-    version outside `accept_versions` (default: only this one) is refused.
+    again); the same token from any process names the same branch, and a
+    run started with a token is the line it names. `lease` (seconds, above
+    0) is how long a dead resumer's claim blocks the run. `workflow_version`
+    is recorded on every snapshot; a run written by a version outside
+    `accept_versions` (default: only this one) is refused.
     Bad options raise `TypeError` / `ValueError` before the store is opened.
     """
 
@@ -416,7 +420,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Move to the branch `fork_token` names from `base_id` (P3); its head must be the base."""
         if self.fork_token is None:
             raise self._refuse_fork(base_id, why)
-        made = self.remit.fork(self.run_id, base_id, self.fork_token)
+        made = self._fork_branch(base_id, self.fork_token)
         self._switch(resumer, made.branch, heartbeat=heartbeat)
         head = self._read_head()
         if head is None or head.top.id != base_id:
@@ -429,28 +433,111 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         return head
 
+    def _fork_branch(self, base_id: str, fork_token: str) -> BranchRecord:
+        """The branch `fork_token` makes from `base_id`, or already made from it (P3)."""
+        line = self.remit.fork_branch(self.run_id, fork_token)
+        if line is not None and line.base_id != base_id:
+            made = (
+                "the line it started this run on"
+                if line.base_id is None
+                else f"made from snapshot {line.base_id!r}"
+            )
+            raise ForkWithoutIntent(
+                f"fork token {fork_token!r} already names branch {line.branch!r}, {made}, so "
+                f"it cannot also fork from {base_id!r}: use a new token",
+                run_id=self.run_id,
+                checkpoint_id=base_id,
+            )
+        return self.remit.fork(self.run_id, base_id, fork_token)
+
     def _start_reason(self, head: _Head) -> str:
         return (
             f"the run already has a head on branch {self.branch!r} ({head.top.describe()}) "
             "and starting a new node there"
         )
 
+    def _token_line(self) -> BranchRecord | None:
+        """The line `fork_token` names, made by any process (None: it names none yet).
+        This instance is on that line from now on."""
+        if self.fork_token is None:
+            return None
+        line = self.remit.fork_branch(self.run_id, self.fork_token)
+        if line is not None:
+            self.branch = line.branch
+        return line
+
+    def _start_base(self, line: BranchRecord | None) -> _Head | None:
+        """The head a new node starts after (None: the line is empty), or the refusal (P3).
+
+        Without a token only an empty line takes a new node. With one, a new node
+        forks the run from its head node, or starts the fork its token made while
+        that fork is still at its base. A line the token names that has moved on
+        is continued with `iter_from_persistence`, never started again; and no
+        node follows an `End`, so a line never has two."""
+        head = self._read_head()
+        if head is None:
+            return None
+        ids = {"run_id": self.run_id, "checkpoint_id": head.top.id}
+        if self.fork_token is None:
+            raise self._refuse_fork(head.top.id, self._start_reason(head))
+        if not head.top.is_node:
+            whose = (
+                f"the run has ended on branch {self.branch!r}"
+                if line is None
+                else f"fork token {self.fork_token!r} names branch {self.branch!r}, which has ended"
+            )
+            raise ForkWithoutIntent(
+                f"{whose} ({head.top.id}): a node started after its End would run that line "
+                "again and give it a second End. Read its result with load_all(); to run one "
+                "of its nodes again, fork that node's snapshot with a new token (await "
+                "persistence.fork(snapshot_id, token)) and continue the fork with "
+                "iter_from_persistence()",
+                **ids,
+            )
+        if line is not None and head.top.id != line.base_id:
+            raise ForkWithoutIntent(
+                f"fork token {self.fork_token!r} names branch {self.branch!r}, which has run "
+                f"past where it began (it is at {head.top.describe()}): starting a node on it "
+                "again would run that line twice. Continue it with iter_from_persistence()",
+                **ids,
+            )
+        return head
+
+    def _name_line(self) -> None:
+        """Record that `fork_token` starts the run's line: presented again, from any
+        process, the token names this line, not a new one (P3)."""
+        assert self.fork_token is not None
+        self.remit.store.create_branch(
+            BranchRecord(
+                run_id=self.run_id,
+                branch=MAIN_BRANCH,
+                head_id=None,
+                fork_token=self.fork_token,
+                created_at=self.remit.clock(),
+            )
+        )
+
     def _start(
         self, resumer: _Resumer, snapshot: Snapshot[StateT, RunEndT], *, keep_claim: bool
     ) -> None:
-        """A snapshot that does not follow a node this resumer ran: a root, or a fork."""
+        """A snapshot that does not follow a node this resumer ran: a run's first, or a
+        fork's (P3). A token that names no line yet names the one this starts."""
         body = self._encode(snapshot)
         try:
             # Refuse from a read first: a refused writer never holds the claim.
-            head = self._read_head()
-            if head is not None and self.fork_token is None:
-                raise self._refuse_fork(head.top.id, self._start_reason(head))
+            self._start_base(self._token_line())
             self._acquire(resumer, heartbeat=False)
-            head = self._read_head()
-            if head is not None:
+            branch = self.branch
+            line = self._token_line()  # another process may have used the token meanwhile
+            if self.branch != branch:
+                self._switch(resumer, self.branch, heartbeat=False)
+            head = self._start_base(line)
+            if head is not None and line is None:
                 head = self._fork(
                     resumer, head.top.id, heartbeat=False, why=self._start_reason(head)
                 )
+            elif head is None and line is None and self.fork_token is not None:
+                self._name_line()
             self._commit(resumer, snapshot, body, head, release=not keep_claim)
         except BaseException:
             self._drop(resumer)
@@ -612,14 +699,15 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 raise
 
     def _load_next(self, resumer: _Resumer) -> NodeSnapshot[StateT, RunEndT] | None:
-        """Claim the head node: new, pending, or left by a dead process (L1)."""
+        """Claim the head node: new, pending, left by a dead process (L1), or one that
+        raised (no snapshot followed it, so it runs again, its recorded effects not)."""
         self._types()
         self._acquire(resumer, heartbeat=False)
         try:
             head = self._read_head()
             if head is not None:
                 head = self._settle_resume(resumer, head)
-            if head is None or not head.top.is_node or head.top.status == "error":
+            if head is None or not head.top.is_node:
                 self._drop(resumer)
                 return None
             if head.top.id == resumer.loaded and head.top.status == "pending":
@@ -656,8 +744,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Deliver the answer to a paused run as the node that follows the pause (P5).
 
         The run is paused when its head node has not started (the driver
-        stopped before it, as in pydantic-graph's human-in-the-loop pattern).
-        `node` must be a node the paused one may lead to; it is validated,
+        stopped before it, as in pydantic-graph's human-in-the-loop pattern),
+        or raised (a pause run by mistake). `node` must be a node the paused
+        one may lead to (`ValueError` otherwise, nothing stored); it is validated,
         then consumed once across all processes and committed as the new head,
         with the paused snapshot's state, and the run is given back: continue
         it with `graph.iter_from_persistence(...)` in this or any process. A
@@ -666,9 +755,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
         An answer is for one pause: `pause_id` (the paused snapshot's id, from
         `paused()`) names it, and the answer is refused unless the run is paused
-        there, so a retried answer is not taken by a later pause at the same node.
-        Without it, the answer is for the pause the run is at when it arrives.
-        The same node object is one answer: sent again, it is refused.
+        there (also after `update_state` edits), so a retried answer is not taken
+        by a later pause at the same node. Without it, the answer is for the pause
+        the run is at when it arrives. The same node object is one answer: sent
+        again, it is refused.
         """
         self._check_answer(node)
         if pause_id is not None:
@@ -728,7 +818,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if self._stored(snapshot.id):
             return snapshot  # settled already, by the claim's holder
         head = self._read_head()
-        if head is not None and head.top.id == pause_id and head.top.status in _NOT_STARTED:
+        if head is not None and head.top.id == pause_id and head.top.status in _ANSWERABLE:
             if acquired:
                 # Committed and given back at once: the answer is the head now, so the
                 # run is no longer paused and a second answer is refused (P5).
@@ -764,7 +854,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if head is None:
             raise UnknownRecord("the run has no snapshots to resume", run_id=self.run_id)
         ids = {"run_id": self.run_id, "checkpoint_id": head.top.id}
-        if pause_id is not None and head.top.id != pause_id:
+        if pause_id is not None and not self._is_pause(head.top, pause_id):
             raise ResumeConflict(
                 f"the answer is for pause {pause_id}, but the run is at {head.top.describe()}: "
                 "that pause was answered already, or is not this run's. The value was not stored",
@@ -772,10 +862,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         if not head.top.is_node:
             raise ResumeConflict("the run has ended; the value was not stored", **ids)
-        if head.top.status not in _NOT_STARTED:
+        if head.top.status not in _ANSWERABLE:
             raise ResumeConflict(
-                f"the run is not paused: its head node is {head.top.status}; recover it with "
-                "iter_from_persistence(). The value was not stored",
+                f"the run is not paused: its head node is {head.top.status} (being run, or "
+                "left by a process that died: iter_from_persistence() runs it again once that "
+                "process's lease has run out). The value was not stored",
                 **ids,
             )
         if head.top.record.metadata.get("via") == "resume":
@@ -793,17 +884,27 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         return head
 
+    def _is_pause(self, stored: _Stored, pause_id: str) -> bool:
+        """Whether `stored` is pause `pause_id`, or that pause after `update_state` edits:
+        the same question, asked with another state."""
+        record: CheckpointRecord | None = stored.record
+        while record is not None and record.checkpoint_id != pause_id:
+            if record.metadata.get("via") != "update" or record.parent_id is None:
+                return False
+            record = self.remit.checkpoint(self.run_id, record.parent_id)
+        return record is not None
+
     def _check_successor(self, paused: _Stored, node: BaseNode[StateT, Any, RunEndT]) -> None:
         pause = paused.snapshot.node
         assert isinstance(pause, BaseNode)
         edges = self._edges.get(pause.get_node_id())
         if edges is None or edges[1] or node.get_node_id() in edges[0]:
             return
-        raise ResumeConflict(
-            f"the run is paused at {pause.get_node_id()}, which does not lead to "
-            f"{node.get_node_id()}: this value is not for this pause and was not stored",
-            run_id=self.run_id,
-            checkpoint_id=paused.id,
+        raise ValueError(
+            f"resume() got {node.get_node_id()}, but the run is paused at "
+            f"{pause.get_node_id()} (snapshot {paused.id}), which leads only to "
+            f"{', '.join(sorted(edges[0])) or 'End'}: nothing was stored, and the run is still "
+            "paused"
         )
 
     def _refuse_answered(self, resumer: _Resumer, head: _Head, before: SnapshotStatus) -> None:
@@ -811,7 +912,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         it was marked running, which a later answer sees) must not run without the
         answer: commit the answer as the head and raise `ResumeConflict` (P5).
         `before`: the node's status before it was marked running."""
-        if before not in _NOT_STARTED:
+        if before not in _ANSWERABLE:
             return  # an interrupted run taken over: no answer waits on a started node
         pause = self.remit.interrupt(self.run_id, head.top.id, branch=self.branch)
         if pause is None or pause.status != "consumed" or pause.value is None:
@@ -827,7 +928,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _settle_resume(self, resumer: _Resumer, head: _Head) -> _Head:
         """Commit an answer that was consumed by a resumer that died before committing it."""
-        if not head.top.is_node or head.top.status not in _NOT_STARTED:
+        if not head.top.is_node or head.top.status not in _ANSWERABLE:
             return head
         pause = self.remit.interrupt(self.run_id, head.top.id, branch=self.branch)
         if pause is None or pause.status != "consumed" or pause.value is None:
@@ -859,7 +960,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Replace the state of a paused run (an operator's edit), validated first (P4).
 
         Commits the paused node again with `state` as the new head; the old
-        head stays in the history. `CheckpointInvalid` leaves the run as it was.
+        head stays in the history. It is the same pause: an answer may still
+        name it by the id it had before the edit (`resume(node, pause_id=...)`).
+        `CheckpointInvalid` leaves the run as it was; a pause answered already
+        raises `ResumeConflict` and keeps its answer.
         """
         with self._turn() as resumer:
             return await anyio.to_thread.run_sync(self._update_state, resumer, state)
@@ -869,6 +973,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._acquire(resumer, heartbeat=False)
         try:
             paused = self._paused_head()
+            if self._settle_resume(resumer, paused) is not paused:
+                raise ResumeConflict(
+                    "the pause was answered before this edit (the answer is the run's head "
+                    "now); the state edit was not stored",
+                    run_id=self.run_id,
+                    checkpoint_id=paused.top.id,
+                )
             node = paused.top.snapshot.node
             assert isinstance(node, BaseNode)
             again = node.deep_copy()
@@ -893,7 +1004,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """
         checked_id("snapshot_id", snapshot_id)
         checked_id("fork_token", fork_token)
-        await anyio.to_thread.run_sync(self.remit.fork, self.run_id, snapshot_id, fork_token)
+        await anyio.to_thread.run_sync(self._fork_branch, snapshot_id, fork_token)
         other: RemitStatePersistence[StateT, RunEndT] = RemitStatePersistence(
             self.remit,
             self.run_id,

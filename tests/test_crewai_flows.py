@@ -887,6 +887,33 @@ def test_fork_from_an_older_checkpoint(url: str, world: Path) -> None:
     assert applied(world) == {"charge": 2}  # the fork's own charge, keyed by its branch
 
 
+def test_the_same_fork_token_continues_its_fork_after_the_source_moved_on(
+    url: str, world: Path
+) -> None:
+    """P3: a kickoff that forked a paused flow, presented again with its token after the
+    source was answered (its head moved on), continues the same fork, from any process;
+    each line takes its own feedback once."""
+    source = paused_review(url, world)
+
+    def forked() -> dict[str, Any]:
+        with fork_token("retry-fork"):
+            return kickoff(review_flow(url, world), restore_from_state_id=source)
+
+    first = run(forked)
+    assert first.ok and first.value["out"] == "HumanFeedbackPending", first.summary()
+    answered = run(lambda: resume(review_flow(url, world), source, "ann"))
+    assert answered.ok and answered.value["approved_by"] == "ann", answered.summary()
+    again = run(forked)
+    assert again.ok, again.summary()
+    assert again.value["id"] == first.value["id"] != source
+    assert again.value["out"] == "HumanFeedbackPending"  # the fork still waits for its answer
+    on_fork = run(lambda: resume(review_flow(url, world), first.value["id"], "bob"))
+    assert on_fork.ok and on_fork.value["approved_by"] == "bob", on_fork.summary()
+    assert run(lambda: len(RemitFlowPersistence(url).remit.branches(source))).value == 2
+    assert entered(world) == {"prepare": 1, "approve": 2, "ship": 2}
+    assert applied(world) == {"ship": 2}  # once on each line
+
+
 # -- fencing: two processes cannot both drive one flow --------------------------------------
 
 

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -107,16 +107,21 @@ class Answer(BaseNode[Order, World, str]):
         return Pay()
 
 
+async def charge(ctx: Ctx) -> None:
+    """The "charge" effect on the world's sink, applied once."""
+    sink = ctx.deps.sink
+
+    async def apply(key: str) -> str:
+        return sink.apply("charge", key)
+
+    await arun_effect("charge", apply, reconcile=sink.reconcile)
+
+
 @dataclass
 class Pay(BaseNode[Order, World, str]):
     async def run(self, ctx: Ctx) -> Done:
         ctx.deps.enter("pay")
-        sink = ctx.deps.sink
-
-        async def apply(key: str) -> str:
-            return sink.apply("charge", key)
-
-        await arun_effect("charge", apply, reconcile=sink.reconcile)
+        await charge(ctx)
         ctx.deps.enter("pay.after_effect")
         ctx.state["log"].append("pay")
         return Done()
@@ -638,6 +643,111 @@ def test_value_accepted_before_a_crash_is_used_once(url: str, run_id: str, world
     assert final.state["approved_by"] == "ann" and world.sink.counts() == {"charge": 1}
 
 
+def test_an_edited_pause_is_answered_by_the_id_it_was_asked_with(
+    url: str, run_id: str, world: World
+) -> None:
+    """P5: an operator's `update_state` keeps the pause the same question. The answer
+    that names it by the id `paused()` gave before the edit is taken, once, with the
+    edited state; a retry of it, by either id, is refused."""
+
+    async def go() -> None:
+        await to_pause(url, run_id, world)
+        question = await persistence(url, run_id).paused()
+        assert question is not None
+        edited = await persistence(url, run_id).update_state({**question.state, "amount": 7})
+        assert edited.id != question.id
+        await persistence(url, run_id).resume(Answer("ann"), pause_id=question.id)
+        for pause_id in (question.id, edited.id):
+            with pytest.raises(ResumeConflict, match="answered already"):
+                await persistence(url, run_id).resume(Answer("bob"), pause_id=pause_id)
+        assert await drive(persistence(url, run_id), world) == "paid 7"
+        final = (await persistence(url, run_id).load_all())[-1]
+        assert final.state["approved_by"] == "ann"
+
+    asyncio.run(go())
+    assert world.entered()["answer"] == 1 and world.sink.counts() == {"charge": 1}
+
+
+def test_an_edit_after_the_answer_was_taken_keeps_the_answer(
+    url: str, run_id: str, world: World
+) -> None:
+    """P5: the answer was consumed, then its resumer died before storing it. An edit
+    that comes next is refused (`ResumeConflict`, nothing of it stored) and the run goes
+    on with the answer, so no second answer is taken for that pause."""
+    asyncio.run(to_pause(url, run_id, world))
+    question = asyncio.run(persistence(url, run_id).paused())
+    assert question is not None
+
+    def crash() -> None:
+        failpoints.arm("interrupt.after_consume", "kill")
+        asyncio.run(persistence(url, run_id).resume(Answer("ann")))
+
+    assert in_child(crash).status == "killed"
+    with pytest.raises(ResumeConflict, match="edit was not stored"):
+        asyncio.run(persistence(url, run_id).update_state({**question.state, "amount": 7}))
+    with pytest.raises(ResumeConflict):
+        asyncio.run(persistence(url, run_id).resume(Answer("bob"), pause_id=question.id))
+    assert asyncio.run(drive(persistence(url, run_id), world)) == "paid 100"
+    final = asyncio.run(persistence(url, run_id).load_all())[-1]
+    assert final.state["approved_by"] == "ann" and world.sink.counts() == {"charge": 1}
+
+
+@dataclass
+class Flaky(BaseNode[Order, World, str]):
+    """Charges, then fails on its first entry (after the effect was applied)."""
+
+    async def run(self, ctx: Ctx) -> Done:
+        ctx.deps.enter("flaky")
+        await charge(ctx)
+        if ctx.deps.entered()["flaky"] == 1:
+            raise RuntimeError("the payment API timed out after charging")
+        return Done()
+
+
+FLAKY = Graph(nodes=(Flaky, Done), name="flaky")
+
+
+def test_a_node_that_raised_is_run_again_or_answered(url: str, run_id: str, world: World) -> None:
+    """A node that raised left no snapshot after it: `iter_from_persistence` runs it
+    again (its recorded effect is not applied again, P2), and a pause that a driver ran
+    by mistake can still be answered with `resume()` (which once said to recover it
+    with `iter_from_persistence()`, which then had nothing to load)."""
+
+    async def flaky() -> Any:
+        def p() -> RemitStatePersistence[Order, str]:
+            flaky_p: RemitStatePersistence[Order, str] = RemitStatePersistence(url, run_id)
+            flaky_p.set_graph_types(FLAKY)
+            return flaky_p
+
+        with pytest.raises(RuntimeError, match="timed out"):
+            await FLAKY.run(Flaky(), state=fresh(), deps=world, persistence=p())
+        assert statuses(await p().load_all()) == ["error"]
+        async with FLAKY.iter_from_persistence(p(), deps=world) as run:
+            async for _ in run:
+                pass
+        assert run.result is not None and run.result.output == "paid 0"
+        assert statuses(await p().load_all()) == ["success", "success", "end"]
+
+    asyncio.run(flaky())
+    assert world.entered()["flaky"] == 2 and world.sink.counts() == {"charge": 1}
+
+    paused = f"{run_id}-pause"
+
+    async def pause_run_by_mistake() -> None:
+        await to_pause(url, paused, world)
+        with pytest.raises(AssertionError, match="never runs"):
+            async with GRAPH.iter_from_persistence(persistence(url, paused), deps=world) as run:
+                async for _ in run:
+                    pass
+        question = await persistence(url, paused).paused()
+        assert question is not None and question.status == "error"
+        await persistence(url, paused).resume(Answer("ann"), pause_id=question.id)
+        assert await drive(persistence(url, paused), world) == "paid 100"
+
+    asyncio.run(pause_run_by_mistake())
+    assert world.sink.counts() == {"charge": 2} and world.entered()["answer"] == 1
+
+
 # -- P3: forks need a token; one token, one branch ---------------------------------------
 
 
@@ -685,6 +795,36 @@ def test_fork_of_a_paused_run_has_its_own_interrupt(url: str, run_id: str, world
         assert ends == ["ann", "bob"]
 
     asyncio.run(go())
+
+
+def test_a_token_that_started_the_run_names_its_line(url: str, run_id: str, world: World) -> None:
+    """P3: a run started with a fork token (a job runner retrying with a stable token) is
+    the line that token names. Presented again, from another process, the token finds
+    that line, and a new start there is refused (paused, then ended) instead of forking
+    the run off its head and running the graph again. No line gets a second End, and no
+    fork starts after an End."""
+    job = {"fork_token": "job-7"}
+    assert asyncio.run(drive(persistence(url, run_id, **job), world, Start())) == "paused"
+    remit = persistence(url, run_id).remit
+    named = remit.fork_branch(run_id, "job-7")
+    assert named is not None and named.branch == "main"
+
+    def retry(token: str = "job-7") -> Any:
+        return asyncio.run(drive(persistence(url, run_id, fork_token=token), world, Start()))
+
+    paused = in_child(retry)
+    assert paused.raised("ForkWithoutIntent") and "iter_from_persistence" in paused.error_text()
+    p = persistence(url, run_id, **job)
+    asyncio.run(p.resume(Answer("ann")))
+    assert asyncio.run(drive(p, world)) == "paid 100"
+    ended = in_child(retry)
+    assert ended.raised("ForkWithoutIntent") and "ended" in ended.error_text()
+    other = in_child(lambda: retry("another-job"))  # a new token does not fork off the End
+    assert other.raised("ForkWithoutIntent") and "second End" in other.error_text()
+    line = asyncio.run(persistence(url, run_id, **job).load_all())
+    assert sum(isinstance(s, EndSnapshot) for s in line) == 1
+    assert [b.branch for b in remit.branches(run_id)] == ["main"]
+    assert world.entered()["start"] == 1 and world.sink.counts() == {"charge": 1}
 
 
 # -- the async path -------------------------------------------------------------------------
@@ -870,9 +1010,12 @@ def test_bad_inputs_raise_typed_errors_and_write_nothing(
             (None, TypeError),
             (Pay, TypeError),  # the class, not a node
             (Stray(), ValueError),  # a node of another graph
+            (Pay(), ValueError),  # a node of the graph that does not follow the pause
         ):
             with pytest.raises(error, match="resume"):
                 await p.resume(answer)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="got Pay.* paused at Ask.* leads only to Answer"):
+            await p.resume(Pay(), pause_id=before[-1])
         assert [s.id for s in await p.load_all()] == before
         assert p.remit.interrupts(run_id) == []  # not even the pause was opened
         assert await p.paused() is not None
@@ -904,6 +1047,8 @@ class Form:
     inner: Inner = field(default_factory=Inner)
     limit: float | None = None
     sizes: dict[str, int] = field(default_factory=dict)
+    extra: Any = None
+    names: Sequence[str] = field(default_factory=list)
 
 
 @dataclass
@@ -960,6 +1105,8 @@ def refused(url: str, run_id: str, spoil: Spoil) -> tuple[CheckpointInvalid, lis
         (Spoil(state=lambda f: setattr(f, "name", Opaque())), "state.name"),
         (Spoil(state=lambda f: setattr(f, "blob", b"\x00\xff")), "state.blob"),
         (Spoil(state=lambda f: setattr(f, "inner", {"amount": 1})), "state.inner"),
+        (Spoil(state=lambda f: setattr(f, "extra", (1, 2))), "state.extra"),
+        (Spoil(state=lambda f: setattr(f, "extra", {"k": [(1,)]})), "state.extra.k.0"),
         (Spoil(k="zz"), "node.k"),
         (Spoil(result="s"), "result.data"),
     ],
@@ -967,8 +1114,9 @@ def refused(url: str, run_id: str, spoil: Spoil) -> tuple[CheckpointInvalid, lis
 def test_checkpoint_invalid_names_the_full_path(
     url: str, run_id: str, spoil: Spoil, path: str
 ) -> None:
-    """P4: whichever check refuses (pydantic's serializer or its validator), the error
-    names the bad value by its full path from the snapshot; nothing is written."""
+    """P4: whichever check refuses (pydantic's serializer, its validator, or the round
+    trip: a tuple in an `Any` field would read back as a list), the error names
+    the bad value by its full path from the snapshot; nothing is written."""
     bad, history = refused(url, run_id, spoil)
     assert bad.field == path and path in str(bad) and run_id in str(bad)
     kinds = [type(getattr(s, "node", s)).__name__ for s in history]
@@ -987,12 +1135,14 @@ def test_values_json_cannot_carry_are_refused(url: str, run_id: str, value: floa
 
 def test_values_that_read_back_equal_are_stored(url: str, run_id: str) -> None:
     """P4's round-trip check refuses only what changes: bytes, a float limit, nested
-    lists and dicts are stored, and read back as they were."""
+    lists and dicts are stored, and read back as they were; a tuple where the field's
+    type reads any sequence back as a list (`Sequence[str]`) is stored too."""
 
     def fill(form: Form) -> None:
         form.limit, form.blob = 2.5, b"ok"
         form.inner.tags.extend(("a", "b"))
         form.sizes.update(a=1)
+        form.extra, form.names = {"k": [1, [2]]}, ("n",)
 
     async def go() -> Form:
         p: RemitStatePersistence[Form, int] = RemitStatePersistence(url, run_id, lease=LEASE)
@@ -1002,7 +1152,9 @@ def test_values_that_read_back_equal_are_stored(url: str, run_id: str) -> None:
         again.set_graph_types(FORMS)
         return (await again.load_all())[-1].state
 
-    assert asyncio.run(go()) == Form("x", b"ok", Inner(0, ["a", "b"]), 2.5, {"a": 1})
+    assert asyncio.run(go()) == Form(
+        "x", b"ok", Inner(0, ["a", "b"]), 2.5, {"a": 1}, {"k": [1, [2]]}, ["n"]
+    )
 
 
 # -- the interface as pydantic-graph documents it ---------------------------------------------
