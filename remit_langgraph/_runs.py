@@ -153,9 +153,16 @@ class Run:
         return _Writing(self)
 
     def fail(self, error: RemitError) -> RemitError:
-        """Remember the first refusal: the run's later writes are refused with it."""
+        """Remember the first refusal: the run's later writes are refused with it.
+
+        A refusal while the loop is still taking its input (in its `__enter__`)
+        ends the run there: LangGraph never unwinds the exit stack of a loop whose
+        `__enter__` raised, so the claim is given back now, not at the loop's exit."""
         if self.failed is None:
             self.failed = error
+        loop = None if self.loop is None else self.loop()
+        if loop is not None and getattr(loop, "status", None) == "input":
+            self.claim.release()
         return error
 
     def settle(self, timeout: float = 5.0) -> None:
@@ -322,6 +329,22 @@ class Runs:
         run = Run(self.remit, thread, branch, handle, call.check, loop=weakref.ref(loop))
         owed = None
         try:
+            if call.check is not None:
+                # Input and a command's update are checked before anything is stored
+                # or runs: a refused command leaves its interrupt pending, and no node
+                # sees refused input (in "exit" durability nothing else would stop it).
+                given = loop.input
+                pairs: Sequence[tuple[str, Any]] = ()
+                if isinstance(given, Command) and given.update:
+                    pairs = given._update_as_tuples()
+                elif isinstance(given, Mapping):
+                    pairs = list(given.items())
+                if pairs:
+                    call.check.writes(
+                        pairs,
+                        run_id=thread,
+                        checkpoint_id=None if record is None else record.checkpoint_id,
+                    )
             if record is None and isinstance(loop.input, Command) and loop.input.resume is not None:
                 # No checkpoint asked anything: the value would answer nothing.
                 raise UnknownRecord(

@@ -34,8 +34,8 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from remit_core import Remit, connect, policy
 from remit_core.core import checked_lease
-from remit_core.errors import RemitError
-from remit_core.records import CheckpointRecord, WriteRecord
+from remit_core.errors import RemitError, ResumeConflict
+from remit_core.records import MAIN_BRANCH, CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
 from remit_langgraph._runs import Run, Runs, above_saver, current_run
 from remit_langgraph._schema import StateCheck
@@ -320,16 +320,34 @@ class RemitSaver(BaseCheckpointSaver[str]):
             else:  # a version of the caller's own may name several values: keep this one
                 inline[ch] = self._dump(value, ch, **ids)
         token, parent = conf.get("fork_token"), conf.get("checkpoint_id")
+        branch = None
         if run is None and token and parent and ns == "":
             # Outside a run (`update_state`), a token with a checkpoint forks as a run does.
-            self._runs.fork(thread, parent, token)
+            branch = self._runs.fork(thread, parent, token)
         elif token and ns != "":
             self._runs.fork_in(thread, ns, token)  # the fork's own line of the subgraph
+        edit = None
+        if run is None and ns == "" and current_run() is None:
+            # An edit from outside a run (`update_state`) takes the branch's claim for
+            # its commit: a run in flight on it refuses the edit (`ResumeConflict`)
+            # instead of losing it, or being refused by it, later.
+            if branch is None:
+                at = None if parent is None else self.remit.checkpoint(thread, parent)
+                branch = MAIN_BRANCH if at is None else at.branch
+            try:
+                edit = self.remit.claim(thread, branch, lease=self.lease, heartbeat=False)
+            except ResumeConflict as exc:
+                raise ResumeConflict(
+                    "a run holds this thread (it is running, or its process died and its "
+                    "lease has not run out); the edit was not stored: retry when it ends",
+                    run_id=thread,
+                    checkpoint_id=parent,
+                ) from exc
         declared = self._runs.declared
         stored_meta = get_serializable_checkpoint_metadata(config, metadata)
         lg_run = stored_meta.get("run_id")
         index = self._run_index_entry(thread, lg_run)
-        with _writing(run):
+        with _writing(run), edit or contextlib.nullcontext():
             self.remit.commit(
                 run_id=thread,
                 checkpoint_id=checkpoint_id,
@@ -343,9 +361,9 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 blobs=blobs,
                 # The run index's entry commits with the checkpoint: no round trip of its own.
                 writes=() if index is None else (index,),
-                fence=None if run is None else run.fence,
+                fence=run.fence if run is not None else None if edit is None else edit.fence,
                 allow_new_root=True,
-                release=run.claim if run is not None and last else None,
+                release=run.claim if run is not None and last else edit,
             )
             if index is not None:
                 self._indexed_now(thread, lg_run)

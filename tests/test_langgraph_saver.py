@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import operator
 import pickle
+import threading
 import time
 import uuid
 from typing import Annotated, Any, NamedTuple
@@ -960,3 +961,62 @@ def test_a_value_valid_only_once_converted_is_refused(store_url: str, write: Any
         graph.update_state(cfg, write)
     ok = one_node(Typed, lambda s: {"ratio": 2, "tags": [1]}, RemitSaver(store_url))
     assert ok.invoke({"amount": 1, "flag": False}, config())["ratio"] == 2  # an int is a float
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_refused_update_with_a_resume_leaves_the_interrupt_pending_and_the_thread_free(
+    store_url: str, mode: str
+) -> None:
+    """The update is checked before the resume value is consumed, and the claim is
+    given back at once (lease 30 s: a later run does not wait for it)."""
+    graph = one_node(Typed, lambda s: {"amount": interrupt("how much?")}, RemitSaver(store_url))
+    cfg = config()
+    graph.invoke({"amount": 0}, cfg)
+    bad = Command(resume=5, update={"amount": -1})
+    with pytest.raises(CheckpointInvalid, match="amount"):
+        graph.invoke(bad, cfg) if mode == "sync" else asyncio.run(graph.ainvoke(bad, cfg))
+    assert graph.get_state(cfg).next == ("node",)  # still paused, nothing consumed
+    assert graph.invoke(Command(resume=7, update={"ratio": 0.5}), cfg) == {
+        "amount": 7,
+        "ratio": 0.5,
+    }
+
+
+@pytest.mark.parametrize("durability", ["exit", "async", "sync"])
+def test_refused_input_runs_no_node_and_stores_nothing(store_url: str, durability: str) -> None:
+    entered: list[Any] = []
+    graph = one_node(Typed, lambda s: entered.append(s) or {"flag": True}, RemitSaver(store_url))
+    cfg = config()
+    with pytest.raises(CheckpointInvalid, match="amount"):
+        graph.invoke({"amount": "seven"}, cfg, durability=durability)
+    assert entered == [] and graph.get_state(cfg).values == {}
+    assert graph.invoke({"amount": 7}, cfg, durability=durability)["flag"] is True
+
+
+def test_an_edit_while_a_run_is_in_flight_is_refused_and_the_run_keeps_its_result(
+    store_url: str,
+) -> None:
+    started, edits = threading.Event(), []
+
+    def slow(state: Typed) -> dict[str, Any]:
+        started.set()
+        time.sleep(0.5)
+        return {"amount": state["amount"] + 1}
+
+    graph = one_node(Typed, slow, RemitSaver(store_url))
+    cfg = config()
+
+    def edit() -> None:
+        started.wait(10)
+        try:
+            graph.update_state(cfg, {"ratio": 9.0})
+        except ResumeConflict as refused:
+            edits.append(refused)
+
+    editor = threading.Thread(target=edit)
+    editor.start()
+    assert graph.invoke({"amount": 1}, cfg) == {"amount": 2}  # not refused by the edit
+    editor.join()
+    assert len(edits) == 1 and "the edit was not stored" in str(edits[0])
+    graph.update_state(cfg, {"ratio": 9.0})  # the run has ended: the edit is taken
+    assert graph.get_state(cfg).values == {"amount": 2, "ratio": 9.0}
