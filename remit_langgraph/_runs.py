@@ -107,6 +107,8 @@ class Run:
     check: StateCheck | None
     committed: set[str] = field(default_factory=set)
     failed: RemitError | None = None
+    #: A recovery gives consumed values back by interrupt id (`Runs._redeliver`).
+    resume_spent: bool = False
     inflight: int = 0
     _settled: threading.Condition = field(default_factory=threading.Condition)
     #: The run loop (weakly: the loop's exit stack holds this run).
@@ -358,6 +360,12 @@ class Runs:
                     writes = self.remit.writes(thread, record.checkpoint_id)
                 owed = self._settle_resume(loop, run, record, writes)
             found = None if record is None else self.saver._tuple(record, writes)
+            if found is not None and run.resume_spent and found.pending_writes:
+                found = found._replace(
+                    pending_writes=[
+                        w for w in found.pending_writes if (w[0], w[1]) != (NULL_TASK_ID, RESUME)
+                    ]
+                )
             if owed is not None and found is not None:
                 # As if LangGraph's own resume write had been stored with the head.
                 found = found._replace(
@@ -469,6 +477,10 @@ class Runs:
         if any(i.checkpoint_id != record.checkpoint_id for i in here):
             return self._owed_across_update(run, writes, here)
         self._redeliver(loop, run, writes, here)
+        # What the ledger owes goes back by interrupt id; LangGraph's own resume write
+        # is spent (its node took it, or takes it again by id): kept, it would answer
+        # the node's next question with the previous answer.
+        run.resume_spent = True
         return None
 
     def _pause(self, run: Run, record: CheckpointRecord) -> list[InterruptRecord]:
@@ -619,10 +631,14 @@ class Runs:
                 value = self.saver._decode(w.value, run_id=run.thread)
                 for item in _interrupts_in(value):
                     raised_by[item.id] = w.task_id
+        # An answered interrupt that its task no longer raises was taken: the task
+        # holds the value in its own resume write and went on to its next question.
         owed = {
             i.interrupt_id: self.saver._decode(i.value, run_id=run.thread)
             for i in consumed
-            if i.value is not None and raised_by.get(i.interrupt_id) not in finished
+            if i.value is not None
+            and (i.interrupt_id in raised_by or not raised_by)
+            and raised_by.get(i.interrupt_id) not in finished
         }
         if owed:
             loop.config["configurable"][CONFIG_KEY_RESUME_MAP] = owed

@@ -1020,3 +1020,23 @@ def test_an_edit_while_a_run_is_in_flight_is_refused_and_the_run_keeps_its_resul
     assert len(edits) == 1 and "the edit was not stored" in str(edits[0])
     graph.update_state(cfg, {"ratio": 9.0})  # the run has ended: the edit is taken
     assert graph.get_state(cfg).values == {"amount": 2, "ratio": 9.0}
+
+
+def test_a_continue_after_one_of_two_questions_asks_the_second_again(store_url: str) -> None:
+    """`invoke(None)` on a node paused at its second `interrupt()` re-asks it: the
+    first answer is not handed to the second question (nor to any later one)."""
+
+    class Got(TypedDict):
+        got: Annotated[list[str], operator.add]
+
+    def two_questions(state: Got) -> dict[str, Any]:
+        return {"got": [f"amount={interrupt('amount?')}", f"payee={interrupt('payee?')}"]}
+
+    graph = one_node(Got, two_questions, RemitSaver(store_url))
+    cfg = config()
+    graph.invoke({"got": []}, cfg)
+    asked = graph.invoke(Command(resume="100"), cfg)["__interrupt__"]
+    assert [i.value for i in asked] == ["payee?"]
+    again = graph.invoke(None, cfg)
+    assert [i.value for i in again["__interrupt__"]] == ["payee?"] and again["got"] == []
+    assert graph.invoke(Command(resume="bob"), cfg)["got"] == ["amount=100", "payee=bob"]
