@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 from workflows.events import Event
 from workflows.runtime.control_loop import replay_ticks_stream
-from workflows.runtime.types.internal_state import BrokerState
+from workflows.runtime.types.internal_state import BrokerState, InProgressState
 from workflows.runtime.types.plugin import ExternalRunAdapter, as_v2_runtime_compatibility_shim
 from workflows.runtime.types.results import StepWorkerFailed
 from workflows.runtime.types.step_id import StepId
@@ -189,6 +189,7 @@ class Session:
         schema_version: int,
         workflow_version: str,
         asks: Mapping[str, dict[str, Any]] | None = None,
+        resent: Mapping[str, Any] | None = None,
     ) -> None:
         self.remit = remit
         self.workflow = workflow
@@ -211,6 +212,10 @@ class Session:
         # the ask each delivered answer (by event identity) consumed until it is reduced.
         self.asks: dict[str, dict[str, Any]] = dict(asks or {})
         self.answering: dict[int, str] = {}
+        # Sends a step in flight at the crash had delivered (step key -> attempt, send
+        # indexes), until its re-run starts; then by the re-run's invocation id.
+        self.resends = _delivered_sends(self, init_state, resent or {})
+        self.repeated: dict[str, tuple[str, int, frozenset[int]]] = {}
         self.claim: ClaimHandle | None = None
         # Seconds a claim held elsewhere is waited for before `ResumeConflict`.
         self.claim_patience = 0.0
@@ -246,6 +251,45 @@ class Session:
         """Deterministic per work item: a re-run step finds its effects in the ledger."""
         key = f"{step_name}:{work_item_id}"
         return key if self.branch == MAIN_BRANCH else f"{self.branch}/{key}"
+
+    def rerun_sends(
+        self, step_name: str, work_item_id: str | None, invocation_id: str | None, attempt: int
+    ) -> frozenset[int]:
+        """The send indexes a recovered re-run of a step must not deliver again (P1).
+
+        The framework keys each `ctx.send_event` by (invocation, send index) and drops a
+        repeat, but a recovery dispatches the step in flight under a new invocation: its
+        sends would reach steps that already completed on them. The first dispatch of
+        that work item and attempt after the restore skips the indexes delivered before.
+        """
+        key = self.step_key(step_name, work_item_id)
+        found = self.resends.get(key)
+        if invocation_id is None or found is None or found[0] != attempt:
+            return frozenset()
+        del self.resends[key]
+        self.repeated[invocation_id] = (key, *found)
+        return found[1]
+
+    def skips_send(self, tick: WorkflowTick) -> bool:
+        """Whether `tick` repeats a send a step made before the crash (`rerun_sends`)."""
+        emission = getattr(tick, "emission", None)
+        if emission is None or emission.invocation_id not in self.repeated:
+            return False
+        return emission.index in self.repeated[emission.invocation_id][2]
+
+    def _resent(self) -> dict[str, list[Any]]:
+        """What `resends` a recovery of the current checkpoint must still know: the
+        delivered sends of each re-run (or re-run to come) that is still in flight."""
+        found: dict[str, list[Any]] = {}
+        for ip in _in_flight(self.mirror):
+            key = self.step_key(ip.shared_state.step_name, ip.work_item_id)
+            repeated = self.repeated.get(ip.invocation_id or "")
+            if repeated is not None:
+                found[repeated[0]] = [repeated[1], sorted(repeated[2])]
+            elif key in self.resends:
+                attempt, indexes = self.resends[key]
+                found[key] = [attempt, sorted(indexes)]
+        return found
 
     def lock(self) -> asyncio.Lock:
         if self._lock is None:
@@ -350,6 +394,7 @@ class Session:
             "next": snap.busy_steps(self.mirror),
             "waiting": [*waiting, *self.asks],
             "asks": dict(self.asks),
+            "resent": self._resent(),
             "journal_seq": self.mirror.journal_seq,
         }
         if isinstance(last, TickStepResult):
@@ -646,6 +691,35 @@ class Session:
         """The run's task ended in this process: give the claim up."""
         self.done = True
         self.release_claim()
+
+
+def _in_flight(state: BrokerState) -> list[InProgressState]:
+    return [
+        ip
+        for _, broker in snap.walk_brokers(state)
+        for worker in broker.workers.values()
+        for ip in worker.in_progress
+    ]
+
+
+def _delivered_sends(
+    session: Session, state: BrokerState, resent: Mapping[str, Any]
+) -> dict[str, tuple[int, frozenset[int]]]:
+    """Per step in flight in a restored state: its attempt and the indexes of its sends
+    already delivered, by its last invocation (`received`) and by the ones before it
+    (carried in the checkpoint's `resent`, for the same attempt)."""
+    found: dict[str, tuple[int, frozenset[int]]] = {}
+    for ip in _in_flight(state):
+        if ip.work_item_id is None:
+            continue
+        key = session.step_key(ip.shared_state.step_name, ip.work_item_id)
+        indexes = set(ip.received)
+        carried = resent.get(key)
+        if carried is not None and carried[0] == ip.attempts:
+            indexes.update(carried[1])
+        if indexes:
+            found[key] = (ip.attempts, frozenset(indexes))
+    return found
 
 
 def _prompt(w: snap.Waiter) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """The state store of a Remit-backed run: validated on every write (P4).
 
-It keeps the live state in memory like the framework's own store, so a
-step's writes become durable together with the step's completion (the next
-committed checkpoint), never half-way through the step. Every writer
+It keeps the live state in memory like the framework's own store; the
+next committed checkpoint stores it as it is. That is usually the step's own
+completion, but a tick of a parallel step reduced while this step still runs
+commits its writes made so far too: a step that crashes after such a commit
+re-runs on a state that holds its earlier writes (the README's limits say
+how to write such a step). Every writer
 (`set`, `set_state`, `edit_state`, `clear`) goes through `_write_state`,
 where the state is re-validated against the run's declared model, so a value
 that slipped past the model (`validate_assignment` off, `model_construct`)

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,12 @@ from workflows.runtime.types.plugin import (
     WaitResultTick,
     as_v2_runtime_compatibility_shim,
 )
-from workflows.runtime.types.results import RetryAttempt, StepWorkerOutput, StepWorkerState
+from workflows.runtime.types.results import (
+    RetryAttempt,
+    SentEvent,
+    StepWorkerOutput,
+    StepWorkerState,
+)
 from workflows.runtime.types.step_function import StepWorkerFunction
 from workflows.runtime.types.step_id import StepId
 from workflows.runtime.types.ticks import TickAddEvent, WorkflowTick
@@ -177,12 +183,18 @@ class RemitRuntime(BaseRuntimeDecorator):
             if session is None:
                 return await fn(state, step_name, event, workflow, bound_events, retry)
             key = session.step_key(step_name, state.work_item_id)
+            delivered = session.rerun_sends(
+                step_name, state.work_item_id, state.invocation_id, retry.retry_number
+            )
             with (
                 step_scope(session.remit, session.run_id, key, fence=session.fence),
                 _child.step_execution(session.run_id, key, retry.retry_number),
             ):
                 failpoints.hit("step.before")
-                return await fn(state, step_name, event, workflow, bound_events, retry)
+                output = await fn(state, step_name, event, workflow, bound_events, retry)
+            # A send delivered before the crash is left out of the result too, or the
+            # framework would hold it as undelivered and deliver it later.
+            return [o for o in output if not (isinstance(o, SentEvent) and o.index in delivered)]
 
         return step
 
@@ -378,6 +390,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             init,
             state,
             asks=record.metadata.get("asks") or {},
+            resent=record.metadata.get("resent") or {},
         )
         pending = {w.interrupt_id for w in snap.waiters(init) if w.pending}
         for interrupt in remit.interrupts(run_id, branch=branch.branch):
@@ -402,6 +415,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         init_state: BrokerState,
         state: BaseModel,
         asks: dict[str, dict[str, Any]] | None = None,
+        resent: dict[str, Any] | None = None,
     ) -> Session:
         schema = self._schema(workflow)
         return Session(
@@ -418,6 +432,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             schema_version=schema.version if schema is not None else 1,
             workflow_version=self.workflow_version,
             asks=asks,
+            resent=resent,
         )
 
     async def _watch(self, session: Session) -> None:
@@ -722,16 +737,54 @@ class RemitRuntime(BaseRuntimeDecorator):
                 )
         return None
 
-    async def cancel(self, run_id: str) -> str:
+    async def cancel(self, run_id: str, *, timeout: float = 5.0) -> str:
         """End a stored run for good (status `cancelled`), parked or not: a later
         answer, restore or recovery gets its ended outcome and runs nothing.
         (`handler.cancel_run()` of a parked run only stops this process's copy.)
+        A run this process drives (a step in flight) is stopped here as
+        `handler.cancel_run()` stops it, waiting up to `timeout` seconds, and its
+        control loop commits the cancelled end under the run's own claim; a run
+        another live process drives is refused (`ResumeConflict`).
         Returns the head's checkpoint id; an ended run is left as it is."""
+        session = self._driving(run_id)
+        if session is not None:
+            await self._stop(session, timeout)
         return await asyncio.to_thread(self._cancel, run_id)
+
+    def _driving(self, run_id: str) -> Session | None:
+        """The session of this process that holds `run_id`'s claim, if one does."""
+        with self._lock:
+            for s in self._sessions.values():
+                if s.key == run_id and not s.done and s.claim is not None:
+                    return s
+        return None
+
+    @staticmethod
+    async def _stop(session: Session, timeout: float) -> None:
+        """Cancel the live run of `session` on its own event loop; wait until it ended."""
+        assert session.inner is not None and session.loop is not None
+        stopping = asyncio.run_coroutine_threadsafe(session.inner.cancel(), session.loop)
+        await asyncio.wrap_future(stopping)
+        deadline = time.monotonic() + timeout
+        while not session.done and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     def _cancel(self, run_id: str) -> str:
         key_run, branch_name = split_run_id(run_id)
-        with self.remit.claim(key_run, branch_name) as claim:
+        try:
+            claim = self.remit.claim(key_run, branch_name)
+        except ResumeConflict as exc:
+            here = self._driving(run_id) is not None
+            raise ResumeConflict(
+                "the run did not stop on cancel: a step of it is still running in this "
+                "process; the run was not ended"
+                if here
+                else "another live process drives the run (its claim is held and renewed); "
+                "cancel it there, or once that process is gone and its lease has run out; "
+                "the run was not ended",
+                run_id=run_id,
+            ) from exc
+        with claim:
             record = self._head(run_id)
             if record.metadata.get("status") in snap.TERMINAL:
                 return record.checkpoint_id
@@ -842,6 +895,12 @@ class _Internal(BaseInternalRunAdapterDecorator):
             step = str(getattr(tick, "step_id", "") or "")
             await self.write_to_event_stream(WorkflowFailedEvent(step_name=step, exception=exc))
             raise
+
+    async def send_event(self, tick: WorkflowTick) -> None:
+        if self._session.skips_send(tick):
+            logger.debug("run %s: a send delivered before the crash is not repeated", self.run_id)
+            return
+        await super().send_event(tick)
 
     async def wait_receive(self, timeout_seconds: float | None = None) -> WaitResult:
         if self._session.injections:

@@ -123,6 +123,7 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         self._remit: Remit | None = None
         self._remit_pid = -1
         self._lock = threading.Lock()
+        self._claim_lock = threading.Lock()
         self._claims: dict[str, ClaimHandle] = {}
         self._next: dict[tuple[str, str], int] = {}
         self._stopped: dict[str, RemitError] = {}
@@ -137,18 +138,25 @@ class RemitWorkflowStore(AbstractWorkflowStore):
 
     # -- claims and stopping ------------------------------------------------------------
     def _fence(self, run_id: str) -> FenceRef:
-        """The fence of this server's claim on `run_id`, taking the claim if needed (blocking)."""
-        stopped = self._stopped.get(run_id)
-        if stopped is not None:
-            raise stopped
-        claim = self._claims.get(run_id)
-        if claim is None or claim.lost:
-            claim = self.remit.claim(run_id, _SCOPE)
-            self._claims[run_id] = claim
-        return claim.fence
+        """The fence of this server's claim on `run_id`, taking the claim if needed (blocking).
+
+        The server writes a run from several threads at once (a reloaded run's handler
+        status and its first tick race); the claim is taken once, under a lock, so that
+        the second writer shares it instead of losing to its own server.
+        """
+        with self._claim_lock:
+            stopped = self._stopped.get(run_id)
+            if stopped is not None:
+                raise stopped
+            claim = self._claims.get(run_id)
+            if claim is None or claim.lost:
+                claim = self.remit.claim(run_id, _SCOPE)
+                self._claims[run_id] = claim
+            return claim.fence
 
     def _release(self, run_id: str) -> None:
-        claim = self._claims.pop(run_id, None)
+        with self._claim_lock:
+            claim = self._claims.pop(run_id, None)
         if claim is not None:
             claim.release()
 

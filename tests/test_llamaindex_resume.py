@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from workflows import Context, Workflow, step
-from workflows.errors import WorkflowTimeoutError
+from workflows.errors import WorkflowCancelledByUser, WorkflowTimeoutError
 from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
 from workflows.retry_policy import retry_policy, stop_after_attempt, wait_fixed
 
@@ -313,6 +316,84 @@ def test_cancel_run_of_a_running_run_still_cancels_it(store_url: str) -> None:
             await other.respond(Slow(runtime=other, timeout=None), run, Reply(to="x"))
 
     asyncio.run(go())
+
+
+class Lingering(Workflow):
+    """`work` stays in flight for a long while, then charges."""
+
+    def __init__(self, **kw: Any) -> None:
+        kw.setdefault("timeout", None)
+        super().__init__(**kw)
+
+    @step
+    async def work(self, ctx: Context, ev: StartEvent) -> StopEvent:
+        await asyncio.sleep(float(ev.get("seconds", 30)))
+        charge_card(7)
+        return StopEvent(result="late")
+
+
+def test_rt_cancel_ends_a_run_whose_step_is_in_flight_in_this_process(store_url: str) -> None:
+    """`rt.cancel` of a run this process drives stops the live run (as `cancel_run`) and
+    the run's own claim commits the cancelled end: the step never finishes, a later
+    answer or recovery gets the ended outcome."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        handler = Lingering(runtime=rt).run(run_id=run, seconds=2)
+        while not rt.checkpoints(run):
+            await asyncio.sleep(0.05)
+        head = await rt.cancel(run)
+        assert rt.status(run) == "cancelled" and rt.checkpoints(run)[0].checkpoint_id == head
+        with pytest.raises(WorkflowCancelledByUser):
+            await handler
+        assert await rt.cancel(run) == head
+        assert rt.recover(Lingering(runtime=rt), run) is None
+        other = RemitRuntime(store_url)
+        with pytest.raises(ResumeConflict, match="ended"):
+            await other.respond(Lingering(runtime=other), run, Reply(to="x"))
+        await asyncio.sleep(2.2)  # when the step would have finished
+        assert rt.checkpoints(run)[0].checkpoint_id == head
+
+    asyncio.run(go())
+    assert CHARGED == {}
+
+
+LINGERING = """
+import asyncio, sys
+sys.path.insert(0, {tests!r})
+from remit_llamaindex import RemitRuntime
+from test_llamaindex_resume import Lingering
+
+async def main():
+    await Lingering(runtime=RemitRuntime({url!r})).run(run_id={run!r}, seconds=60)
+
+asyncio.run(main())
+"""
+
+
+def test_rt_cancel_of_a_run_another_process_drives_says_so(store_url: str) -> None:
+    """A run whose step is in flight in another live process is not ended from here:
+    `ResumeConflict` says that another process drives it, and nothing is written."""
+    run = new_run()
+    code = LINGERING.format(tests=str(Path(__file__).parent), url=store_url, run=run)
+    driver = subprocess.Popen([sys.executable, "-c", code])
+    try:
+
+        async def go() -> None:
+            rt = RemitRuntime(store_url)
+            deadline = time.monotonic() + 30
+            while not rt.remit.branch(run) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            history = rt.checkpoints(run)
+            with pytest.raises(ResumeConflict, match="another live process drives the run"):
+                await rt.cancel(run)
+            assert rt.checkpoints(run) == history and rt.status(run) == "running"
+
+        asyncio.run(go())
+    finally:
+        driver.kill()
+        driver.wait()
 
 
 def test_a_timeout_while_parked_leaves_the_run_resumable_elsewhere(store_url: str) -> None:

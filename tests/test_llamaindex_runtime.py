@@ -880,3 +880,128 @@ def test_a_zombie_whose_run_was_finished_elsewhere_is_fenced(store_url: str) -> 
 
     asyncio.run(go())
     assert ENTERED["charge"] == 2 and list(CHARGED.values()) == [1]
+
+
+# -- sends a step made before it crashed -------------------------------------------
+
+
+class Notify(Event):
+    pass
+
+
+class Extra(Event):
+    pass
+
+
+class Body(Event):
+    pass
+
+
+class Noted(Event):
+    pass
+
+
+class ExtraDone(Event):
+    pass
+
+
+def _applied(sink: str, key: str) -> Any:
+    lines = Path(sink).read_text().split() if Path(sink).exists() else []
+    return 1 if key in lines else NOT_APPLIED
+
+
+def _mail(sink: str) -> Any:
+    @effect(name="mail", reconcile=lambda key: _applied(sink, key))
+    def mail(*, idempotency_key: str) -> int:
+        with open(sink, "a") as f:
+            f.write(idempotency_key + "\n")
+        return 1
+
+    return mail
+
+
+class Sender(Workflow):
+    """`start` sends `Notify`, then `Extra`, and returns `Body`; `crash` names the step
+    whose completion it waits for and then kills the process (SIGKILL)."""
+
+    def __init__(self, url: str, run: str, sink: str, crash: str = "", **kw: Any) -> None:
+        super().__init__(timeout=60, **kw)
+        self.url, self.run_name, self.sink, self.crash = url, run, sink, crash
+
+    async def _die_once_completed(self, step_name: str) -> None:
+        if self.crash != step_name:
+            return
+        rt = RemitRuntime(self.url)
+        while not any(c.step == step_name for c in rt.checkpoints(self.run_name)):
+            await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @step
+    async def start(self, ctx: Context, ev: StartEvent) -> Body | Notify | Extra:
+        ctx.send_event(Notify())
+        await self._die_once_completed("notify")
+        ctx.send_event(Extra())
+        await self._die_once_completed("extra")
+        return Body()
+
+    @step
+    async def notify(self, ctx: Context, ev: Notify) -> Noted:
+        _mail(self.sink)()
+        return Noted()
+
+    @step
+    async def extra(self, ctx: Context, ev: Extra) -> ExtraDone:
+        _mail(self.sink)()
+        return ExtraDone()
+
+    @step
+    async def end(self, ctx: Context, ev: Body | Noted | ExtraDone) -> StopEvent | None:
+        if ctx.collect_events(ev, [Body, Noted, ExtraDone]) is None:
+            return None
+        return StopEvent(result="ok")
+
+
+DYING_AFTER_A_SEND = """
+import asyncio, sys
+sys.path.insert(0, {tests!r})
+from remit_llamaindex import RemitRuntime
+from test_llamaindex_runtime import Sender
+
+async def main():
+    rt = RemitRuntime({url!r}, lease=1)
+    flow = Sender({url!r}, {run!r}, {sink!r}, crash={crash!r}, runtime=rt)
+    if {crash!r} == "notify":
+        await flow.run(run_id={run!r})
+    else:
+        await rt.recover(flow, {run!r})
+
+asyncio.run(main())
+"""
+
+
+def test_a_send_made_before_a_crash_is_not_delivered_again(store_url: str, tmp_path: Path) -> None:
+    """P1, P2: `start` sends `Notify` and dies (SIGKILL) after `notify` completed on it; its
+    recovered re-run sends `Extra` and dies after `extra` completed; the next recovery
+    finishes the run. Each re-run of `start` sends its events again, and the framework
+    would take them as new: `notify` and `extra` would run again and their effects apply
+    twice. Each completed step runs once, each effect applies once."""
+    run, sink = new_run(), str(tmp_path / "sink.txt")
+    for crash in ("notify", "extra"):
+        code = DYING_AFTER_A_SEND.format(
+            tests=str(Path(__file__).parent), url=store_url, sink=sink, crash=crash, run=run
+        )
+        child = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr
+        time.sleep(1.2)  # the dead process's lease runs out
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url, lease=1)
+        handler = rt.recover(Sender(store_url, run, sink, runtime=rt), run)
+        assert handler is not None and await handler == "ok"
+        steps = Counter(c.step for c in rt.checkpoints(run) if c.step)
+        assert (steps["notify"], steps["extra"], steps["start"]) == (1, 1, 1)
+
+    asyncio.run(go())
+    assert len(Path(sink).read_text().split()) == 2

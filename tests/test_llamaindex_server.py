@@ -109,6 +109,53 @@ def test_server_runs_a_human_in_the_loop_workflow_on_remit(store_url: str) -> No
     asyncio.run(go())
 
 
+def test_a_run_released_while_idle_is_reloaded_by_its_answer(store_url: str) -> None:
+    """A waiting run goes idle (its claim released, its memory dropped); the answer makes
+    the server reload it, and the reload's status write and its first tick write share
+    one claim: the run completes, whether the server that started it answers or another."""
+    deployment = uuid.uuid4().hex[:8]
+
+    async def serve(handler_id: str | None, answer: bool) -> dict[str, Any]:
+        store = RemitWorkflowStore(store_url, namespace=deployment)
+        server = WorkflowServer(workflow_store=store, idle_timeout=0.2)
+        server.add_workflow(
+            "order", OrderFlow(timeout=None), additional_events=[HumanResponseEvent]
+        )
+        async with server.contextmanager():
+            transport = httpx.ASGITransport(app=server.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                if handler_id is None:
+                    started = await client.post(
+                        "/workflows/order/run-nowait", json={"start_event": {"amount": 3}}
+                    )
+                    handler_id = started.json()["handler_id"]
+                    query = HandlerQuery(handler_id_in=[handler_id], is_idle=True)
+                    while not await store.query(query):
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.3)  # released from memory too
+                result = {"handler_id": handler_id}
+                if answer:
+                    event = {"type": "HumanResponseEvent", "value": {"response": "alice"}}
+                    sent = await client.post(f"/events/{handler_id}", json={"event": event})
+                    assert sent.status_code == 200, sent.text
+                    for _ in range(200):
+                        result = (await client.get(f"/results/{handler_id}")).json()
+                        if result["status"] != "running":
+                            break
+                        await asyncio.sleep(0.02)
+        return result
+
+    async def go() -> None:
+        for _ in range(3):
+            result = await serve(None, answer=True)
+            assert (result["status"], result["result"]) == ("completed", "alice")
+        started = await serve(None, answer=False)
+        result = await serve(started["handler_id"], answer=True)
+        assert (result["status"], result["result"]) == ("completed", "alice")
+
+    asyncio.run(go())
+
+
 def test_a_lost_append_race_is_refused_not_renumbered(store_url: str) -> None:
     """Server A appends tick 0 and goes idle; server C reads the journal and appends 1;
     A, still expecting slot 1, is refused with `WriteConflict` (never written as 2)."""
