@@ -722,6 +722,8 @@ class Runs:
         if check is not None and ns == "":
             try:
                 check.writes(writes, **ids)
+                loop = None if run is None or run.loop is None else run.loop()
+                check.after(None if loop is None else loop.channels, writes, **ids)
             except RemitError as exc:
                 if run is not None:
                     run.fail(exc)

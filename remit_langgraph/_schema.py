@@ -6,7 +6,10 @@ key must satisfy its declared type, with its constraints (`Annotated[int,
 Ge(0)]`, `Field(ge=0)`). Reducer metadata in `Annotated` (e.g.
 `operator.add`) is ignored by validation. The field types are gathered from a
 TypedDict, a Pydantic model or a dataclass into a `total=False` TypedDict,
-which the core validates and which names the failing field.
+which the core validates and which names the failing field. A Pydantic
+model's or dataclass's own checks (validators, `__post_init__`) hold of a
+whole state: they are run on every checkpoint that has the keys the type
+requires, and on the state a task's writes would make.
 
 A node's write is checked before it is stored, so that a refused write never
 becomes a pending write that every later read of the thread re-applies: a
@@ -76,6 +79,17 @@ def _field_types(state_type: Any) -> dict[str, Any]:
     raise TypeError(f"cannot read state fields from {state_type!r}")
 
 
+def _required_fields(state_type: type) -> set[str]:
+    """The fields of a model or dataclass that have no default."""
+    if issubclass(state_type, BaseModel):
+        return {name for name, f in state_type.model_fields.items() if f.is_required()}
+    return {
+        f.name
+        for f in dataclasses.fields(state_type)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+
+
 def plain_record_types(types: Any) -> set[type]:
     """The NamedTuple classes and `numpy.ndarray` that `types` name, at any depth.
     LangGraph's own allowlist of a schema's types leaves them out; both store and
@@ -131,6 +145,10 @@ class StateCheck:
         self._reducers: dict[str, tuple[Any, TypeAdapter[Any]]] = {}
         self._reduced: StateSchema | None = None  # the same, named like the state's
         self._channels: Mapping[str, Any] | None = None
+        #: A model's (or dataclass's) own checks (validators, `__post_init__`) hold of
+        #: a whole state: the state type, and the keys a whole state has.
+        self._whole: StateSchema | None = None
+        self._required: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, state: Any) -> StateCheck | None:
@@ -143,7 +161,15 @@ class StateCheck:
             fields = _field_types(state_type)
         except TypeError:
             return None
-        return cls({k: _checkable(t) for k, t in fields.items()}, declared) if fields else None
+        if not fields:
+            return None
+        check = cls({k: _checkable(t) for k, t in fields.items()}, declared)
+        if isinstance(state_type, type) and (
+            issubclass(state_type, BaseModel) or dataclasses.is_dataclass(state_type)
+        ):
+            check._whole = StateSchema(state_type, version=check.version)
+            check._required = frozenset(_required_fields(state_type))
+        return check
 
     def with_channels(self, channels: Mapping[str, Any]) -> StateCheck:
         """Note which keys are plain channels, whose writes are checked one by one."""
@@ -172,6 +198,42 @@ class StateCheck:
         present = {k: _unwrapped(values[k]) for k in chosen if k in values}
         if present:
             _as_declared(present, self._partial.validate(present, **ids), ids)
+            self._check_whole({k: _unwrapped(values[k]) for k in self.fields if k in values}, ids)
+
+    def after(self, channels: Mapping[str, Any] | None, writes: Any, **ids: Any) -> None:
+        """Check the whole state `channels` hold once a task's `writes` are applied,
+        for a state type with checks of its own (a model's validators): a write
+        valid key by key can still break them."""
+        if self._whole is None or channels is None:
+            return
+        state: dict[str, Any] = {}
+        for key in self.fields:
+            channel = channels.get(key)
+            with contextlib.suppress(Exception):  # (an empty channel has no value)
+                state[key] = channel.get() if channel is not None else MISSING
+        state = {k: v for k, v in state.items() if v is not MISSING}
+        grouped: dict[str, list[Any]] = {}
+        for key, value in writes:
+            if key in self.fields:
+                grouped.setdefault(key, []).append(value)
+        for key, values in grouped.items():
+            channel = channels.get(key)
+            if key in self._plain or channel is None:
+                state[key] = values[-1]
+                continue
+            try:
+                applied = channel.copy()
+                applied.update(values)
+                state[key] = applied.get()
+            except Exception:  # noqa: BLE001 (the key-by-key check reports a bad write)
+                continue
+        self._check_whole(state, ids)
+
+    def _check_whole(self, state: Mapping[str, Any], ids: Mapping[str, Any]) -> None:
+        """`state` checked as a whole by the state type, once it has every key the
+        type requires (before that, as in an input checkpoint, it is not a state)."""
+        if self._whole is not None and self._required <= state.keys():
+            self._whole.validate(dict(state), **ids)
 
     def writes(self, writes: Any, **ids: Any) -> None:
         """Check a task's writes to state channels (see the module docstring)."""

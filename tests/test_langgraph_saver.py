@@ -20,7 +20,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.types import Command, interrupt
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 from typing_extensions import TypedDict
 
 from remit_core import (
@@ -1040,3 +1040,41 @@ def test_a_continue_after_one_of_two_questions_asks_the_second_again(store_url: 
     again = graph.invoke(None, cfg)
     assert [i.value for i in again["__interrupt__"]] == ["payee?"] and again["got"] == []
     assert graph.invoke(Command(resume="bob"), cfg)["got"] == ["amount=100", "payee=bob"]
+
+
+class Ranged(BaseModel):
+    """A state with checks of its own: a field validator and a model validator."""
+
+    name: str = "x"
+    lo: int = 0
+    hi: int = 10
+
+    @field_validator("name")
+    @classmethod
+    def lowercase(cls, value: str) -> str:
+        if value != value.lower():
+            raise ValueError("name must be lowercase")
+        return value
+
+    @model_validator(mode="after")
+    def ordered(self) -> Ranged:
+        if self.lo > self.hi:
+            raise ValueError("lo > hi")
+        return self
+
+
+@pytest.mark.parametrize(
+    ("write", "named"), [({"name": "UPPER"}, "lowercase"), ({"lo": 11}, "lo > hi")]
+)
+def test_a_model_states_own_validators_refuse_a_write_and_the_thread_stays_usable(
+    store_url: str, write: dict[str, Any], named: str
+) -> None:
+    graph = one_node(Ranged, lambda s: write, RemitSaver(store_url))
+    cfg = config()
+    with pytest.raises(CheckpointInvalid, match=named):
+        graph.invoke({"name": "ok"}, cfg, durability="sync")
+    assert graph.get_state(cfg).values == {"name": "ok"}
+    with pytest.raises(CheckpointInvalid, match=named):
+        graph.update_state(cfg, write)
+    graph.update_state(cfg, {"hi": 20}, as_node="node")  # a valid edit is taken
+    assert graph.get_state(cfg).values == {"name": "ok", "hi": 20}
