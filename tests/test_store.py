@@ -1654,3 +1654,23 @@ def test_a_redis_url_option_redis_py_does_not_know_is_refused_naming_it() -> Non
     # Options of redis-py's connections and pool are passed on.
     store = Remit("redis://127.0.0.1:6379/0?socket_timeout=5&max_connections=8").store
     assert isinstance(store, RedisStore) and store.list_checkpoints(uuid.uuid4().hex, "") == []
+
+
+def test_a_sqlite_store_keeps_a_bounded_number_of_heads_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that writes many runs does not keep every run's head: the oldest
+    cached heads go, and are read from the file again when asked for."""
+    from remit_core.stores import sqlite as engine
+
+    monkeypatch.setattr(engine, "_HEADS_KEPT", 8)
+    remit = Remit(f"sqlite:///{tmp_path}/t.db")
+    runs = [f"run-{i}" for i in range(20)]
+    for i, run in enumerate(runs):
+        remit.commit(run_id=run, checkpoint_id="c1", parent_id=None, state=f"s{i}".encode())
+    store = remit.store
+    assert isinstance(store, SQLiteStore) and len(store._heads) == 8
+    for i, run in enumerate(runs):
+        head = remit.head(run)
+        assert head is not None and head.state == f"s{i}".encode()
+    assert len(store._heads) == 8

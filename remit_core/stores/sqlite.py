@@ -109,6 +109,8 @@ _CLAIM_ROW_AND_HEAD = (
     f"LEFT JOIN ({_SELECT_HEAD}) AS head ON true{_JOIN_WRITES.format(c='head')} "
     "WHERE cl.run_id = ? AND cl.scope = ? ORDER BY w.task_id, w.idx"
 )
+#: Branch heads a store keeps in memory (see `SQLiteStore.get_head`).
+_HEADS_KEPT = 1024
 _FENCED = "remit: stale fence"
 _MOVED = "remit: head moved"
 #: Columns of the commit view: a checkpoint's, then the compare-and-set and fence.
@@ -554,7 +556,7 @@ class SQLiteStore(SqlStore):
             finally:
                 self._keep_heads = False
             # This connection's own commit leaves data_version as it was.
-            self._heads[key] = record
+            self._remember_head(key, record)
 
     def _commit_row(
         self,
@@ -627,8 +629,17 @@ class SQLiteStore(SqlStore):
             # Read at `version` or later: a later commit by another connection
             # moves data_version, and the next call forgets this record.
             if record is not None:
-                self._heads[key] = record
+                self._remember_head(key, record)
             return record
+
+    def _remember_head(self, key: tuple[str, str, str], record: CheckpointRecord) -> None:
+        """Cache `record` as its branch's head; the oldest entry goes past `_HEADS_KEPT`
+        (a process that writes many runs would otherwise keep every run's head)."""
+        heads = self._heads
+        heads.pop(key, None)  # re-inserted last: the newest
+        if len(heads) >= _HEADS_KEPT:
+            del heads[next(iter(heads))]
+        heads[key] = record
 
     def setup(self) -> None:
         with self._txn() as txn:
