@@ -51,12 +51,16 @@ class Got(Event):
     response: str
 
 
-class TwoWaiters(Workflow):
-    """Two parallel steps wait for a `Reply`, each for its own `to` (`requirements`)."""
+class Untimed(Workflow):
+    """A workflow with no run timeout unless one is given: these runs park and wait."""
 
     def __init__(self, **kw: Any) -> None:
         kw.setdefault("timeout", None)
         super().__init__(**kw)
+
+
+class TwoWaiters(Untimed):
+    """Two parallel steps wait for a `Reply`, each for its own `to` (`requirements`)."""
 
     @step
     async def fan(self, ctx: Context, ev: StartEvent) -> ForA | ForB | None:
@@ -176,12 +180,8 @@ def charge_card(amount: int, *, idempotency_key: str) -> int:
     return amount
 
 
-class Approval(Workflow):
+class Approval(Untimed):
     """approve (waits for a `HumanResponseEvent`) -> charge (an effect)."""
-
-    def __init__(self, **kw: Any) -> None:
-        kw.setdefault("timeout", None)
-        super().__init__(**kw)
 
     @step
     async def approve(self, ctx: Context, ev: StartEvent) -> StopEvent:
@@ -318,12 +318,8 @@ def test_cancel_run_of_a_running_run_still_cancels_it(store_url: str) -> None:
     asyncio.run(go())
 
 
-class Lingering(Workflow):
+class Lingering(Untimed):
     """`work` stays in flight for a long while, then charges."""
-
-    def __init__(self, **kw: Any) -> None:
-        kw.setdefault("timeout", None)
-        super().__init__(**kw)
 
     @step
     async def work(self, ctx: Context, ev: StartEvent) -> StopEvent:
