@@ -155,16 +155,9 @@ class Run:
         return _Writing(self)
 
     def fail(self, error: RemitError) -> RemitError:
-        """Remember the first refusal: the run's later writes are refused with it.
-
-        A refusal while the loop is still taking its input (in its `__enter__`)
-        ends the run there: LangGraph never unwinds the exit stack of a loop whose
-        `__enter__` raised, so the claim is given back now, not at the loop's exit."""
+        """Remember the first refusal: the run's later writes are refused with it."""
         if self.failed is None:
             self.failed = error
-        loop = None if self.loop is None else self.loop()
-        if loop is not None and getattr(loop, "status", None) == "input":
-            self.claim.release()
         return error
 
     def settle(self, timeout: float = 5.0) -> None:

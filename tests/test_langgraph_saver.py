@@ -20,7 +20,15 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.types import Command, interrupt
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 from typing_extensions import TypedDict
 
 from remit_core import (
@@ -1078,3 +1086,13 @@ def test_a_model_states_own_validators_refuse_a_write_and_the_thread_stays_usabl
         graph.update_state(cfg, write)
     graph.update_state(cfg, {"hi": 20}, as_node="node")  # a valid edit is taken
     assert graph.get_state(cfg).values == {"name": "ok", "hi": 20}
+
+
+def test_input_refused_by_the_states_own_validator_leaves_the_thread_free(store_url: str) -> None:
+    """Refused as the run starts (LangGraph's own check of a model's input may come
+    first): the claim is given back at once, not when its 30 s lease runs out."""
+    graph = one_node(Ranged, lambda s: {"name": "ok"}, RemitSaver(store_url, lease=30.0))
+    cfg = config()
+    with pytest.raises((CheckpointInvalid, ValidationError), match="lo > hi"):
+        graph.invoke({"lo": 11}, cfg, durability="sync")
+    assert graph.invoke({"lo": 1}, cfg) == {"name": "ok", "lo": 1}
