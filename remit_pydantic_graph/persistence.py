@@ -900,11 +900,23 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         edges = self._edges.get(pause.get_node_id())
         if edges is None or edges[1] or node.get_node_id() in edges[0]:
             return
+        where = (
+            f"the run is paused at {pause.get_node_id()} (snapshot {paused.id}), which leads "
+            f"only to {', '.join(sorted(edges[0])) or 'End'}: nothing was stored"
+        )
+        if any(
+            i.status == "consumed" for i in self.remit.interrupts(self.run_id, branch=self.branch)
+        ):
+            # A pause of this run was answered: this answer most likely came late, after
+            # another resumer's answer moved the run on to a node it does not follow.
+            raise ResumeConflict(
+                f"resume() got {node.get_node_id()}, but {where}; a pause of this run was "
+                "answered already",
+                run_id=self.run_id,
+                checkpoint_id=paused.id,
+            )
         raise ValueError(
-            f"resume() got {node.get_node_id()}, but the run is paused at "
-            f"{pause.get_node_id()} (snapshot {paused.id}), which leads only to "
-            f"{', '.join(sorted(edges[0])) or 'End'}: nothing was stored, and the run is still "
-            "paused"
+            f"resume() got {node.get_node_id()}, but {where}, and the run is still paused"
         )
 
     def _refuse_answered(self, resumer: _Resumer, head: _Head, before: SnapshotStatus) -> None:

@@ -466,7 +466,9 @@ def test_racing_resumers_one_wins(url: str, run_id: str, world: World) -> None:
     outcomes = [w.wait(60) for w in workers]
     winners = [i for i, o in enumerate(outcomes) if o.ok]
     assert len(winners) == 1, [o.summary() for o in outcomes]
-    assert all(o.raised("ResumeConflict") for o in outcomes if not o.ok)
+    assert all(o.raised("ResumeConflict") for o in outcomes if not o.ok), [
+        o.summary() for o in outcomes
+    ]
     final = asyncio.run(persistence(url, run_id).load_all())[-1]
     assert final.state["approved_by"] == f"v{winners[0]}"
     assert world.entered()["answer"] == 1 and world.sink.counts() == {"charge": 1}
