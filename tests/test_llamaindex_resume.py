@@ -379,7 +379,11 @@ def test_rt_cancel_of_a_run_another_process_drives_says_so(store_url: str) -> No
         async def go() -> None:
             rt = RemitRuntime(store_url)
             deadline = time.monotonic() + 30
-            while not rt.remit.branch(run) and time.monotonic() < deadline:
+            # Until the driver's step is in flight (the checkpoint that names it is
+            # written): the driver writes nothing more while `work` sleeps.
+            while time.monotonic() < deadline and not any(
+                c.next_steps == ("work",) for c in rt.checkpoints(run)
+            ):
                 await asyncio.sleep(0.05)
             history = rt.checkpoints(run)
             with pytest.raises(ResumeConflict, match="another live process drives the run"):
