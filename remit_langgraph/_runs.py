@@ -31,14 +31,19 @@ import contextvars
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from langchain_core.runnables import RunnableConfig
 from langgraph._internal._constants import CONFIG_KEY_RESUME_MAP, NULL_TASK_ID
 from langgraph._internal._serde import build_serde_allowlist
-from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
+from langgraph.checkpoint.base import (
+    BaseCheckpointSaver,
+    CheckpointTuple,
+    get_serializable_checkpoint_metadata,
+)
+from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.serde.types import INTERRUPT, RESUME
 from langgraph.config import get_config
 from langgraph.pregel import Pregel
@@ -352,6 +357,10 @@ class Runs:
                 if writes is None:
                     writes = self.remit.writes(thread, record.checkpoint_id)
                 owed = self._settle_resume(loop, run, record, writes)
+                if record.branch != branch and (
+                    not checkpoint_id or record.metadata.get("source") in ("update", "fork")
+                ):
+                    record, writes = self._fork_point(loop, run, record, writes, token)
             found = None if record is None else self.saver._tuple(record, writes)
             if found is not None and run.resume_spent and found.pending_writes:
                 found = found._replace(
@@ -440,6 +449,52 @@ class Runs:
         # Checkpoint ids are time-ordered: those of `ns` before the base are its past.
         base = next((r.checkpoint_id for r in line if r.checkpoint_id < top.base_id), None)
         return self.remit.fork(thread, base, token, ns=ns)
+
+    def _fork_point(
+        self,
+        loop: PregelLoop,
+        run: Run,
+        base: CheckpointRecord,
+        writes: Sequence[WriteRecord],
+        token: str | None,
+    ) -> tuple[CheckpointRecord, list[WriteRecord]]:
+        """Commit a fork's first checkpoint, a copy of its `base`, and return it with its writes.
+
+        LangGraph starts a branch with a checkpoint of its own (source "fork") only
+        when it time-travels from a checkpoint the thread has moved past; from a
+        head made by `update_state`, or on a fork token alone, it would continue
+        the base in place, and store this branch's task writes and interrupts on a
+        checkpoint another branch continues from. The copy carries the base's input
+        writes, but not its resume value (a fork asks again, L3).
+        """
+        step = base.metadata.get("step", -1) + 1
+        checkpoint_id = str(uuid6(clock_seq=step))
+        copied = [
+            replace(w, checkpoint_id=checkpoint_id)
+            for w in writes
+            if w.task_id == NULL_TASK_ID and w.channel != RESUME
+        ]
+        metadata = get_serializable_checkpoint_metadata(
+            loop.config,
+            {"source": "fork", "step": step, "parents": {}},
+        )
+        index = self.saver._run_index_entry(run.thread, metadata.get("run_id"))
+        record = self.remit.commit(
+            run_id=run.thread,
+            checkpoint_id=checkpoint_id,
+            parent_id=base.checkpoint_id,
+            state=base.state,
+            metadata=metadata,
+            fork_token=token,
+            schema_version=base.schema_version,
+            workflow_version=self.saver.workflow_version,
+            writes=[*copied, *(() if index is None else (index,))],
+            fence=run.fence,
+        )
+        if index is not None:
+            self.saver._indexed_now(run.thread, metadata.get("run_id"))
+        run.committed.add(checkpoint_id)
+        return record, copied
 
     def _settle_resume(
         self,

@@ -46,8 +46,13 @@ def _conf(config: RunnableConfig | None) -> dict[str, Any]:
     return dict((config or {}).get("configurable") or {})
 
 
-def _ns(config: RunnableConfig) -> str:
-    return str(_conf(config).get("checkpoint_ns", ""))
+def _ns(config: RunnableConfig | None) -> str:
+    ns = _conf(config).get("checkpoint_ns")
+    if ns is None:
+        return ""
+    if not isinstance(ns, str):
+        raise RemitError(f"config's configurable.checkpoint_ns must be a string, got {ns!r}")
+    return ns
 
 
 def _thread(config: RunnableConfig) -> str:
@@ -184,7 +189,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
     ) -> tuple[CheckpointRecord | None, list[WriteRecord] | None]:
         """The checkpoint `config` names, and its writes if they were read with it."""
         conf = _conf(config)
-        thread, ns = _thread(config), conf.get("checkpoint_ns", "")
+        thread, ns = _thread(config), _ns(config)
         checkpoint_id = conf.get("checkpoint_id")
         token = conf.get("fork_token")
         forked = None
@@ -216,7 +221,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         """
         conf = _conf(config)
         thread = conf.get("thread_id")
-        ns = conf.get("checkpoint_ns")
+        ns = None if conf.get("checkpoint_ns") is None else _ns(config)
         before_id = _conf(before).get("checkpoint_id")
         line = self._fork_line(conf)
         if line is not None:
@@ -297,7 +302,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
     ) -> RunnableConfig:
         """`put`; `last`: the run's last write, whose commit gives its claim up."""
         conf = _conf(config)
-        thread, ns = _thread(config), conf.get("checkpoint_ns", "")
+        thread, ns = _thread(config), _ns(config)
         checkpoint_id = checkpoint["id"]
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         values = checkpoint["channel_values"]
@@ -384,7 +389,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
     ) -> None:
         """Store a task's writes on a checkpoint (special channels overwrite, others keep first)."""
         conf = _conf(config)
-        thread, ns = _thread(config), conf.get("checkpoint_ns", "")
+        thread, ns = _thread(config), _ns(config)
         checkpoint_id = conf["checkpoint_id"]
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         run = self._runs.before_writes(thread, ns, checkpoint_id, task_id, writes)

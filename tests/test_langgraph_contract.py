@@ -440,6 +440,33 @@ def test_a_fork_made_by_editing_a_pause_answers_its_question_once(
     assert len(world.applications("charge")) == 2  # one per timeline
 
 
+@pytest.mark.parametrize("durability", ["async", "sync"])
+def test_a_fork_of_an_edited_head_runs_on_its_own_branch_only(
+    store_url: str, tmp_path: Path, durability: str
+) -> None:
+    world, saver, graph, config = paused(store_url, tmp_path, durability=durability)
+    graph.update_state(config, {"approved_by": "eve", "log": ["edited"]}, as_node="approve")
+    head = graph.get_state(config).config["configurable"]
+    fork = {"configurable": {**head, "fork_token": "from-edit"}}
+    graph.invoke(None, fork, durability=durability)
+    assert len(world.entries("charge")) == 1
+    # P1 on main: the fork's steps are not main's; main still runs its own.
+    assert graph.get_state(config).next == ("charge",)
+    graph.invoke(None, config, durability=durability)
+    assert len(world.entries("charge")) == 2
+
+
+def test_a_fork_of_an_edited_pause_takes_its_own_resume(store_url: str, tmp_path: Path) -> None:
+    world, saver, graph, config = paused(store_url, tmp_path)
+    graph.update_state(config, {"amount": 7})
+    head = graph.get_state(config).config["configurable"]
+    asked = graph.invoke(None, {"configurable": {**head, "fork_token": "ask"}})["__interrupt__"]
+    fork = {"configurable": {"thread_id": head["thread_id"], "fork_token": "ask"}}
+    assert graph.invoke(Command(resume={asked[0].id: "bob"}), fork)["approved_by"] == "bob"
+    assert graph.invoke(Command(resume="alice"), config)["approved_by"] == "alice"  # L3
+    assert len(world.entries("approve")) == 2
+
+
 # -- P4: state validity ----------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ from typing_extensions import TypedDict
 from remit_core import (
     CheckpointInvalid,
     CorruptRecord,
+    RemitError,
     ResumeConflict,
     UnknownRecord,
     VersionMismatch,
@@ -943,6 +944,19 @@ def test_a_run_with_a_fork_token_that_names_no_branch_is_refused(store_url: str)
     with pytest.raises(UnknownRecord, match="no-such-fork"):
         graph.invoke({"big": [], "n": 100}, typo)
     assert graph.get_state(cfg).values["n"] == 3
+
+
+def test_a_checkpoint_ns_that_is_not_a_string_is_a_clear_error(store_url: str) -> None:
+    saver = RemitSaver(store_url)
+    graph = one_node(Free, lambda s: {"n": 2}, saver)
+    cfg = config()
+    graph.invoke({"n": 1}, cfg)
+    bad = {"configurable": {**cfg["configurable"], "checkpoint_ns": 5}}
+    with pytest.raises(RemitError, match="checkpoint_ns must be a string, got 5"):
+        saver.get_tuple(bad)
+    with pytest.raises(RemitError, match="checkpoint_ns must be a string"):
+        list(saver.list(bad))
+    assert graph.get_state(cfg).values == {"n": 2}
 
 
 class Typed(TypedDict, total=False):
