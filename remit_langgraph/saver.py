@@ -32,9 +32,9 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from remit_core import Remit, connect, policy
+from remit_core import Remit, codec, connect, policy
 from remit_core.core import checked_lease
-from remit_core.errors import RemitError, ResumeConflict
+from remit_core.errors import CorruptRecord, RemitError, ResumeConflict
 from remit_core.records import MAIN_BRANCH, CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
 from remit_langgraph._runs import Run, Runs, above_saver, current_run
@@ -242,7 +242,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 return
             if filter and any(raw.metadata.get(k) != v for k, v in filter.items()):
                 continue
-            record = self.remit.checkpoint(raw.run_id, raw.checkpoint_id, ns=raw.ns)
+            try:
+                record = self.remit.checkpoint(raw.run_id, raw.checkpoint_id, ns=raw.ns)
+            except CorruptRecord:
+                if thread is None and not rec.is_langgraph_body(codec.peek(raw.state)):
+                    continue  # another shim's damaged run, in a listing of the whole store
+                raise
             if record is None or not rec.is_langgraph_body(record.state):
                 continue  # deleted while listing, or another shim's run
             count += 1

@@ -10,6 +10,7 @@ import pickle
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Annotated, Any, NamedTuple
 
 import pytest
@@ -551,6 +552,29 @@ def test_a_corrupt_checkpoint_is_a_clear_error(store_url: str) -> None:
         with pytest.raises(CorruptRecord) as err:
             attempt()
         assert (err.value.run_id, err.value.checkpoint_id) == (thread, head)
+
+
+def test_a_listing_of_the_whole_store_skips_another_shims_damaged_run(tmp_path: Path) -> None:
+    """Other frameworks' runs may share the store: one of theirs that fails to verify
+    is theirs to report; a damaged LangGraph checkpoint still is an error here.
+    (A listing of the whole store: on a file only this test writes.)"""
+    from remit_core import codec
+
+    saver = RemitSaver(f"sqlite:///{tmp_path}/shared.db")
+    saver.remit.commit(run_id="other", checkpoint_id="c1", parent_id=None, state=codec.dumps({}))
+    corrupt(saver, "other", "c1")
+    graph = one_node(Free, lambda s: {"n": s["n"] + 1}, saver)
+    cfg = config()
+    graph.invoke({"n": 1}, cfg)
+    listed = list(saver.list(None))
+    assert {c.config["configurable"]["thread_id"] for c in listed} == {
+        cfg["configurable"]["thread_id"]
+    }
+    corrupt(
+        saver, cfg["configurable"]["thread_id"], listed[0].config["configurable"]["checkpoint_id"]
+    )
+    with pytest.raises(CorruptRecord):
+        list(saver.list(None))
 
 
 def test_another_workflow_version_is_refused(store_url: str) -> None:
