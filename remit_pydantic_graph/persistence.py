@@ -31,6 +31,8 @@ An instance is one resumer: its claim is the instance's, whichever asyncio
 task, event loop or thread makes each call, and instances exclude each other
 through the store as processes do. It makes one call at a time: a call made
 while another is in progress (a node running included) gets `ResumeConflict`.
+Between two nodes it holds no claim: if another resumer runs its next node
+meanwhile, it gets `ResumeConflict` as a racing resumer does.
 Store calls are blocking; every async method runs them in a worker thread.
 """
 
@@ -120,12 +122,15 @@ class _Head:
 @dataclass
 class _Resumer:
     """What an instance holds between its calls, whichever task or thread makes
-    them: its claim, the node `load_next` handed out, the node it ran."""
+    them: its claim, the node `load_next` handed out, the node it ran; and the
+    snapshot it last made its branch's head or loaded (its driver's next node,
+    kept when the claim is given back)."""
 
     claim: ClaimHandle | None = None
     loaded: str | None = None
     ran: tuple[_Head, float] | None = None
     started: _Head | None = None
+    own_head: str | None = None
 
 
 def _check_versions(workflow_version: object, accept_versions: object) -> frozenset[str]:
@@ -406,6 +411,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             plan=plan,
             release=claim if release else None,
         )
+        resumer.own_head = snapshot.id
 
     def _refuse_fork(self, base_id: str, why: str) -> ForkWithoutIntent:
         return ForkWithoutIntent(
@@ -638,10 +644,22 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 self._drop(resumer)  # no next snapshot will follow: let another resumer rerun it
                 raise
 
-    def _run_reason(self, snapshot_id: str, head: _Head | None) -> str | None:
+    def _run_reason(self, resumer: _Resumer, snapshot_id: str, head: _Head | None) -> str | None:
+        """None if `snapshot_id` is the head; else why running it would be a fork, or
+        `ResumeConflict` if it was this resumer's next node and another resumer moved the
+        run on from it while this one held no claim (between nodes, or a lease run out)."""
         if head is not None and head.top.id == snapshot_id:
             return None
         self._read(snapshot_id)  # LookupError (UnknownRecord) if it does not exist
+        if snapshot_id == resumer.own_head:
+            raise ResumeConflict(
+                f"snapshot {snapshot_id!r} was this instance's next node, but another resumer "
+                "moved the run on from it (ran it, or answered the pause) while this instance "
+                f"held no claim; branch {self.branch!r} is at "
+                f"{'nothing' if head is None else head.top.describe()} now. Nothing was run",
+                run_id=self.run_id,
+                checkpoint_id=snapshot_id,
+            )
         return (
             f"snapshot {snapshot_id!r} is not the head of branch {self.branch!r} (the head is "
             f"{'none' if head is None else head.top.id}) and running it again"
@@ -649,13 +667,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _begin_run(self, resumer: _Resumer, snapshot_id: str) -> _Head:
         try:
-            why = self._run_reason(snapshot_id, self._read_head())
+            why = self._run_reason(resumer, snapshot_id, self._read_head())
             if why is not None and self.fork_token is None:
                 raise self._refuse_fork(snapshot_id, why)
             self._acquire(resumer, heartbeat=True)
             resumer.loaded = None
             head = self._read_head()
-            why = self._run_reason(snapshot_id, head)
+            why = self._run_reason(resumer, snapshot_id, head)
             if head is None or why is not None:
                 head = self._fork(resumer, snapshot_id, heartbeat=True, why=why or "")
             if not head.top.is_node:
@@ -702,6 +720,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Claim the head node: new, pending, left by a dead process (L1), or one that
         raised (no snapshot followed it, so it runs again, its recorded effects not)."""
         self._types()
+        if self._read_head() is None:
+            return None  # no run on this line (an unknown run id): nothing to claim or write
         self._acquire(resumer, heartbeat=False)
         try:
             head = self._read_head()
@@ -713,7 +733,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             if head.top.id == resumer.loaded and head.top.status == "pending":
                 return None  # handed out by this instance's last load_next; still its to run
             self._set_status(resumer, head.top, "pending")
-            resumer.loaded = head.top.id
+            resumer.loaded = resumer.own_head = head.top.id
         except BaseException:
             self._drop(resumer)
             raise
@@ -982,6 +1002,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _update_state(self, resumer: _Resumer, state: StateT) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
+        self._paused_head()  # refuse from a read first: a refused edit never takes the claim
         self._acquire(resumer, heartbeat=False)
         try:
             paused = self._paused_head()

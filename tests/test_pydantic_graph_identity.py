@@ -25,8 +25,10 @@ from test_pydantic_graph_persistence import (
     Answer,
     Ask,
     Order,
+    Pay,
     Start,
     World,
+    drive,
     fresh,
     persistence,
     to_pause,
@@ -258,3 +260,44 @@ def test_a_node_that_returns_itself_runs_again_as_a_new_snapshot(
     assert len({s.id for s in history}) == 4 and isinstance(history[-1], EndSnapshot)
     assert [s.status for s in history[:-1]] == ["success"] * 3
     assert world.sink.counts() == {"tick": 3}
+
+
+# -- P5: a driver whose next node another resumer ran ---------------------------------------
+
+
+def test_a_driver_whose_next_node_another_resumer_ran_gets_resume_conflict(
+    store_url: str, run_id: str, world: World
+) -> None:
+    """Between two nodes a driver holds no claim, so another resumer may take the run on
+    and run its next node. The driver then gets `ResumeConflict`, as a racing resumer
+    does, whether it stored that node or loaded it: never `ForkWithoutIntent`, whose
+    advice (a fork token) would run the node, and its effects, a second time."""
+
+    async def go() -> list[BaseException]:
+        refused: list[BaseException] = []
+        p = await to_pause(store_url, run_id, world)
+        await p.resume(Answer("ann"))
+        driver = persistence(store_url, run_id)
+        async with GRAPH.iter_from_persistence(driver, deps=world) as run:
+            pay = await run.next()  # Answer ran; Pay is stored as the next node
+            assert isinstance(pay, Pay)
+            assert await drive(persistence(store_url, run_id), world) == "paid 100"
+            with pytest.raises(ResumeConflict) as taken:
+                await run.next(pay)
+            refused.append(taken.value)
+        again = f"{run_id}-loaded"
+        p = await to_pause(store_url, again, world)
+        await p.resume(Answer("bob"))
+        loader = persistence(store_url, again)
+        async with GRAPH.iter_from_persistence(loader, deps=world) as run:
+            loader.release()  # its claim lapses (a lease run out): another resumer goes on
+            assert await drive(persistence(store_url, again), world) == "paid 100"
+            with pytest.raises(ResumeConflict) as taken:
+                await run.next()
+            refused.append(taken.value)
+        return refused
+
+    refused = asyncio.run(go())
+    assert all("another resumer" in str(e) for e in refused), refused
+    assert world.entered() == {"start": 2, "answer": 2, "pay": 2, "pay.after_effect": 2, "done": 2}
+    assert world.sink.counts() == {"charge": 2}

@@ -21,7 +21,7 @@ import pytest
 from annotated_types import Ge, MinLen
 from conftest import engine_url
 from pydantic_graph import BaseNode, End, GraphRunContext
-from pydantic_graph.exceptions import GraphNodeStatusError
+from pydantic_graph.exceptions import GraphNodeStatusError, GraphRuntimeError
 from pydantic_graph.graph import Graph
 from pydantic_graph.persistence import EndSnapshot, NodeSnapshot
 from pydantic_graph.persistence.in_mem import FullStatePersistence
@@ -33,6 +33,7 @@ from remit_core import (
     ForkWithoutIntent,
     Remit,
     ResumeConflict,
+    UnknownRecord,
     VersionMismatch,
     arun_effect,
     failpoints,
@@ -1023,6 +1024,27 @@ def test_bad_inputs_raise_typed_errors_and_write_nothing(
         assert await p.paused() is not None
 
     asyncio.run(go())
+
+
+def test_an_unknown_run_is_refused_and_nothing_is_stored(url: str, run_id: str) -> None:
+    """A run id no run has (a typo, a run deleted): every call answers as pydantic-graph's
+    own backends do for an empty history (None, [], `GraphRuntimeError`), or with
+    `UnknownRecord`, and the store holds nothing for that id afterwards, not even a claim."""
+    p = persistence(url, run_id)
+
+    async def go() -> None:
+        assert await p.load_next() is None
+        assert await p.load_all() == [] and await p.paused() is None
+        with pytest.raises(GraphRuntimeError):
+            async with GRAPH.iter_from_persistence(p):
+                pass
+        for call in (p.resume(Answer("ann")), p.update_state(fresh())):
+            with pytest.raises(UnknownRecord):
+                await call
+
+    asyncio.run(go())
+    assert p.remit.store.get_claim(run_id, "main") is None
+    assert p.remit.store.list_branches(run_id, "") == []
 
 
 @dataclass
