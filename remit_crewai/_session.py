@@ -155,17 +155,41 @@ def resumer_of(store_url: str, flow_id: str) -> Session | None:
 
 
 class Registry:
-    """Sessions of this process by (store URL, flow id); a forked child starts empty."""
+    """Sessions of this process by (store URL, flow id), and the turns of saves made
+    outside them (`turn`); a forked child starts with none."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._items: dict[tuple[str, str], Session] = {}
+        #: Per (store URL, flow id): the lock of its turns, and how many hold or wait for it.
+        self._turns: dict[tuple[str, str], tuple[threading.Lock, int]] = {}
         self._pid = os.getpid()
 
     def _here(self) -> dict[tuple[str, str], Session]:
         if self._pid != os.getpid():
-            self._items, self._pid = {}, os.getpid()
+            self._items, self._turns, self._pid = {}, {}, os.getpid()
         return self._items
+
+    @contextlib.contextmanager
+    def turn(self, store_url: str, flow_id: str) -> Iterator[None]:
+        """This process's turn to claim `flow_id` for one save outside a session: such
+        saves from several threads (parallel steps of a flow persisted per method)
+        wait for each other instead of refusing each other's claim."""
+        key = (store_url, flow_id)
+        with self.lock:
+            self._here()
+            lock, holders = self._turns.get(key, (threading.Lock(), 0))
+            self._turns[key] = (lock, holders + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self.lock:
+                lock, holders = self._turns[key]
+                if holders > 1:
+                    self._turns[key] = (lock, holders - 1)
+                else:
+                    del self._turns[key]
 
     def get(self, store_url: str, flow_id: str) -> Session | None:
         with self.lock:

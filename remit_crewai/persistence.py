@@ -17,13 +17,14 @@ While a process drives a flow it holds a `Session` for it (`remit_crewai._sessio
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import os
 import threading
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ from crewai.flow.persistence.base import FlowPersistence
 from pydantic import BaseModel, Field
 
 from remit_core import codec, policy
-from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit
+from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_id
 from remit_core.errors import (
     CheckpointInvalid,
     Fenced,
@@ -154,30 +155,26 @@ class RemitFlowPersistence(FlowPersistence):
         Raises `CheckpointInvalid` (nothing written, the head stays), `HeadMoved`
         or `Fenced` (another process drove the flow since this one read it).
         """
-        session, one_shot = self._writer(flow_uuid)
-        try:
-            with session.lock:
-                plain = self._plain_state(session, state_data)
-                if method_name == ASK_CHECKPOINT:
-                    kind, ledger = "ask", session.ledger
-                elif session.pending is not None and method_name == _interrupt_method(
-                    session.pending.interrupt_id
-                ):
-                    # The feedback method completes when its feedback is consumed.
-                    kind, ledger = "feedback", session.ledger
-                else:
-                    kind, ledger = "step", session.ledger.completing(method_name)
-                    if method_name in session.routes:
-                        ledger = ledger.routing(method_name, session.routes.pop(method_name))
-                    if method_name in session.answered:
-                        ledger = ledger.noting(session.answered.pop(method_name))
-                output = _output_of(session, method_name) if kind == "step" else None
-                self._commit(session, plain, method_name, kind, ledger, output)
-                if kind == "step":
-                    session.end_occurrence(method_name)
-        finally:
-            if one_shot:
-                session.handle.release()
+        checked_id("method name", method_name)
+        with self._writing(flow_uuid) as session, session.lock:
+            plain = self._plain_state(session, state_data)
+            if method_name == ASK_CHECKPOINT:
+                kind, ledger = "ask", session.ledger
+            elif session.pending is not None and method_name == _interrupt_method(
+                session.pending.interrupt_id
+            ):
+                # The feedback method completes when its feedback is consumed.
+                kind, ledger = "feedback", session.ledger
+            else:
+                kind, ledger = "step", session.ledger.completing(method_name)
+                if method_name in session.routes:
+                    ledger = ledger.routing(method_name, session.routes.pop(method_name))
+                if method_name in session.answered:
+                    ledger = ledger.noting(session.answered.pop(method_name))
+            output = _output_of(session, method_name) if kind == "step" else None
+            self._commit(session, plain, method_name, kind, ledger, output)
+            if kind == "step":
+                session.end_occurrence(method_name)
 
     def load_state(self, flow_uuid: str) -> dict[str, Any] | None:
         """The flow's head state; inside a kickoff, the restart or fork it begins.
@@ -207,23 +204,23 @@ class RemitFlowPersistence(FlowPersistence):
         state_data: dict[str, Any] | BaseModel,
     ) -> None:
         """Commit the paused state, open its interrupt, and give the claim up."""
-        session, _ = self._writer(flow_uuid)
-        try:
-            with session.lock:
-                plain = self._plain_state(session, state_data)
-                method = str(context.method_name)
-                record = self._commit(session, plain, method, "pause", session.ledger)
-                interrupt_id = f"{method}#{session.ledger.occurrence(method)}"
-                self.remit.open_interrupts(
-                    session.run_id,
-                    # JSON as CrewAI makes it (a str Enum output is its str), as its own backend.
-                    {interrupt_id: codec.dumps(context.to_dict(), exact=False)},
-                    branch=session.branch,
-                    checkpoint_id=record.checkpoint_id,
-                    fence=session.fence,
-                )
-        finally:
-            self._release(session)
+        if not isinstance(context, PendingFeedbackContext):
+            raise TypeError(
+                f"context must be a PendingFeedbackContext, got {type(context).__name__}"
+            )
+        with self._writing(flow_uuid, release=True) as session, session.lock:
+            plain = self._plain_state(session, state_data)
+            method = str(context.method_name)
+            record = self._commit(session, plain, method, "pause", session.ledger)
+            interrupt_id = f"{method}#{session.ledger.occurrence(method)}"
+            self.remit.open_interrupts(
+                session.run_id,
+                # JSON as CrewAI makes it (a str Enum output is its str), as its own backend.
+                {interrupt_id: codec.dumps(context.to_dict(), exact=False)},
+                branch=session.branch,
+                checkpoint_id=record.checkpoint_id,
+                fence=session.fence,
+            )
 
     def load_pending_feedback(
         self, flow_uuid: str
@@ -357,30 +354,30 @@ class RemitFlowPersistence(FlowPersistence):
         Validated like any save (against `state_type` for a model state);
         nothing is written if it fails. The edit completes no method. A flow
         whose state is a model needs `state_type` (`TypeError` without it):
-        Remit records the model's name, never imports it.
+        Remit records the model's name, never imports it. A flow with no checkpoint
+        is `UnknownRecord`: an edit never makes a flow.
         """
-        session, one_shot = self._writer(flow_id)
-        try:
-            with session.lock:
-                if state_type is not None:
-                    session.state_type = state_type
-                elif session.state_type is None and session.head is not None:
-                    head = self.remit.checkpoint(session.run_id, session.head)
-                    model = None if head is None else head.metadata.get("model")
-                    if model is not None:
-                        raise TypeError(
-                            f"flow {flow_id!r} keeps a {model} state: pass "
-                            "edit_state(..., state_type=<that model>) so that the edit is "
-                            "validated as a save is; nothing was written"
-                        )
-                if session.state_type is not None:
-                    _check_fields(session.state_type, changes, flow_id)
-                merged = {**session.state, **changes, "id": flow_id}
-                plain = self._plain_state(session, merged)
-                self._commit(session, plain, "", "edit", session.ledger)
-        finally:
-            if one_shot:
-                session.handle.release()
+        with self._writing(flow_id) as session, session.lock:
+            if session.head is None:
+                raise UnknownRecord(
+                    "flow has no checkpoint to edit; nothing was written", run_id=session.run_id
+                )
+            if state_type is not None:
+                session.state_type = state_type
+            elif session.state_type is None:
+                head = self.remit.checkpoint(session.run_id, session.head)
+                model = None if head is None else head.metadata.get("model")
+                if model is not None:
+                    raise TypeError(
+                        f"flow {flow_id!r} keeps a {model} state: pass "
+                        "edit_state(..., state_type=<that model>) so that the edit is "
+                        "validated as a save is; nothing was written"
+                    )
+            if session.state_type is not None:
+                _check_fields(session.state_type, changes, flow_id)
+            merged = {**session.state, **changes, "id": flow_id}
+            plain = self._plain_state(session, merged)
+            self._commit(session, plain, "", "edit", session.ledger)
 
     # -- sessions ------------------------------------------------------------
     def _accepted(self) -> set[str] | None:
@@ -420,24 +417,47 @@ class RemitFlowPersistence(FlowPersistence):
             output=None if body is None else body.output,
         )
 
-    def _writer(self, flow_id: str) -> tuple[Session, bool]:
-        """The session a save goes through, and whether it is a one-shot (release after).
+    @contextlib.contextmanager
+    def _writing(self, flow_id: str, *, release: bool = False) -> Iterator[Session]:
+        """The session a save of `flow_id` goes through (`release`: given up after it).
 
-        A save outside any kickoff (an operator's edit) claims, writes and
-        releases; inside a kickoff the session lives until the run ends or pauses.
+        Inside the kickoff that drives `flow_id`, that kickoff's session, which
+        lives until the run ends or pauses. Any other save (an operator's edit, a
+        flow persisted per method, a save for another flow made inside a step)
+        claims, writes and releases, taking turns with this process's other such
+        saves of `flow_id`, so that parallel steps do not refuse each other.
         """
+        session = self._driving(flow_id)
+        if session is not None:
+            try:
+                yield session
+            finally:
+                if release:
+                    self._release(session)
+            return
+        with sessions.turn(self.url, flow_id):
+            session = self._open(flow_id, heartbeat=False)
+            try:
+                yield session
+            finally:
+                self._release(session)
+
+    def _driving(self, flow_id: str) -> Session | None:
+        """This process's session driving `flow_id`; opened if the kickoff running in this
+        context drives `flow_id` and has none (a pause gave it up); else None."""
         with sessions.lock:
             session = self._session_of(flow_id, None)
             if session is not None:
                 self._activate(session)
-                return session, False
+                return session
             ex = current_execution.get()
-            session = self._open(flow_id, heartbeat=ex is not None)
-            if ex is None:
-                return session, True
+            flow = None if ex is None else ex.flow()
+            if flow is None or flow.flow_id != flow_id:
+                return None
+            session = self._open(flow_id, heartbeat=True)
             session.owner = ex.flow
             sessions.add(session)
-            return session, False
+            return session
 
     def _session_of(self, flow_id: str, flow: Flow[Any] | None) -> Session | None:
         """This process's session for `flow_id` that `flow` runs under (None: the flow

@@ -37,7 +37,7 @@ from conftest import engine_url  # noqa: E402
 from crewai.flow.persistence.base import _persistence_registry  # noqa: E402
 from crewai.flow.runtime import _resolve_persistence  # noqa: E402
 
-from remit_core import CheckpointInvalid, StoreUnavailable, effect  # noqa: E402
+from remit_core import CheckpointInvalid, StoreUnavailable, UnknownRecord, effect  # noqa: E402
 from remit_core.conformance.processes import Barrier, Outcome, Worker, fork  # noqa: E402
 from remit_core.conformance.world import EffectSink, Journal, WorldDB  # noqa: E402
 from remit_crewai import RemitFlowPersistence, fork_token  # noqa: E402
@@ -1552,3 +1552,115 @@ def test_model_state_refuses_a_field_that_would_not_read_back(url: str) -> None:
         "Enum in Any": "CheckpointInvalid anything None",
         "Enum field": "<Color.RED: 'red'>",
     }
+
+
+# -- saves made outside a kickoff of their own flow ---------------------------------------------
+
+
+def test_parallel_steps_of_a_flow_persisted_per_method_take_turns(url: str) -> None:
+    """Method-level `@persist`: parallel listeners save one flow at once from several
+    threads, each claiming it for its save; they wait for each other, none is refused."""
+
+    def body() -> dict[str, Any]:
+        from crewai.flow.flow import Flow, listen, start
+        from crewai.flow.persistence import persist
+
+        persistence = RemitFlowPersistence(url)
+        together = threading.Barrier(4, timeout=30)  # the saves follow at once
+
+        def branch(name: str) -> Any:
+            @listen("begin")
+            @persist(persistence)
+            def method(self: Any) -> None:
+                self.state[name] = True
+                together.wait()
+
+            method.__name__ = name
+            return method
+
+        @start()
+        @persist(persistence)
+        def begin(self: Any) -> None:
+            self.state["begun"] = True
+
+        names = ["a", "b", "c", "d"]
+        body = {"_skip_auto_memory": True, "begin": begin, **{n: branch(n) for n in names}}
+        fanned = kickoff(type("PerMethodFlow", (Flow,), body))
+        saved = persistence.checkpoints(fanned["id"])
+        return {"completed": sorted(saved[0].completed), "count": len(saved)}
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value == {"completed": ["a", "b", "begin", "c", "d"], "count": 5}
+
+
+def test_a_save_for_another_flow_inside_a_step_leaves_it_unclaimed(url: str) -> None:
+    """A step of a Remit-backed flow runs a flow persisted per method and saves a third
+    flow directly: once each save is written, those flows are free for other drivers."""
+
+    def body() -> dict[str, Any]:
+        from crewai.flow.flow import Flow, start
+        from crewai.flow.persistence import persist
+
+        persistence = RemitFlowPersistence(url)
+        other = f"other-{uuid.uuid4().hex}"
+
+        class Inner(Flow[dict]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            @persist(persistence)
+            def work(self) -> None:
+                self.state["worked"] = True
+
+        @persist(persistence)
+        class Outer(Flow[dict]):  # type: ignore[misc]
+            _skip_auto_memory = True
+
+            @start()
+            def run_inner(self) -> None:
+                self.state["inner"] = kickoff(Inner)["id"]
+                persistence.save_state(other, "noted", {"by": self.flow_id})
+
+        outer = Outer(suppress_flow_events=True)
+        outer.kickoff()
+        free = {}
+        for flow_id in (outer.state["inner"], other):
+            try:  # a claim of its own, as another driver takes it
+                persistence.remit.claim(flow_id, "main", lease=5, heartbeat=False).release()
+                free[flow_id] = True
+            except Exception as exc:
+                free[flow_id] = repr(exc)
+        return {"free": list(free.values()), "other": persistence.load_state(other)}
+
+    out = run(body)
+    assert out.ok, out.error_text()
+    assert out.value["free"] == [True, True]
+    assert out.value["other"]["by"]
+
+
+def test_persistence_calls_with_arguments_of_wrong_types_are_refused_writing_nothing(
+    url: str,
+) -> None:
+    """`save_state` / `save_pending_feedback` called with a method name or pause context
+    of the wrong type raise `TypeError` naming it; nothing is written."""
+    persistence = RemitFlowPersistence(url)
+    flow_id = f"typed-{uuid.uuid4().hex}"
+    with pytest.raises(TypeError, match="method name must be a str, got int"):
+        persistence.save_state(flow_id, 5, {"n": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="method name must be a str, got NoneType"):
+        persistence.save_state(flow_id, None, {"n": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="context must be a PendingFeedbackContext, got dict"):
+        persistence.save_pending_feedback(flow_id, {"method_name": "review"}, {"n": 1})  # type: ignore[arg-type]
+    assert persistence.load_state(flow_id) is None
+    assert persistence.load_pending_feedback(flow_id) is None
+
+
+def test_an_edit_of_a_flow_that_has_no_checkpoint_is_refused(url: str) -> None:
+    """An operator's edit of a flow id that has no checkpoint (a typo) makes no flow."""
+    persistence = RemitFlowPersistence(url)
+    flow_id = f"never-run-{uuid.uuid4().hex}"
+    with pytest.raises(UnknownRecord, match="no checkpoint to edit"):
+        persistence.edit_state(flow_id, {"amount": 7})
+    assert persistence.load_state(flow_id) is None
+    assert persistence.checkpoints(flow_id) == []
