@@ -17,6 +17,7 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
 - P3: starting a new node on a run that already has a head, or running a
   snapshot that is not the head, is a fork and needs `fork_token`. A token
   that starts a run names that run's line; no node starts after an `End`.
+  An instance with a token works on the line it names, whoever made it.
 - P4: every snapshot round-trips through the graph's own type adapter before
   it is written (`_codec`); on read, stored bytes are verified and
   version-checked, and a stored node must be one of the graph's.
@@ -185,16 +186,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self.fork_token = fork_token
         self.workflow_version = workflow_version
         self.branch = MAIN_BRANCH
-        if fork_token is not None:
-            made = self.remit.fork_branch(run_id, fork_token)
-            if made is not None:
-                self.branch = made.branch
+        self._line: BranchRecord | None = None
         self._codec: SnapshotCodec[StateT, RunEndT] | None = None
         self._edges: dict[str, tuple[frozenset[str], bool]] = {}
         self._instance = uuid.uuid4().hex[:8]
         self._resumer = _Resumer()
         self._busy = False
         self._busy_lock = threading.Lock()
+        self._token_line()
 
     # -- types (the graph's own adapters) ---------------------------------------
     def set_graph_types(self, graph: Graph[StateT, Any, RunEndT]) -> None:
@@ -427,6 +426,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if self.fork_token is None:
             raise self._refuse_fork(base_id, why)
         made = self._fork_branch(base_id, self.fork_token)
+        self._line = made
         self._switch(resumer, made.branch, heartbeat=heartbeat)
         head = self._read_head()
         if head is None or head.top.id != base_id:
@@ -469,8 +469,24 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return None
         line = self.remit.fork_branch(self.run_id, self.fork_token)
         if line is not None:
-            self.branch = line.branch
+            self._line, self.branch = line, line.branch
         return line
+
+    def _follow_token(self, resumer: _Resumer | None) -> None:
+        """Move onto the line `fork_token` names if another instance or process made it
+        since this one last looked (P3: a token names one line, whoever made it), as a
+        call begins. `resumer` None: a read, which moves only while no call is in progress."""
+        if self.fork_token is None or self._line is not None:
+            return
+        line = self.remit.fork_branch(self.run_id, self.fork_token)
+        if line is None or line.branch == self.branch:
+            return
+        with self._busy_lock:
+            if resumer is None and self._busy:
+                return
+            self._line, self.branch = line, line.branch
+        if resumer is not None:
+            self._drop(resumer)  # a claim on the line it left
 
     def _start_base(self, line: BranchRecord | None) -> _Head | None:
         """The head a new node starts after (None: the line is empty), or the refusal (P3).
@@ -720,6 +736,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Claim the head node: new, pending, left by a dead process (L1), or one that
         raised (no snapshot followed it, so it runs again, its recorded effects not)."""
         self._types()
+        self._follow_token(resumer)
         if self._read_head() is None:
             return None  # no run on this line (an unknown run id): nothing to claim or write
         self._acquire(resumer, heartbeat=False)
@@ -747,6 +764,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     def _load_all(self) -> list[Snapshot[StateT, RunEndT]]:
         """This branch's line of snapshots, oldest first (a fork includes its shared prefix)."""
         self._types()
+        self._follow_token(None)
         branch = self.remit.branch(self.run_id, branch=self.branch)
         out: list[Snapshot[StateT, RunEndT]] = []
         cursor = None if branch is None else branch.head_id
@@ -816,6 +834,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self, resumer: _Resumer, node: BaseNode[StateT, Any, RunEndT], pause_id: str | None
     ) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
+        self._follow_token(resumer)
         paused = self._paused_head(pause_id)
         self._check_successor(paused.top, node)
         snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
@@ -977,6 +996,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
         self._types()
+        self._follow_token(None)
         try:
             head = self._paused_head()
         except (ResumeConflict, UnknownRecord):
@@ -1002,6 +1022,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _update_state(self, resumer: _Resumer, state: StateT) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
+        self._follow_token(resumer)
         self._paused_head()  # refuse from a read first: a refused edit never takes the claim
         self._acquire(resumer, heartbeat=False)
         try:
@@ -1033,11 +1054,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
         The same token, from any process, gives the same branch; a token used
         for another snapshot raises `ForkWithoutIntent`. The branch's head is
-        the snapshot itself, to run again with `iter_from_persistence`.
+        the snapshot itself, to run again with `iter_from_persistence`. A
+        snapshot this reader cannot read (`CorruptRecord`, `VersionMismatch`)
+        is refused before the branch is made.
         """
         checked_id("snapshot_id", snapshot_id)
         checked_id("fork_token", fork_token)
-        await anyio.to_thread.run_sync(self._fork_branch, snapshot_id, fork_token)
+        await anyio.to_thread.run_sync(self._fork_readable, snapshot_id, fork_token)
         other: RemitStatePersistence[StateT, RunEndT] = RemitStatePersistence(
             self.remit,
             self.run_id,
@@ -1048,6 +1071,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         )
         other._codec, other._edges = self._codec, self._edges
         return other
+
+    def _fork_readable(self, snapshot_id: str, fork_token: str) -> None:
+        """Fork from `snapshot_id` only if this reader can read it (P4): a snapshot with
+        altered bytes, of another workflow version or of another graph is refused before
+        the branch is made, and the token stays unused."""
+        self._read(snapshot_id)
+        self._fork_branch(snapshot_id, fork_token)
 
     def release(self) -> None:
         """Give up the claim this instance holds (e.g. after `load_next` on a run you
