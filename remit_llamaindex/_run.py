@@ -21,7 +21,11 @@ interrupt with the step's result) and another step takes the
 `HumanResponseEvent`. An answer consumes the oldest open ask the same way; an
 answer when every ask was answered already is refused. An event no waiter waits
 for and no step takes is refused too: the framework would drop it, so an answer
-sent before its waiter exists would be acknowledged and lost.
+sent before its waiter exists would be acknowledged and lost. A parked copy
+whose event is refused because it lost the run (another resumer holds it,
+consumed the interrupt or moved the run on) stops through its own control loop:
+its handler and event stream end with that `ResumeConflict`, and it stores
+nothing.
 """
 
 from __future__ import annotations
@@ -221,6 +225,8 @@ class Session:
         self.claim_patience = 0.0
         self.opened: set[str] = set()
         self.done = False
+        # The refusal of an event that this copy lost the run with (`_stop_lost`).
+        self.lost: ResumeConflict | None = None
         self.inner: ExternalRunAdapter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
@@ -342,6 +348,8 @@ class Session:
     # -- ticks -----------------------------------------------------------------
     async def on_tick(self, tick: WorkflowTick) -> None:
         """Mirror the control loop's reduction of `tick`, and commit it if claimed."""
+        if self.lost is not None:
+            raise self.lost
         async with self.lock():
             seq = self.mirror.journal_seq
             before = self.mirror
@@ -385,14 +393,17 @@ class Session:
                 self.asks.setdefault(ask.interrupt_id, ask.prompt())
 
     def _metadata(self, status: str, exit_command: object | None) -> dict[str, Any]:
+        """The checkpoint's metadata. A run that has ended runs and waits for nothing
+        more, whatever was in flight when it was cancelled or timed out."""
         last = self.unsaved[-1][1] if self.unsaved else None
+        ended = status in snap.TERMINAL
         waiting = [w.interrupt_id for w in snap.waiters(self.mirror) if w.pending]
         meta: dict[str, Any] = {
             "source": "llamaindex",
             "status": status,
             "tick": getattr(last, "type", "update_state"),
-            "next": snap.busy_steps(self.mirror),
-            "waiting": [*waiting, *self.asks],
+            "next": [] if ended else snap.busy_steps(self.mirror),
+            "waiting": [] if ended else [*waiting, *self.asks],
             "asks": dict(self.asks),
             "resent": self._resent(),
             "journal_seq": self.mirror.journal_seq,
@@ -569,22 +580,18 @@ class Session:
                 targets = await self._resolved_by(tick)
                 value = self.serializer.serialize(tick.event).encode()
             took = self.claim is None
-            if took:
-                try:
-                    await asyncio.to_thread(self.take_claim)
-                except ForkWithoutIntent as exc:
-                    await asyncio.to_thread(self._refuse_consumed, targets)
-                    raise ResumeConflict(
-                        "another resumer moved the run on since this copy of it was "
-                        "restored; the event was not delivered",
-                        run_id=self.run_id,
-                        checkpoint_id=self.head_id,
-                    ) from exc
             try:
-                await asyncio.to_thread(self._consume, targets, value)
-            except BaseException:
                 if took:
-                    await asyncio.to_thread(self.release_claim)
+                    await self._claim_to_deliver(targets)
+                try:
+                    await asyncio.to_thread(self._consume, targets, value)
+                except BaseException:
+                    if took:
+                        await asyncio.to_thread(self.release_claim)
+                    raise
+            except ResumeConflict as exc:
+                if took:  # this parked copy lost the run to another resumer
+                    await self._stop_lost(exc)
                 raise
             assert self.inner is not None
             if isinstance(tick, TickAddEvent):
@@ -592,6 +599,28 @@ class Session:
                 for interrupt_id in targets.keys() & self.asks.keys():
                     self.answering[id(tick.event)] = interrupt_id
             await self.inner.send_event(tick)
+
+    async def _claim_to_deliver(self, targets: Mapping[str, Any]) -> None:
+        """Take the claim of a parked run to deliver an event to it, or `ResumeConflict`
+        (naming the interrupt if another resumer consumed it)."""
+        try:
+            await asyncio.to_thread(self.take_claim)
+        except ForkWithoutIntent as exc:
+            await asyncio.to_thread(self._refuse_consumed, targets)
+            raise ResumeConflict(
+                "another resumer moved the run on since this copy of it was "
+                "restored; the event was not delivered",
+                run_id=self.run_id,
+                checkpoint_id=self.head_id,
+            ) from exc
+
+    async def _stop_lost(self, refusal: ResumeConflict) -> None:
+        """Stop this copy of the run, which lost it to another resumer, through its own
+        control loop: its next tick raises `refusal` (`on_tick`), so the handler ends
+        with it and nothing is stored; the stored run is the winner's."""
+        self.lost = refusal
+        assert self.inner is not None
+        await self.inner.send_event(TickCancelRun())
 
     def inject(self, event: Event, ask: str | None = None) -> None:
         """Queue an accepted resume value whose delivery a crash interrupted."""

@@ -13,6 +13,9 @@ is refused with `CheckpointInvalid` and the stored state stays as it was. A
 value the checkpoint could not hold as it is (a datetime or bytes in an
 untyped store, a tuple that would come back as a list) is refused there too,
 inside the step, naming its key, rather than failing the commit afterwards.
+A write to a parked run is committed at once (`after_write`); when that
+commit is refused, the live state is put back as it was, so the refused value
+never reaches a later checkpoint.
 """
 
 from __future__ import annotations
@@ -58,9 +61,18 @@ class RemitStateStore(InMemoryStateStore[MODEL_T]):
         if self._schema is not None:
             state = self._schema.validate(state, **ids)
         check_storable(state, self._checkpoint_serializer, **ids)
+        previous = self._memory_storage.load_sync()
         await super()._write_state(state, storage)
-        if self._after_write is not None:
+        if self._after_write is None:
+            return
+        try:
             await self._after_write()
+        except BaseException:
+            # Refused (another resumer holds the run or moved it on): the write must not
+            # stay in memory, where the run's next checkpoint would commit it after all.
+            if previous is not None:
+                await self._memory_storage.save(previous)
+            raise
 
     def check_live(self) -> None:
         """Validate the live state as a checkpoint stores it: a value changed in place

@@ -644,7 +644,9 @@ class RemitRuntime(BaseRuntimeDecorator):
         """Deliver `event` to a live run, raising what the gate refuses.
 
         `handler.ctx.send_event` is fire-and-forget: a refused event is logged
-        and not delivered. This method raises the refusal instead:
+        and not delivered, except when the handler's copy of the run lost it to
+        another resumer: then the copy stops and the handler ends with that
+        `ResumeConflict` (as it does here). This method raises the refusal instead:
         `ResumeConflict` when the waiter it answers was already resolved, when
         it is a `HumanResponseEvent` and every `InputRequiredEvent` the run
         returned was answered already, when no waiter of the run waits for it
@@ -681,10 +683,10 @@ class RemitRuntime(BaseRuntimeDecorator):
                 "was not delivered",
                 run_id=run_id,
             ) from exc
+        session = self._session_of(handler)  # (this restore's own, not another's)
         try:
-            await self.send_event(handler, event)
+            await session.deliver(TickAddEvent(event=event))
         except BaseException:
-            session = self._live(handler.run_id)
             session.abort()
             session.close()
             raise
@@ -816,9 +818,29 @@ class RemitRuntime(BaseRuntimeDecorator):
         """Edit a stored run's state (validated; `CheckpointInvalid` commits nothing).
 
         Commits a new head with the same frontier and the edited state, under
-        the run's claim. Returns the new checkpoint id.
+        the run's claim. Returns the new checkpoint id. A parked run whose handler
+        is live in this process is edited through that handler's state store, so
+        the handler goes on from the edited head (edited behind its back, the
+        handler would hold a stale copy whose answers are refused).
         """
-        return await asyncio.to_thread(self._update_state, workflow, run_id, dict(values))
+        head = await asyncio.to_thread(self._head, run_id)
+        session = self._parked_copy(run_id, head.checkpoint_id)
+        if session is None:
+            return await asyncio.to_thread(self._update_state, workflow, run_id, dict(values))
+        ids = {"run_id": head.run_id, "checkpoint_id": head.checkpoint_id}
+        await session.store.set_state(_edited(await session.store.get_state(), values, **ids))
+        assert session.head_id is not None
+        return session.head_id
+
+    def _parked_copy(self, run_id: str, head_id: str) -> Session | None:
+        """The live copy, in this process and event loop, of `run_id` parked at `head_id`."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            for s in self._sessions.values():
+                parked = s.claim is None and not s.done and s.loop is loop
+                if parked and s.key == run_id and s.head_id == head_id:
+                    return s
+        return None
 
     def _update_state(self, workflow: Workflow, run_id: str, values: dict[str, Any]) -> str:
         key_run, branch_name = split_run_id(run_id)
@@ -927,6 +949,8 @@ class _External(BaseExternalRunAdapterDecorator, SnapshottableAdapter, V2Runtime
         try:
             await self._session.deliver(tick)
         except RemitError:
+            if self._session.lost is not None:
+                return  # the handler ends with the refusal (`Session._stop_lost`)
             logger.error("event refused for run %s", self._session.key, exc_info=True)
             raise
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import subprocess
 import sys
@@ -287,10 +288,173 @@ def test_an_answer_reaches_the_handler_it_was_sent_to(store_url: str) -> None:
         with pytest.raises(ResumeConflict):
             await rt.send_event(b, HumanResponseEvent(response="bob"))
         assert await asyncio.wait_for(a, 20) == "ada"
-        await b.cancel_run()
+        with pytest.raises(ResumeConflict):  # the losing copy stopped
+            await asyncio.wait_for(b, 20)
 
     asyncio.run(go())
     assert list(CHARGED.values()) == [1]
+
+
+def test_a_refused_respond_leaves_another_live_copy_of_the_run_alone(store_url: str) -> None:
+    """`rt.respond` refused (another resumer holds the run) stops the copy it restored,
+    not another live copy of the run in this process (a server's other request), which
+    goes on and is answered once the run is free."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        await paused_snapshot(rt, run, Approval)
+        held = RemitRuntime(store_url).remit.claim(run)
+
+        async def other_request() -> Any:
+            # Restored while the refused respond's own copy exists, so it is the newer.
+            while not rt._sessions:
+                await asyncio.sleep(0)
+            flow = Approval(runtime=rt)
+            return flow.run(ctx=rt.context(flow, run))
+
+        refused, copy = await asyncio.gather(
+            rt.respond(Approval(runtime=rt), run, HumanResponseEvent(response="bob")),
+            other_request(),
+            return_exceptions=True,
+        )
+        assert isinstance(refused, ResumeConflict)
+        held.release()
+        await rt.send_event(copy, HumanResponseEvent(response="ada"))
+        assert await asyncio.wait_for(copy, 20) == "ada"
+
+    asyncio.run(go())
+    assert list(CHARGED.values()) == [1]
+
+
+class Asking(Untimed):
+    """The classic human in the loop: `ask` returns an `InputRequiredEvent`, `answer`
+    takes the `HumanResponseEvent` and charges."""
+
+    @step
+    async def ask(self, ctx: Context, ev: StartEvent) -> InputRequiredEvent:
+        return InputRequiredEvent(prefix="ok?")
+
+    @step
+    async def answer(self, ctx: Context, ev: HumanResponseEvent) -> StopEvent:
+        charge_card(7)
+        return StopEvent(result=ev.response)
+
+
+def _won_alone(rt: RemitRuntime, run: str, winner: str) -> None:
+    """The stored run is the winner's alone: one line of checkpoints on one branch,
+    ending completed with its answer, and no loser's cancelled or failed end."""
+    history = rt.checkpoints(run)
+    assert [c.parent_id for c in history[:-1]] == [c.checkpoint_id for c in history[1:]]
+    assert {c.branch for c in history} == {"main"}
+    assert [c.status for c in history].count("completed") == 1
+    assert not {"cancelled", "failed"} & {c.status for c in history}
+    assert rt.status(run) == "completed" and rt.result(run) == winner
+
+
+@pytest.mark.parametrize("flow", [Approval, Asking], ids=["wait_for_event", "classic"])
+def test_of_two_handlers_of_one_parked_run_the_loser_ends_with_resume_conflict(
+    store_url: str, flow: type[Workflow]
+) -> None:
+    """P5, the framework's pause and resume in one event loop: two restores of one
+    parked run each get an answer through `handler.ctx.send_event` (fire and forget).
+    One proceeds; the other's handler and event stream end with `ResumeConflict`
+    (not a hang, nor its workflow timeout), and it stores nothing. An event no step
+    takes is dropped as the framework drops it: that copy goes on."""
+    run = new_run()
+
+    async def outcome(handler: Any) -> tuple[list[str], Any]:
+        seen = [type(ev).__name__ async for ev in handler.stream_events()]
+        try:
+            return seen, await handler
+        except ResumeConflict as exc:
+            return seen, exc
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        snapshot = await paused_snapshot(rt, run, flow)
+        first, second = (flow(runtime=rt, timeout=20) for _ in range(2))
+        a = first.run(ctx=Context.from_dict(first, snapshot))
+        b = second.run(ctx=Context.from_dict(second, snapshot))
+        a.ctx.send_event(ForA())
+        a.ctx.send_event(HumanResponseEvent(response="ada"))
+        b.ctx.send_event(HumanResponseEvent(response="bob"))
+        ends = await asyncio.gather(outcome(a), outcome(b))
+        (won,) = [(seen, r) for seen, r in ends if isinstance(r, str)]
+        (lost,) = [(seen, r) for seen, r in ends if isinstance(r, ResumeConflict)]
+        assert won[0][-1] == "StopEvent" and lost[0][-1] == "WorkflowFailedEvent"
+        _won_alone(rt, run, won[1])
+
+    asyncio.run(go())
+    assert list(CHARGED.values()) == [1]
+
+
+RESUMER = """
+import asyncio, json, os, sys
+sys.path.insert(0, {tests!r})
+from workflows import Context
+from workflows.events import HumanResponseEvent
+from remit_llamaindex import RemitRuntime
+import test_llamaindex_resume as t
+
+async def main(me):
+    flow = getattr(t, {flow!r})(runtime=RemitRuntime({url!r}), timeout=20)
+    handler = flow.run(ctx=Context.from_dict(flow, json.loads({snapshot!r})))
+    open(os.path.join({folder!r}, me), "w").close()
+    while not os.path.exists(os.path.join({folder!r}, "go")):
+        await asyncio.sleep(0.005)
+    handler.ctx.send_event(HumanResponseEvent(response=me))
+    try:
+        print("OK", await handler, sum(t.CHARGED.values()), flush=True)
+    except Exception as exc:
+        print("ERR", type(exc).__name__, sum(t.CHARGED.values()), flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("flow", [Approval, Asking], ids=["wait_for_event", "classic"])
+def test_racing_resumers_of_a_restored_snapshot_lose_with_resume_conflict(
+    store_url: str, flow: type[Workflow], tmp_path: Path
+) -> None:
+    """P5 across processes, the framework's documented way: 4 processes each restore the
+    paused run's snapshot (`Context.from_dict`, `run(ctx=...)`), then answer through
+    `handler.ctx.send_event` at once and await the handler. One proceeds and charges
+    once; every other handler ends with `ResumeConflict` before its timeout, charges
+    nothing, stores nothing and leaves no unretrieved refusal in the log."""
+    run = new_run()
+
+    async def pause() -> dict[str, Any]:
+        return await paused_snapshot(RemitRuntime(store_url), run, flow)
+
+    snapshot = json.dumps(asyncio.run(pause()))
+    code = RESUMER.format(
+        tests=str(Path(__file__).parent),
+        flow=flow.__name__,
+        url=store_url,
+        snapshot=snapshot,
+        folder=str(tmp_path),
+    )
+    names = [f"r{i}" for i in range(4)]
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in names
+    ]
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / n).exists() for n in names) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    ended = [p.communicate(timeout=120) for p in racers]
+    outcomes = sorted(out.strip() for out, _ in ended)
+    assert outcomes[:3] == ["ERR ResumeConflict 0"] * 3, outcomes
+    assert outcomes[3].startswith("OK r") and outcomes[3].endswith(" 1"), outcomes
+    assert not [err for _, err in ended if "never retrieved" in err]
+    _won_alone(RemitRuntime(store_url), run, outcomes[3].split()[1])
 
 
 def test_cancel_run_of_a_running_run_still_cancels_it(store_url: str) -> None:

@@ -24,6 +24,7 @@ import pytest
 from pydantic import BaseModel, Field
 from workflows import Context, Workflow, step
 from workflows.context.serializers import PickleSerializer
+from workflows.errors import WorkflowCancelledByUser, WorkflowTimeoutError
 from workflows.events import (
     Event,
     HumanResponseEvent,
@@ -1005,3 +1006,56 @@ def test_a_send_made_before_a_crash_is_not_delivered_again(store_url: str, tmp_p
 
     asyncio.run(go())
     assert len(Path(sink).read_text().split()) == 2
+
+
+# -- how a run ends ----------------------------------------------------------------------
+
+
+class Split(Event):
+    pass
+
+
+class Stalled(Workflow):
+    """`fork` starts `slow` (in flight for a long while) and `wait` (a waiter)."""
+
+    @step
+    async def fork(self, ctx: Context, ev: StartEvent) -> Split | Notify | None:
+        ctx.send_event(Split())
+        ctx.send_event(Notify())
+        return None
+
+    @step
+    async def slow(self, ctx: Context, ev: Split) -> StopEvent:
+        await asyncio.sleep(30)
+        return StopEvent(result="late")
+
+    @step
+    async def wait(self, ctx: Context, ev: Notify) -> StopEvent:
+        answer = await ctx.wait_for_event(
+            HumanResponseEvent, waiter_event=InputRequiredEvent(prefix="ok?"), timeout=None
+        )
+        return StopEvent(result=answer.response)
+
+
+@pytest.mark.parametrize("stop", ["timeout", "cancel_run"])
+def test_a_run_ended_with_a_step_in_flight_lists_nothing_to_run(store_url: str, stop: str) -> None:
+    """A run that timed out or was cancelled while a step ran and a waiter waited has
+    ended: its last checkpoint names no step to run next and no waiter (as `rt.cancel`
+    writes), while the checkpoint before still names the step then in flight."""
+    run = new_run()
+
+    async def go() -> None:
+        rt = RemitRuntime(store_url)
+        handler = Stalled(runtime=rt, timeout=1.0 if stop == "timeout" else None).run(run_id=run)
+        while not any(c.waiting and c.next_steps == ("slow",) for c in rt.checkpoints(run)):
+            await asyncio.sleep(0.05)
+        if stop == "cancel_run":
+            await handler.cancel_run()
+        with pytest.raises(WorkflowTimeoutError if stop == "timeout" else WorkflowCancelledByUser):
+            await handler
+        head, before = rt.checkpoints(run)[:2]
+        assert head.status == ("failed" if stop == "timeout" else "cancelled")
+        assert (head.next_steps, head.waiting) == ((), ())
+        assert before.next_steps == ("slow",) and before.waiting
+
+    asyncio.run(go())
