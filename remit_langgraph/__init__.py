@@ -31,7 +31,8 @@ Config keys (`config["configurable"]`):
 - `thread_id`: the Remit run id.
 - `checkpoint_id`: continue from this checkpoint. If it is not the head of its
   branch, the run is a fork and needs `fork_token` (else `ForkWithoutIntent`
-  before any node runs). Applies to time travel and to `update_state`.
+  before any node runs). Applies to time travel and to `update_state`. A head
+  (or a token's branch) is continued as without the id: not replayed.
 - `fork_token`: the fork-intent token (P3). With `checkpoint_id` (a head
   included) its first use forks one named branch from that checkpoint; the
   same token again, from any process, returns that branch at its head instead
@@ -43,12 +44,12 @@ A run (`invoke`/`stream`, sync or async) takes the thread's claim before any
 node runs, holds it with a heartbeat and releases it when the run returns;
 a concurrent run gets `ResumeConflict` (P5, L1). Every write carries the
 claim's fence, so a paused holder whose lease was taken over gets `Fenced`
-(L2). `Command(resume=v)` consumes the pending interrupt atomically, and a
-value for an interrupt already consumed is refused with `ResumeConflict` and
-not stored; `Command(resume={interrupt_id: v, ...})` consumes each named
-interrupt. A value is checked against the interrupt's `response_schema`
-(`interrupt(prompt, response_schema=T)`) before it is consumed
-(`CheckpointInvalid`, interrupt still pending). After a crash,
+(L2) and stops at its next step or effect. `Command(resume=v)` consumes the
+pending interrupt atomically, and a value for an interrupt already consumed is
+refused with `ResumeConflict` and not stored; `Command(resume={interrupt_id: v,
+...})` consumes each named interrupt. A value is checked against the
+interrupt's `response_schema` (`interrupt(prompt, response_schema=T)`) before
+it is consumed (`CheckpointInvalid`, interrupt still pending). After a crash,
 `invoke(None, config)` continues after the head and re-delivers an accepted
 resume value.
 

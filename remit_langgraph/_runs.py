@@ -55,6 +55,7 @@ from remit_core import Remit, codec, policy
 from remit_core.core import ClaimHandle
 from remit_core.effects import StepScope, register_scope_resolver
 from remit_core.errors import (
+    Fenced,
     ForkWithoutIntent,
     RemitError,
     ResumeConflict,
@@ -166,15 +167,27 @@ class Run:
         return error
 
     def settle(self, timeout: float = 5.0) -> None:
-        """Wait for this run's writes in flight, then raise if one was refused."""
+        """Wait for this run's writes in flight, then `ensure_live`."""
         with self._settled:
             self._settled.wait_for(lambda: self.inflight == 0, timeout=timeout)
+        self.ensure_live()
+
+    def ensure_live(self) -> None:
+        """Raise if a write was refused, or the heartbeat found the claim taken over (L2)."""
+        if self.failed is None and self.claim.lost:
+            self.fail(
+                Fenced(
+                    "another resumer took this run over after its lease ran out; this "
+                    "process stops here",
+                    run_id=self.thread,
+                )
+            )
         if self.failed is not None:
             raise self.failed
 
 
 class _Writing:
-    """Counts a write in flight for `Run.settle`."""
+    """Counts a write in flight for `Run.settle`; a write refused by the fence fails the run."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -183,7 +196,11 @@ class _Writing:
         with self.run._settled:
             self.run.inflight += 1
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, Fenced):
+            # Taken over (L2). LangGraph raises a background write's error only when
+            # the run ends: stop at the next step or effect instead of running on.
+            self.run.fail(exc)
         with self.run._settled:
             self.run.inflight -= 1
             self.run._settled.notify_all()
@@ -325,6 +342,12 @@ class Runs:
             record, branch = self._where(thread, checkpoint_id, token)
             if record is None and loop.input is None:
                 return None, None  # nothing to run; LangGraph reports the empty input
+            if checkpoint_id and record is not None and record.branch == branch:
+                # A branch's head (named by its id, or a token seen before) is continued
+                # as without a checkpoint_id. Left addressed, LangGraph would time-travel
+                # there: re-run the head's finished tasks and start a fork checkpoint,
+                # moving the steps (and so the effect keys) of what runs next.
+                loop._addressed = False
             handle = self.remit.claim(thread, branch, lease=self.saver.lease)
         run = Run(self.remit, thread, branch, handle, call.check, loop=weakref.ref(loop))
         owed = None
@@ -427,6 +450,12 @@ class Runs:
         existing = self.remit.fork_branch(thread, token)
         if existing is not None and checkpoint_id in (existing.base_id, existing.head_id):
             return existing.branch
+        if existing is not None:
+            at = self.remit.checkpoint(thread, checkpoint_id)
+            if at is not None and at.branch == existing.branch:
+                # An edit read the fork's head, and another edit moved it since: its
+                # commit is refused as a lost race (`HeadMoved`), not as a second fork.
+                return existing.branch
         return self.remit.fork(thread, checkpoint_id, token).branch
 
     def fork_in(self, thread: str, ns: str, token: str) -> BranchRecord | None:

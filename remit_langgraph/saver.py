@@ -487,11 +487,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
         """`<counter>.<random>`: monotonic per channel, unique across branches (and values).
 
         LangGraph calls it between steps of a run (often: once per channel
-        written): a run whose writes were refused stops here instead of running on.
+        written): a run whose writes were refused, or whose claim was taken over,
+        stops here instead of running on.
         """
         run = current_run()
-        if run is not None and run.failed is not None:
-            raise run.failed
+        if run is not None:
+            run.ensure_live()
         if current is None:
             n = 1
         elif isinstance(current, str):

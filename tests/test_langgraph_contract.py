@@ -28,6 +28,7 @@ from remit_core import (
     CheckpointInvalid,
     Fenced,
     ForkWithoutIntent,
+    HeadMoved,
     ResumeConflict,
     failpoints,
 )
@@ -372,6 +373,47 @@ def test_zombie_resumer_is_fenced(store_url: str, tmp_path: Path) -> None:
     assert graph.get_state(config).values["log"][-1] == "notify-done"
 
 
+@pytest.mark.parametrize("durability", ["async", "exit"])
+def test_a_zombie_stops_instead_of_running_the_rest_of_the_graph(
+    store_url: str, tmp_path: Path, durability: str
+) -> None:
+    # LangGraph raises a refused background write only when the run ends ("async"),
+    # and "exit" writes nothing before: the zombie must stop at its next step or
+    # effect (its refused write, or its heartbeat finding the claim taken over), not
+    # run every remaining node again.
+    world, saver, graph, config = paused(store_url, tmp_path)
+    results = CTX.Queue()
+
+    def zombie() -> None:
+        world.armed["approve.answered"] = "stop"
+        if durability == "exit":  # no write to be refused: give its heartbeat a beat
+            stop = world.point
+
+            def stop_then_wait(name: str) -> None:
+                stop(name)
+                if name == "approve.answered":
+                    time.sleep(LEASE)  # three heartbeat periods
+
+            world.point = stop_then_wait  # type: ignore[method-assign]
+        resume = Command(resume="zombie")
+        results.put(outcome_of(lambda: graph.invoke(resume, config, durability=durability)))
+
+    proc = CTX.Process(target=zombie)
+    proc.start()
+    deadline = time.time() + 30
+    while len(world.entries("approve.top")) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(LEASE + 0.5)  # stopped with its answer taken; its lease lapses
+    final = graph.invoke(None, config)
+    assert final["approved_by"] == "zombie"
+    os.kill(proc.pid, signal.SIGCONT)
+    assert results.get(timeout=30) == Fenced.__name__
+    proc.join(30)
+    assert proc.pid not in [pid for pid, _ in world.entries("notify")]
+    assert len(world.applications("charge")) == len(world.applications("notify")) == 1
+    assert graph.get_state(config).values == final
+
+
 # -- P3: forks ------------------------------------------------------------------------
 
 
@@ -407,6 +449,78 @@ def test_fork_needs_a_token_and_one_token_makes_one_branch(store_url: str, tmp_p
     assert edited.values["approved_by"] == "eve"
     assert len(saver.remit.branches(thread)) == 3
     assert graph.get_state(config).config["configurable"]["checkpoint_id"] == head
+
+
+def test_a_recovery_that_names_the_head_by_its_id_runs_and_applies_nothing_twice(
+    store_url: str, tmp_path: Path
+) -> None:
+    # A client that holds the head's config (`get_state(config).config`) sends it
+    # back: that continues the head, as without its checkpoint_id (P1, P2).
+    world, saver, graph, config = paused(store_url, tmp_path)
+
+    def resume_and_die() -> None:
+        world.armed["charge.after_effect"] = "kill"
+        graph.invoke(Command(resume="alice"), config, durability="sync")
+
+    assert run_in_process(resume_and_die) == -signal.SIGKILL
+    head = graph.get_state(config).config
+    time.sleep(LEASE + 0.3)
+    done = graph.invoke(None, head)
+    assert done["approved_by"] == "alice"
+    assert len(world.entries("approve")) == 1
+    assert len(world.applications("charge")) == 1
+    assert "fork" not in [s.metadata["source"] for s in graph.get_state_history(config)]
+
+
+def test_a_fork_recovered_with_the_config_that_made_it_continues_its_head(
+    store_url: str, tmp_path: Path
+) -> None:
+    # The same token again continues its branch: LangGraph must not take the
+    # checkpoint_id for time travel there (re-running finished steps, a fork
+    # checkpoint per recovery, and effects keyed by the shifted steps applied again).
+    world, saver, graph, config = paused(store_url, tmp_path)
+    graph.invoke(Command(resume="alice"), config)
+    thread = config["configurable"]["thread_id"]
+    before = next(s for s in graph.get_state_history(config) if s.next == ("approve",))
+    fork = {"configurable": {**before.config["configurable"], "fork_token": "retry"}}
+    graph.invoke(None, fork)  # the fork asks again
+
+    def resume_and_die() -> None:
+        world.armed["charge.after_effect"] = "kill"
+        graph.invoke(Command(resume="bob"), fork, durability="sync")
+
+    assert run_in_process(resume_and_die) == -signal.SIGKILL
+    approvals = len(world.entries("approve"))
+    time.sleep(LEASE + 0.3)
+    done = graph.invoke(None, fork)
+    assert done["approved_by"] == "bob"
+    assert len(world.entries("approve")) == approvals  # P1: approve's step was durable
+    assert len(world.applications("charge")) == 2  # main's, and the fork's once (P2)
+    line = graph.get_state_history({"configurable": {"thread_id": thread, "fork_token": "retry"}})
+    assert [s.metadata["source"] for s in line].count("fork") == 1
+    assert graph.invoke(None, fork) == done  # presented again: nothing left to run
+
+
+def test_an_edit_of_a_forks_stale_head_is_refused_as_moved_not_as_another_fork(
+    store_url: str, tmp_path: Path
+) -> None:
+    # Two edits with one token race: the loser read the fork's head before the winner
+    # moved it. It must learn the branch moved on, not to fork again with a new token.
+    world, saver, graph, config = paused(store_url, tmp_path)
+    graph.invoke(Command(resume="alice"), config)
+    thread = config["configurable"]["thread_id"]
+    old = next(s for s in graph.get_state_history(config) if s.next == ("charge",))
+    fork = {"configurable": {**old.config["configurable"], "fork_token": "edits"}}
+    read = graph.update_state(fork, {"approved_by": "bob"})
+    stale = {"configurable": {**read["configurable"], "fork_token": "edits"}}
+    head = graph.update_state(fork, {"approved_by": "carol"})["configurable"]["checkpoint_id"]
+    with pytest.raises(HeadMoved) as err:
+        graph.update_state(stale, {"approved_by": "dave"})
+    assert err.value.checkpoint_id == read["configurable"]["checkpoint_id"]
+    assert len(saver.remit.branches(thread)) == 2
+    edited = graph.get_state({"configurable": {"thread_id": thread, "fork_token": "edits"}})
+    assert edited.config["configurable"]["checkpoint_id"] == head
+    assert edited.values["approved_by"] == "carol"
 
 
 def test_a_fork_of_a_paused_run_has_its_own_interrupt(store_url: str, tmp_path: Path) -> None:
