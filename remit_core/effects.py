@@ -66,12 +66,17 @@ _current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
 def step_scope(
     remit: Remit, run_id: str, step_key: str, *, fence: FenceRef | None = None
-) -> Iterator[StepScope]:
+) -> contextlib.AbstractContextManager[StepScope]:
     """Run a step's body with effects recorded under `step_key` (deterministic per step)."""
-    scope = StepScope(remit, run_id, step_key, fence)
+    return scoped(StepScope(remit, run_id, step_key, fence))
+
+
+@contextlib.contextmanager
+def scoped(scope: StepScope) -> Iterator[StepScope]:
+    """Run a step's body with `scope` as its effects' scope (a `StepScope` subclass
+    may key its effects its own way)."""
     token = _scope.set(scope)
     try:
         yield scope

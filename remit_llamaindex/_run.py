@@ -56,6 +56,7 @@ from workflows.workflow import Workflow
 
 from remit_core import codec, failpoints
 from remit_core.core import ClaimHandle, Remit
+from remit_core.effects import StepScope
 from remit_core.errors import (
     CheckpointInvalid,
     Fenced,
@@ -67,6 +68,7 @@ from remit_core.errors import (
 from remit_core.policy import CommitPlan
 from remit_core.records import MAIN_BRANCH, FenceRef, WriteRecord
 from remit_core.schema import StateSchema
+from remit_llamaindex import _shared_effects
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._state import RemitStateStore
 from remit_llamaindex._storable import unstorable
@@ -194,6 +196,8 @@ class Session:
         workflow_version: str,
         asks: Mapping[str, dict[str, Any]] | None = None,
         resent: Mapping[str, Any] | None = None,
+        effects: Mapping[str, Any] | None = None,
+        forked: bool = False,
     ) -> None:
         self.remit = remit
         self.workflow = workflow
@@ -220,6 +224,11 @@ class Session:
         # indexes), until its re-run starts; then by the re-run's invocation id.
         self.resends = _delivered_sends(self, init_state, resent or {})
         self.repeated: dict[str, tuple[str, int, frozenset[int]]] = {}
+        # The effect calls of the work items the run holds, by step key; `forked`: the
+        # head is the base of this session's fork, whose calls the fork shares.
+        self.effects = _shared_effects.restored(
+            effects or {}, init_state, self.step_key, forked=forked
+        )
         self.claim: ClaimHandle | None = None
         # Seconds a claim held elsewhere is waited for before `ResumeConflict`.
         self.claim_patience = 0.0
@@ -257,6 +266,17 @@ class Session:
         """Deterministic per work item: a re-run step finds its effects in the ledger."""
         key = f"{step_name}:{work_item_id}"
         return key if self.branch == MAIN_BRANCH else f"{self.branch}/{key}"
+
+    def effect_scope(self, step_name: str, work_item_id: str | None) -> StepScope:
+        """The scope of a step execution's effects, keyed per work item (a re-run finds
+        its effects in the ledger) and counted, so that a fork shares them (P3)."""
+        key = self.step_key(step_name, work_item_id)
+        calls = self.effects.setdefault(
+            key, _shared_effects.WorkItemEffects(step_name, work_item_id or "")
+        )
+        return _shared_effects.SharedPrefixScope(
+            self.remit, self.run_id, key, self.fence, counts=calls.counts, shared=calls.shared
+        )
 
     def rerun_sends(
         self, step_name: str, work_item_id: str | None, invocation_id: str | None, attempt: int
@@ -406,6 +426,7 @@ class Session:
             "waiting": [] if ended else [*waiting, *self.asks],
             "asks": dict(self.asks),
             "resent": self._resent(),
+            "effects": self._effects(),
             "journal_seq": self.mirror.journal_seq,
         }
         if isinstance(last, TickStepResult):
@@ -417,6 +438,13 @@ class Session:
         if error is not None:
             meta["error"] = f"{type(error).__name__}: {error}"
         return meta
+
+    def _effects(self) -> dict[str, Any]:
+        """What a fork of the current checkpoint shares: the effect calls of the work
+        items the run still holds (the others are forgotten)."""
+        live = _shared_effects.live_items(self.mirror)
+        self.effects = {k: e for k, e in self.effects.items() if e.item in live}
+        return {k: e.to_json() for k, e in self.effects.items() if e.counts or e.shared}
 
     def _commit(self, status: str, exit_command: object | None = None) -> None:
         """Commit the mirrored state as the branch's next checkpoint (blocking)."""

@@ -77,7 +77,7 @@ from workflows.workflow import Workflow
 
 from remit_core import codec, connect, failpoints, policy
 from remit_core.core import DEFAULT_LEASE, Remit
-from remit_core.effects import step_scope
+from remit_core.effects import scoped
 from remit_core.errors import (
     CheckpointInvalid,
     CorruptRecord,
@@ -86,7 +86,7 @@ from remit_core.errors import (
     ResumeConflict,
     UnknownRecord,
 )
-from remit_core.records import MAIN_BRANCH, CheckpointRecord
+from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord
 from remit_core.schema import StateSchema
 from remit_llamaindex import _child
 from remit_llamaindex import _snapshot as snap
@@ -169,7 +169,8 @@ class RemitRuntime(BaseRuntimeDecorator):
         )
 
     def _scoped(self, fn: StepWorkerFunction) -> StepWorkerFunction:
-        """Run a step under `step_scope`, so its `@effect` calls get deterministic keys."""
+        """Run a step in its effect scope (`Session.effect_scope`): its `@effect` calls get
+        deterministic keys, and a fork shares the calls made before its base."""
 
         async def step(
             state: StepWorkerState,
@@ -187,7 +188,7 @@ class RemitRuntime(BaseRuntimeDecorator):
                 step_name, state.work_item_id, state.invocation_id, retry.retry_number
             )
             with (
-                step_scope(session.remit, session.run_id, key, fence=session.fence),
+                scoped(session.effect_scope(step_name, state.work_item_id)),
                 _child.step_execution(session.run_id, key, retry.retry_number),
             ):
                 failpoints.hit("step.before")
@@ -391,6 +392,8 @@ class RemitRuntime(BaseRuntimeDecorator):
             state,
             asks=record.metadata.get("asks") or {},
             resent=record.metadata.get("resent") or {},
+            effects=record.metadata.get("effects") or {},
+            forked=record.branch != branch.branch,
         )
         pending = {w.interrupt_id for w in snap.waiters(init) if w.pending}
         for interrupt in remit.interrupts(run_id, branch=branch.branch):
@@ -416,6 +419,8 @@ class RemitRuntime(BaseRuntimeDecorator):
         state: BaseModel,
         asks: dict[str, dict[str, Any]] | None = None,
         resent: dict[str, Any] | None = None,
+        effects: dict[str, Any] | None = None,
+        forked: bool = False,
     ) -> Session:
         schema = self._schema(workflow)
         return Session(
@@ -433,6 +438,8 @@ class RemitRuntime(BaseRuntimeDecorator):
             workflow_version=self.workflow_version,
             asks=asks,
             resent=resent,
+            effects=effects,
+            forked=forked,
         )
 
     async def _watch(self, session: Session) -> None:
@@ -504,11 +511,17 @@ class RemitRuntime(BaseRuntimeDecorator):
         return record
 
     def _head(self, run_id: str) -> CheckpointRecord:
-        run_id, branch_name = split_run_id(run_id)
-        branch = self.remit.branch(run_id, branch=branch_name)
+        branch = self._branch(run_id)
+        assert branch.head_id is not None
+        return self._checkpoint(branch.run_id, branch.head_id)
+
+    def _branch(self, run_id: str) -> BranchRecord:
+        """The stored branch `run_id` names ("<run>@<branch>" for a fork), or `UnknownRecord`."""
+        key_run, branch_name = split_run_id(run_id)
+        branch = self.remit.branch(key_run, branch=branch_name)
         if branch is None or branch.head_id is None:
-            raise UnknownRecord("no such run", run_id=run_id, branch=branch_name)
-        return self._checkpoint(run_id, branch.head_id)
+            raise UnknownRecord("no such run", run_id=key_run, branch=branch_name)
+        return branch
 
     def _state(
         self,
@@ -568,8 +581,9 @@ class RemitRuntime(BaseRuntimeDecorator):
         )
 
     def checkpoints(self, run_id: str) -> list[RunCheckpoint]:
-        """Every checkpoint of a run on every branch, newest first."""
-        key_run, _ = split_run_id(run_id)
+        """Every checkpoint of a run on every branch, newest first (`UnknownRecord` for a
+        run, or a fork's branch, the store does not hold, as the other reads)."""
+        key_run = self._branch(run_id).run_id
         return [
             RunCheckpoint(
                 checkpoint_id=r.checkpoint_id,

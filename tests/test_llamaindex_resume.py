@@ -32,7 +32,7 @@ from remit_core.errors import (
     ResumeConflict,
     UnknownRecord,
 )
-from remit_llamaindex import RemitRuntime
+from remit_llamaindex import RemitRuntime, RunCheckpoint
 
 
 class Reply(HumanResponseEvent):
@@ -98,11 +98,19 @@ def new_run() -> str:
     return f"li-{uuid.uuid4().hex[:12]}"
 
 
+def committed(rt: RemitRuntime, run: str) -> list[RunCheckpoint]:
+    """The run's checkpoints, none while it has not committed its first one."""
+    try:
+        return rt.checkpoints(run)
+    except UnknownRecord:
+        return []
+
+
 async def parked(rt: RemitRuntime, run: str, waiting: int) -> None:
     """Wait until the run's head is parked with `waiting` open interrupts."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        history = rt.checkpoints(run)
+        history = committed(rt, run)
         if history and history[0].status == "waiting" and len(history[0].waiting) == waiting:
             return
         await asyncio.sleep(0.05)
@@ -470,7 +478,7 @@ def test_cancel_run_of_a_running_run_still_cancels_it(store_url: str) -> None:
     async def go() -> None:
         rt = RemitRuntime(store_url)
         handler = Slow(runtime=rt, timeout=None).run(run_id=run)
-        while not rt.checkpoints(run):
+        while not committed(rt, run):
             await asyncio.sleep(0.05)
         await handler.cancel_run()
         assert rt.status(run) == "cancelled"
@@ -501,7 +509,7 @@ def test_rt_cancel_ends_a_run_whose_step_is_in_flight_in_this_process(store_url:
     async def go() -> None:
         rt = RemitRuntime(store_url)
         handler = Lingering(runtime=rt).run(run_id=run, seconds=2)
-        while not rt.checkpoints(run):
+        while not committed(rt, run):
             await asyncio.sleep(0.05)
         head = await rt.cancel(run)
         assert rt.status(run) == "cancelled" and rt.checkpoints(run)[0].checkpoint_id == head
@@ -546,7 +554,7 @@ def test_rt_cancel_of_a_run_another_process_drives_says_so(store_url: str) -> No
             # Until the driver's step is in flight (the checkpoint that names it is
             # written): the driver writes nothing more while `work` sleeps.
             while time.monotonic() < deadline and not any(
-                c.next_steps == ("work",) for c in rt.checkpoints(run)
+                c.next_steps == ("work",) for c in committed(rt, run)
             ):
                 await asyncio.sleep(0.05)
             history = rt.checkpoints(run)

@@ -532,7 +532,7 @@ def test_an_event_the_live_run_would_drop_is_refused(store_url: str) -> None:
         assert rt.get_state(wf, run).approved_by == "ada"
 
         idle = Pinged(runtime=rt, timeout=None).run(run_id=new_run())
-        while not rt.checkpoints(idle.run_id) or rt.status(idle.run_id) != "waiting":
+        while rt.remit.branch(idle.run_id) is None or rt.status(idle.run_id) != "waiting":
             await asyncio.sleep(0.01)
         with pytest.raises(ResumeConflict, match="waits for no event"):
             await rt.send_event(idle, Answer(response="nobody asked"))
@@ -1047,7 +1047,9 @@ def test_a_run_ended_with_a_step_in_flight_lists_nothing_to_run(store_url: str, 
     async def go() -> None:
         rt = RemitRuntime(store_url)
         handler = Stalled(runtime=rt, timeout=1.0 if stop == "timeout" else None).run(run_id=run)
-        while not any(c.waiting and c.next_steps == ("slow",) for c in rt.checkpoints(run)):
+        while rt.remit.branch(run) is None or not any(
+            c.waiting and c.next_steps == ("slow",) for c in rt.checkpoints(run)
+        ):
             await asyncio.sleep(0.05)
         if stop == "cancel_run":
             await handler.cancel_run()
