@@ -58,6 +58,28 @@ class StepScope:
         return f"{self.step_key}/{name}#{n}"
 
 
+@dataclass
+class SharedScope(StepScope):
+    """The scope of a step that runs again from its top on a branch that shares what
+    it did before (a fork of a checkpoint it was running or waiting at): its first
+    calls of each effect, as many as earlier branches made (`shared`: their step key
+    and their calls by effect name), are keyed as those branches keyed them, so their
+    recorded outcomes come back (P2, P3); later calls get its own keys. Every call is
+    counted in `counts`, for the branches that will share this step's calls."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    shared: list[tuple[str, dict[str, int]]] = field(default_factory=list)
+
+    def next_key(self, name: str) -> str:
+        own = super().next_key(name)
+        n = self._occurrences[name] - 1
+        self.counts[name] = max(self.counts.get(name, 0), n + 1)
+        for step_key, made in self.shared:
+            if n < made.get(name, 0):
+                return f"{step_key}/{name}#{n}"
+        return own
+
+
 _scope: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar(
     "remit_step_scope", default=None
 )

@@ -53,7 +53,7 @@ from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from remit_core import Remit, codec, policy
 from remit_core.core import ClaimHandle
-from remit_core.effects import StepScope, register_scope_resolver
+from remit_core.effects import SharedScope, StepScope, register_scope_resolver
 from remit_core.errors import (
     Fenced,
     ForkWithoutIntent,
@@ -72,6 +72,7 @@ from remit_core.records import (
 from remit_core.schema import StateSchema
 from remit_langgraph._schema import StateCheck, plain_record_types
 from remit_langgraph._serde import StrictSerializer
+from remit_langgraph._shared_effects import CALLS, Made, TaskCalls
 
 if TYPE_CHECKING:
     from remit_langgraph.saver import RemitSaver
@@ -121,6 +122,10 @@ class Run:
     loop: weakref.ref[PregelLoop] | None = None
     #: The loops of its subgraphs, by their namespace (see `task_identity`).
     nested: dict[str, weakref.ref[PregelLoop]] = field(default_factory=dict)
+    #: The effect calls of its top-level tasks, by task id (`_shared_effects`).
+    calls: dict[str, TaskCalls] = field(default_factory=dict)
+    #: The calls earlier branches made for the tasks of its first step, by "step/place".
+    shared: dict[str, Made] = field(default_factory=dict)
 
     def is_last_put(self, frame: FrameType | None, metadata: Any, ns: str) -> bool:
         """Whether a put called from `frame` is the last write of this run: the
@@ -255,6 +260,8 @@ class Runs:
         #: check without looking for the graph in the caller's frames.
         self._checks: dict[int, tuple[Any, StateCheck | None]] = {}
         self._lock = threading.Lock()
+        #: The runs this process has open, by id: see `owner`.
+        self._open: dict[int, Run] = {}
 
     # -- finding LangGraph in the call stack -------------------------------------------
     def calling_loop(self, frame: FrameType | None) -> LoopCall | None:
@@ -320,6 +327,24 @@ class Runs:
         run = current_run()
         return run if run is not None and run.thread == thread else None
 
+    def owner(self, thread: str, checkpoint_id: str) -> Run | None:
+        """The run a task write to `checkpoint_id` belongs to. LangGraph submits the
+        writes of tasks it ran in its thread pool from a callback outside their
+        context: the run is then the open one that continues that checkpoint."""
+        run = self.active(thread)
+        if run is not None:
+            return run
+        with self._lock:
+            runs = list(self._open.values())
+        return next(
+            (
+                r
+                for r in runs
+                if r.thread == thread and checkpoint_id in r.committed and not r.claim._released
+            ),
+            None,
+        )
+
     # -- run start ---------------------------------------------------------------
     def start(
         self, call: LoopCall, config: RunnableConfig
@@ -380,6 +405,16 @@ class Runs:
                 if writes is None:
                     writes = self.remit.writes(thread, record.checkpoint_id)
                 owed = self._settle_resume(loop, run, record, writes)
+                edited = record.metadata.get("source") == "update"
+                if (branch != MAIN_BRANCH or edited) and (
+                    loop.input is None or isinstance(loop.input, Command)
+                ):
+                    # The tasks pending at `record` (at its parent's, for an edit) run
+                    # again: at its next step, or on a new fork at the one after (its
+                    # fork checkpoint takes a step).
+                    step = record.metadata.get("step", -1) + (1 if record.branch == branch else 2)
+                    made = self._made_at(thread, record, writes)
+                    run.shared = {f"{step}/{place}": calls for place, calls in made.items()}
                 if record.branch != branch and (
                     not checkpoint_id or record.metadata.get("source") in ("update", "fork")
                 ):
@@ -524,6 +559,23 @@ class Runs:
             self.saver._indexed_now(run.thread, metadata.get("run_id"))
         run.committed.add(checkpoint_id)
         return record, copied
+
+    def _made_at(
+        self, thread: str, record: CheckpointRecord, writes: Sequence[WriteRecord]
+    ) -> dict[str, Made]:
+        """The effect calls the tasks pending at `record` made there, by place (with
+        the ones they shared); a fork's first checkpoint, or an edit's, has its
+        parent's too (its tasks run again after it)."""
+        made: dict[str, Made] = {}
+        if record.metadata.get("source") in ("fork", "update") and record.parent_id:
+            base, base_writes = self.remit.checkpoint_and_writes(thread, record.parent_id)
+            if base is not None:
+                made = self._made_at(thread, base, base_writes)
+        for w in writes:
+            if w.channel == CALLS:
+                calls = TaskCalls.read(w)
+                made[calls.place] = calls.made()
+        return made
 
     def _settle_resume(
         self,
@@ -701,7 +753,9 @@ class Runs:
         consumed = [i for i in here if i.status == "consumed" and i.value is not None]
         if not consumed:
             return
-        finished = {w.task_id for w in writes if w.channel not in (INTERRUPT, RESUME, "__error__")}
+        finished = {
+            w.task_id for w in writes if w.channel not in (INTERRUPT, RESUME, "__error__", CALLS)
+        }
         raised_by: dict[str, str] = {}
         for w in writes:
             if w.channel == INTERRUPT:
@@ -725,8 +779,15 @@ class Runs:
         """Bind `run` to this context and release it when the loop exits (or is dropped)."""
         token = _current.set(run)
         release = run.claim.release  # a second call is a no-op
+        with self._lock:
+            self._open[id(run)] = run
+
+        def forget() -> None:
+            with self._lock:
+                self._open.pop(id(run), None)
 
         def reset() -> None:
+            forget()
             try:
                 _current.reset(token)
             except ValueError:  # exited from another context
@@ -750,7 +811,7 @@ class Runs:
 
             loop.stack.callback(sync_finish)
         # A loop whose __enter__ fails never unwinds its stack: release when it is dropped.
-        weakref.finalize(loop, release)
+        weakref.finalize(loop, lambda: (forget(), release()))
 
     # -- the writes a run makes ------------------------------------------------------
     def before_put(
@@ -791,7 +852,7 @@ class Runs:
         writes: Sequence[tuple[str, Any]],
     ) -> Run | None:
         """Check a task's writes; refuse them if the run already failed or consume a resume."""
-        run = self.active(thread)
+        run = self.owner(thread, checkpoint_id)
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         if run is not None and run.failed is not None and checkpoint_id not in run.committed:
             raise run.failed
@@ -917,8 +978,19 @@ def effect_scope() -> StepScope | None:
         parts[-1].split(":", 1)[0]
     ]
     step = meta["langgraph_step"]
-    step_key = f"{run.branch}/{'|'.join(parts)}/{step}/{meta.get('langgraph_path')}"
-    return StepScope(run.remit, run.thread, step_key, run.fence)
+    task, path = "|".join(parts), meta.get("langgraph_path")
+    step_key = f"{run.branch}/{task}/{step}/{path}"
+    place = f"{task}/{path}"
+    if len(parts) > 1:  # a subgraph's task: its calls are not shared with a fork
+        return StepScope(run.remit, run.thread, step_key, run.fence)
+    task_id = str(conf.get("checkpoint_ns", "")).partition(":")[2]
+    calls = run.calls.get(task_id)
+    if calls is None:
+        shared = run.shared.get(f"{step}/{place}", [])
+        calls = run.calls.setdefault(task_id, TaskCalls(place, step_key, shared=shared))
+    return SharedScope(
+        run.remit, run.thread, step_key, run.fence, counts=calls.counts, shared=calls.shared
+    )
 
 
 register_scope_resolver(effect_scope)

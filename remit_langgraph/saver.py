@@ -40,6 +40,7 @@ from remit_langgraph import _records as rec
 from remit_langgraph._runs import Run, Runs, above_saver, current_run
 from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import GuardedSerializer, StrictSerializer
+from remit_langgraph._shared_effects import CALLS
 
 
 def _conf(config: RunnableConfig | None) -> dict[str, Any]:
@@ -161,7 +162,9 @@ class RemitSaver(BaseCheckpointSaver[str]):
             stored = self.remit.writes(record.run_id, record.checkpoint_id, ns=record.ns)
         stored.sort(key=lambda w: writes_sort_key(w.task_path, w.task_id, w.idx))
         return [
-            (w.task_id, w.channel, rec.decode_value(self.serde, w.value, **ids)) for w in stored
+            (w.task_id, w.channel, rec.decode_value(self.serde, w.value, **ids))
+            for w in stored
+            if w.channel != CALLS
         ]
 
     # -- reads ------------------------------------------------------------------
@@ -412,7 +415,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
             for idx, (channel, value) in enumerate(writes)
         ]
         special = all(w.channel in WRITES_IDX_MAP for w in records)
+        calls = None if run is None or ns != "" or not records else run.calls.get(task_id)
         with _writing(run):
+            if calls is not None and calls.counts:
+                # The calls made before the task's first writes here (`_shared_effects`).
+                self.remit.put_writes([calls.write(records[0])], mode="first", fence=run.fence)
             self.remit.put_writes(
                 records,
                 mode="overwrite" if special else "first",

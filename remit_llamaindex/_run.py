@@ -56,7 +56,7 @@ from workflows.workflow import Workflow
 
 from remit_core import codec, failpoints
 from remit_core.core import ClaimHandle, Remit
-from remit_core.effects import StepScope
+from remit_core.effects import SharedScope, StepScope
 from remit_core.errors import (
     CheckpointInvalid,
     Fenced,
@@ -274,7 +274,7 @@ class Session:
         calls = self.effects.setdefault(
             key, _shared_effects.WorkItemEffects(step_name, work_item_id or "")
         )
-        return _shared_effects.SharedPrefixScope(
+        return SharedScope(
             self.remit, self.run_id, key, self.fence, counts=calls.counts, shared=calls.shared
         )
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from workflows.runtime.types.internal_state import BrokerState
 
-from remit_core.effects import StepScope
 from remit_llamaindex import _snapshot as snap
 
 
@@ -49,26 +48,6 @@ class WorkItemEffects:
             counts=dict(data["counts"]),
             shared=[(key, dict(counts)) for key, counts in data["shared"]],
         )
-
-
-@dataclass
-class SharedPrefixScope(StepScope):
-    """A step execution's scope: the effect calls an earlier branch made are keyed as
-    that branch keyed them; every call is counted in its work item's `counts`."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    shared: list[tuple[str, dict[str, int]]] = field(default_factory=list)
-    _calls: dict[str, int] = field(default_factory=dict)
-
-    def next_key(self, name: str) -> str:
-        own = super().next_key(name)
-        n = self._calls.get(name, 0)
-        self._calls[name] = n + 1
-        self.counts[name] = max(self.counts.get(name, 0), n + 1)
-        for step_key, made in self.shared:
-            if n < made.get(name, 0):
-                return f"{step_key}/{name}#{n}"
-        return own
 
 
 def live_items(state: BrokerState) -> set[str]:

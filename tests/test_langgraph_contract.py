@@ -619,3 +619,103 @@ def test_invalid_update_state_is_refused(store_url: str, tmp_path: Path) -> None
     assert graph.get_state(config).config == head.config
     graph.update_state(config, {"amount": 7})
     assert graph.get_state(config).values["amount"] == 7
+
+
+# -- P2, P3: a fork shares the effects its re-run tasks made before its base ---------------
+
+
+class Log(TypedDict):
+    log: Annotated[list[str], operator.add]
+
+
+def charging_graph(saver: RemitSaver, applied: list[str], *, parallel: bool) -> Any:
+    """parallel=False: `pay` charges, asks, charges again. parallel=True: `pay` charges
+    while its sibling `ask` asks, in one step."""
+
+    @remit_core.effect(name="charge", idempotent=True)
+    def charge(amount: int, *, idempotency_key: str) -> str:
+        applied.append(idempotency_key)
+        return f"charged-{amount}"
+
+    def pay(state: Log) -> dict[str, Any]:
+        if parallel:
+            return {"log": [charge(1)]}
+        first = charge(10)
+        answer = interrupt("go on?")
+        return {"log": [first, answer, charge(20)]}
+
+    def ask(state: Log) -> dict[str, Any]:
+        return {"log": [interrupt("who?")]}
+
+    builder = StateGraph(Log)
+    builder.add_node("pay", pay)
+    builder.add_edge(START, "pay")
+    if parallel:
+        builder.add_node("ask", ask)
+        builder.add_edge(START, "ask")
+    return builder.compile(checkpointer=saver)
+
+
+def test_a_fork_of_a_pause_shares_the_effects_its_node_made_before_asking(
+    store_url: str,
+) -> None:
+    applied: list[str] = []
+    graph = charging_graph(RemitSaver(store_url), applied, parallel=False)
+    config = thread_config()
+    thread = config["configurable"]["thread_id"]
+    graph.invoke({"log": []}, config)
+    paused_at = graph.get_state(config).config["configurable"]
+    assert graph.invoke(Command(resume="alice"), config)["log"][1] == "alice"
+    assert len(applied) == 2  # main's charge before asking, and after
+
+    fork = {"configurable": {**paused_at, "fork_token": "f1"}}
+    graph.invoke(None, fork)  # pay runs again from its top and asks again
+    assert len(applied) == 2, "the fork applied again what pay charged before the base"
+    f1 = {"configurable": {"thread_id": thread, "fork_token": "f1"}}
+    f1_paused = graph.get_state(f1).config["configurable"]
+    assert graph.invoke(Command(resume="bob"), f1)["log"] == ["charged-10", "bob", "charged-20"]
+    assert len(applied) == 3  # the fork's own charge after its answer
+
+    graph.invoke(None, {"configurable": {**f1_paused, "fork_token": "f2"}})  # a fork of the fork
+    f2 = {"configurable": {"thread_id": thread, "fork_token": "f2"}}
+    assert graph.invoke(Command(resume="carol"), f2)["log"] == ["charged-10", "carol", "charged-20"]
+    assert len(applied) == 4
+    assert graph.invoke(None, f1)["log"] == ["charged-10", "bob", "charged-20"]  # P3
+    assert len(set(applied)) == 4
+
+
+def test_a_fork_of_a_step_shares_the_effects_of_a_task_that_finished_beside_a_pause(
+    store_url: str,
+) -> None:
+    applied: list[str] = []
+    graph = charging_graph(RemitSaver(store_url), applied, parallel=True)
+    config = thread_config()
+    thread = config["configurable"]["thread_id"]
+    graph.invoke({"log": []}, config)
+    paused_at = graph.get_state(config).config["configurable"]
+    graph.invoke(None, {"configurable": {**paused_at, "fork_token": "f1"}})  # pay runs again
+    f1 = {"configurable": {"thread_id": thread, "fork_token": "f1"}}
+    f1_paused = graph.get_state(f1).config["configurable"]
+    assert sorted(graph.invoke(Command(resume="bob"), f1)["log"]) == ["bob", "charged-1"]
+    assert sorted(graph.invoke(Command(resume="alice"), config)["log"]) == ["alice", "charged-1"]
+    graph.invoke(None, {"configurable": {**f1_paused, "fork_token": "f2"}})  # a fork of the fork
+    f2 = {"configurable": {"thread_id": thread, "fork_token": "f2"}}
+    assert sorted(graph.invoke(Command(resume="carol"), f2)["log"]) == ["carol", "charged-1"]
+    assert len(applied) == 1, "a fork applied again what pay charged before the base"
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["asking-node", "sibling"])
+def test_an_edit_of_a_pause_keeps_the_effects_made_before_it(
+    store_url: str, parallel: bool
+) -> None:
+    """`update_state` on a pause starts a new step: the paused task (and a sibling
+    that finished beside it) runs again there, and finds what it charged."""
+    applied: list[str] = []
+    graph = charging_graph(RemitSaver(store_url), applied, parallel=parallel)
+    config = thread_config()
+    graph.invoke({"log": []}, config)
+    graph.update_state(config, {"log": ["edited"]})
+    graph.update_state(config, {"log": ["edited again"]})
+    log = graph.invoke(Command(resume="alice"), config)["log"]
+    assert "alice" in log and ("charged-1" in log if parallel else "charged-10" in log)
+    assert len(applied) == (1 if parallel else 2), "an edit made a task charge again"
