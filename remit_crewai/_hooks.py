@@ -134,13 +134,11 @@ def _on_pre_step(ctx: Any) -> None:
         raise aborting(
             RemitError(f"Remit could not prepare step {ctx.step_name!r}: {exc!r}")
         ) from exc
-    method = str(ctx.step_name)
-    step_key = f"{session.branch}/{method}#{session.start_occurrence(method)}"
     bind_step_scope(
         _MethodScope(
             backend.remit,
             session.run_id,
-            step_key,
+            session.step_key(str(ctx.step_name)),
             session.fence,
             flow=weakref.ref(ctx.flow),
             outer=current_scope(),

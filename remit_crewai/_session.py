@@ -109,6 +109,9 @@ class Session:
     #: runs of one method at once (two routes to one listener) are two occurrences.
     running: dict[str, int] = field(default_factory=dict)
     replay: Replay | None = None
+    #: Occurrences (`method#n`) whose effects are keyed under the branch they first ran
+    #: on: the pause a fork was made from, run again to pause again (`_paused_on`).
+    keys_from: dict[str, str] = field(default_factory=dict)
     closed: bool = False
     pid: int = field(default_factory=os.getpid)
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -120,6 +123,11 @@ class Session:
             running = self.running.get(method, 0)
             self.running[method] = running + 1
             return self.ledger.occurrence(method) + running
+
+    def step_key(self, method: str) -> str:
+        """The effect scope of a run of `method` starting now: branch, method, occurrence."""
+        occurrence = f"{method}#{self.start_occurrence(method)}"
+        return f"{self.keys_from.get(occurrence, self.branch)}/{occurrence}"
 
     def end_occurrence(self, method: str) -> None:
         """A run of `method` completed (its completion is in the ledger now)."""

@@ -43,7 +43,7 @@ from remit_core.errors import (
     ResumeConflict,
     UnknownRecord,
 )
-from remit_core.records import MAIN_BRANCH, CheckpointRecord
+from remit_core.records import MAIN_BRANCH, CheckpointRecord, InterruptRecord
 from remit_core.schema import StateSchema
 from remit_core.stores import open_store
 from remit_crewai._ledger import (
@@ -669,11 +669,16 @@ class RemitFlowPersistence(FlowPersistence):
         interrupts = self.remit.interrupts(session.run_id, branch=session.branch)
         ledger = session.ledger
         for i in sorted(
-            (i for i in interrupts if i.status == "consumed" and i.value is not None),
+            (
+                i
+                for i in [*self._given_at_base(session), *interrupts]
+                if i.status == "consumed" and i.value is not None
+            ),
             key=lambda i: i.consumed_at or 0.0,
         ):
             ledger = ledger.accepting(codec.loads(i.value))  # type: ignore[arg-type]
         session.ledger, session.replay = ledger, Replay(ledger)
+        session.keys_from = self._paused_on(session)
         waiting = {_interrupt_method(i.interrupt_id) for i in interrupts if i.status == "pending"}
         flow._completed_methods = {m for m in ledger.completed if m not in waiting}
         history = [
@@ -689,6 +694,50 @@ class RemitFlowPersistence(FlowPersistence):
         ]
         flow.human_feedback_history = history
         flow.last_human_feedback = history[-1] if history else None
+
+    def _given_at_base(self, session: Session) -> list[InterruptRecord]:
+        """The feedback a fork's head was given, consumed on the line it was forked from.
+
+        CrewAI saves a feedback method's completion before the next step consumes
+        the feedback, so that checkpoint (and an edit made on it) holds no feedback
+        in its ledger: a restart of the main line finds it among the line's consumed
+        interrupts, and a fork made there must find it where it was consumed."""
+        for record, body in self._fork_line(session):
+            if body.kind == "feedback":
+                occurrence = f"{body.method}#{body.ledger.occurrence(body.method)}"
+                given = self.remit.interrupt(session.run_id, occurrence, branch=record.branch)
+                return [] if given is None else [given]
+            if body.kind != "edit":
+                break
+        return []
+
+    def _paused_on(self, session: Session) -> dict[str, str]:
+        """Where the occurrence a fork's head paused at ran first (`Session.keys_from`).
+
+        A restart runs a paused feedback method again so that it pauses again;
+        on a fork made from the pause, the effects that occurrence applied
+        before the fork are the shared prefix's, met again under their keys and
+        not applied a second time (P3)."""
+        paused: str | None = None
+        first = session.branch
+        for record, body in self._fork_line(session):
+            if body.kind == "edit":
+                continue
+            occurrence = f"{body.method}#{body.ledger.occurrence(body.method)}"
+            if body.kind not in ("pause", "feedback") or paused not in (None, occurrence):
+                break
+            paused, first = occurrence, record.branch
+        return {} if paused is None or first == session.branch else {paused: first}
+
+    def _fork_line(self, session: Session) -> Iterator[tuple[CheckpointRecord, Body]]:
+        """The checkpoints of a fork's line from its head back (none for the main line)."""
+        checkpoint_id = None if session.branch == MAIN_BRANCH else session.head
+        while checkpoint_id is not None:
+            record = self.remit.checkpoint(session.run_id, checkpoint_id)
+            if record is None:
+                return
+            yield record, decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
+            checkpoint_id = record.parent_id
 
     def _step_session(self, flow: Flow[Any]) -> Session:
         """The session a step of `flow` runs under: its own, a resumer's it adopts, or new."""

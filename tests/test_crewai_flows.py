@@ -139,8 +139,11 @@ def order_flow(
     return OrderFlow
 
 
-def review_flow(url: str, world: Path, *, lease: float = 30.0, output: Any = "parcel") -> type[Any]:
-    """prepare -> review (human feedback: pauses) -> approve -> ship (effect); built in a child."""
+def review_flow(
+    url: str, world: Path, *, lease: float = 30.0, output: Any = "parcel", ask: bool = False
+) -> type[Any]:
+    """prepare -> review (human feedback: pauses; `ask`: after an effect that asks the
+    reviewer) -> approve -> ship (effect); built in a child."""
     from crewai.flow.async_feedback.types import HumanFeedbackPending
     from crewai.flow.flow import Flow, listen, start
     from crewai.flow.human_feedback import human_feedback
@@ -157,6 +160,10 @@ def review_flow(url: str, world: Path, *, lease: float = 30.0, output: Any = "pa
     def ship_parcel(*, idempotency_key: str) -> str:
         return sink.apply("ship", idempotency_key)
 
+    @effect(reconcile=sink.reconcile)
+    def ask_reviewer(*, idempotency_key: str) -> str:
+        return sink.apply("ask", idempotency_key)
+
     class Review(BaseModel):
         approved_by: str | None = None
 
@@ -171,6 +178,8 @@ def review_flow(url: str, world: Path, *, lease: float = 30.0, output: Any = "pa
         @listen(prepare)
         @human_feedback(message="Ship it?", provider=Later())
         def review(self) -> Any:
+            if ask:
+                ask_reviewer()
             return output
 
         @listen(review)
@@ -912,6 +921,50 @@ def test_the_same_fork_token_continues_its_fork_after_the_source_moved_on(
     assert run(lambda: len(RemitFlowPersistence(url).remit.branches(source))).value == 2
     assert entered(world) == {"prepare": 1, "approve": 2, "ship": 2}
     assert applied(world) == {"ship": 2}  # once on each line
+
+
+def test_a_fork_made_after_the_feedback_was_given_keeps_it(url: str, world: Path) -> None:
+    """P3: CrewAI saves the feedback method's checkpoint before the step that consumes
+    the feedback; a fork made there continues with that feedback, as a restart from
+    there does, instead of pausing for it again."""
+    source = paused_review(url, world)
+    answered = run(lambda: resume(review_flow(url, world), source, "ann"))
+    assert answered.ok, answered.summary()
+
+    def body() -> dict[str, Any]:
+        persistence = RemitFlowPersistence(url)
+        given = next(c for c in persistence.checkpoints(source) if c.kind == "feedback")
+        forked = persistence.fork(source, fork_token="after", checkpoint_id=given.checkpoint_id)
+        return kickoff(review_flow(url, world), inputs={"id": forked})
+
+    out = run(body)
+    assert out.ok and out.value["out"] != "HumanFeedbackPending", out.summary()
+    assert out.value["state"]["approved_by"] == "ann"
+    assert entered(world) == {"prepare": 1, "approve": 2, "ship": 2}
+    assert applied(world) == {"ship": 2}  # the fork's own ship, keyed by its branch
+
+
+def test_a_fork_of_a_pause_does_not_apply_again_what_the_paused_method_applied(
+    url: str, world: Path
+) -> None:
+    """P2, P3: a restart runs a paused feedback method again so that it pauses again;
+    on a fork of the pause, restarted twice and then answered, the effect that method
+    applied before the fork is the shared prefix's: met under its key, not applied."""
+    started = run(lambda: kickoff(review_flow(url, world, ask=True)))
+    assert started.ok and started.value["out"] == "HumanFeedbackPending", started.summary()
+    source = str(started.value["id"])
+
+    def fork_and_restart() -> dict[str, Any]:
+        forked = RemitFlowPersistence(url).fork(source, fork_token="again")
+        outs = [kickoff(review_flow(url, world, ask=True), inputs={"id": forked})["out"]]
+        outs.append(kickoff(review_flow(url, world, ask=True), inputs={"id": forked})["out"])
+        return {"id": forked, "outs": outs}
+
+    forked = run(fork_and_restart)
+    assert forked.ok and forked.value["outs"] == ["HumanFeedbackPending"] * 2, forked.summary()
+    answered = run(lambda: resume(review_flow(url, world, ask=True), forked.value["id"], "bob"))
+    assert answered.ok and answered.value["approved_by"] == "bob", answered.summary()
+    assert applied(world) == {"ask": 1, "ship": 1}
 
 
 # -- fencing: two processes cannot both drive one flow --------------------------------------
