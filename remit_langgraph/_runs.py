@@ -287,9 +287,11 @@ class Runs:
             check.with_channels(loop.specs)
         return LoopCall(loop, check)
 
-    def learn(self, frame: FrameType | None) -> StateCheck | None:
-        """Find the graph a few frames up; note its state check and its serializable types."""
-        return self._check_of(_graph_at(frame))
+    def learn(self, frame: FrameType | None) -> tuple[bool, StateCheck | None]:
+        """Find the graph a few frames up; note its state check and its serializable
+        types. Returns whether there is one, and its check."""
+        graph = _graph_at(frame)
+        return graph is not None, self._check_of(graph)
 
     def _check_of(self, graph: Pregel[Any, Any, Any, Any] | None) -> StateCheck | None:
         if graph is None:

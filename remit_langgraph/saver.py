@@ -295,9 +295,9 @@ class RemitSaver(BaseCheckpointSaver[str]):
         # needs the calling graph found.
         frame = above_saver(sys._getframe(1))
         run = self._runs.active(_thread(config))
-        caller = None if run is not None else self._runs.learn(frame)
+        by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
-        return self._put(config, checkpoint, metadata, new_versions, caller, last)
+        return self._put(config, checkpoint, metadata, new_versions, caller, last, by_graph)
 
     def _put(
         self,
@@ -307,8 +307,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         new_versions: ChannelVersions,
         caller: StateCheck | None,
         last: bool = False,
+        by_graph: bool = False,
     ) -> RunnableConfig:
-        """`put`; `last`: the run's last write, whose commit gives its claim up."""
+        """`put`; `last`: the run's last write, whose commit gives its claim up;
+        `by_graph`: an edit a graph makes outside a run (`update_state`)."""
         conf = _conf(config)
         thread, ns = _thread(config), _ns(config)
         checkpoint_id = checkpoint["id"]
@@ -340,10 +342,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
         elif token and ns != "":
             self._runs.fork_in(thread, ns, token)  # the fork's own line of the subgraph
         edit = None
-        if run is None and ns == "" and current_run() is None:
-            # An edit from outside a run (`update_state`) takes the branch's claim for
-            # its commit: a run in flight on it refuses the edit (`ResumeConflict`)
-            # instead of losing it, or being refused by it, later.
+        if by_graph and run is None and ns == "" and current_run() is None:
+            # A graph's edit from outside a run (`update_state`) takes the branch's
+            # claim for its commit: a run in flight on it refuses the edit
+            # (`ResumeConflict`) instead of losing it, or being refused by it, later.
+            # (A put of code that drives the saver itself has the head's
+            # compare-and-set alone, as any checkpointer gives it.)
             if branch is None:
                 at = None if parent is None else self.remit.checkpoint(thread, parent)
                 branch = MAIN_BRANCH if at is None else at.branch
@@ -556,10 +560,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
     ) -> RunnableConfig:
         frame = above_saver(sys._getframe(1))
         run = self._runs.active(_thread(config))
-        caller = None if run is not None else self._runs.learn(frame)
+        by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
         return await asyncio.to_thread(
-            self._put, config, checkpoint, metadata, new_versions, caller, last
+            self._put, config, checkpoint, metadata, new_versions, caller, last, by_graph
         )
 
     async def aput_writes(

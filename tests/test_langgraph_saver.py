@@ -17,6 +17,7 @@ import pytest
 from annotated_types import Ge, MinLen
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, RemoveMessage
 from langgraph.channels.delta import DeltaChannel
+from langgraph.checkpoint.base import empty_checkpoint
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
@@ -88,6 +89,26 @@ def counting_releases(saver: RemitSaver, monkeypatch: pytest.MonkeyPatch) -> lis
 
     monkeypatch.setattr(store, "release_claim", release_claim)
     return released
+
+
+def test_a_graphs_edit_takes_the_claim_and_a_put_of_code_driving_the_saver_does_not(
+    store_url: str,
+) -> None:
+    """`update_state` is refused while a run holds the thread, so it takes the claim;
+    a put made by code that drives the saver itself has the head's compare-and-set."""
+    saver = RemitSaver(store_url)
+    cfg = config()
+    thread = cfg["configurable"]["thread_id"]
+    checkpoint = empty_checkpoint()
+    checkpoint["channel_values"] = {"n": 1}
+    checkpoint["channel_versions"] = {"n": saver.get_next_version(None, None)}
+    stored = saver.put(cfg, checkpoint, {"source": "input", "step": -1}, {})
+    assert saver.remit.store.get_claim(thread, "main") is None
+    graph = one_node(Free, lambda s: {"n": s["n"] + 1}, saver)
+    graph.update_state(stored, {"n": 3})
+    claim = saver.remit.store.get_claim(thread, "main")
+    assert claim is not None and claim.holder == "" and claim.fence == 1
+    assert graph.get_state(cfg).values["n"] == 3
 
 
 @pytest.mark.parametrize("durability", ["exit", "sync", "async"])
