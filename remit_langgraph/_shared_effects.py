@@ -19,7 +19,7 @@ path): a fork moves step numbers by one and gives its tasks new ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from remit_core import codec
@@ -52,16 +52,7 @@ class TaskCalls:
     def write(self, template: WriteRecord) -> WriteRecord:
         """This record as a write beside the task's writes (`template`'s ids)."""
         body = {"place": self.place, "key": self.key, "counts": self.counts, "shared": self.shared}
-        return WriteRecord(
-            run_id=template.run_id,
-            checkpoint_id=template.checkpoint_id,
-            task_id=template.task_id,
-            idx=CALLS_IDX,
-            channel=CALLS,
-            value=codec.dumps(body),
-            ns=template.ns,
-            task_path=template.task_path,
-        )
+        return replace(template, idx=CALLS_IDX, channel=CALLS, value=codec.dumps(body))
 
     @classmethod
     def read(cls, write: WriteRecord) -> TaskCalls:
