@@ -7,17 +7,18 @@ Two workloads, each on SQLite (RemitSaver vs `SqliteSaver`) and PostgreSQL
           a new version each time, as a node appending to the chat does), then
           `get_tuple` of it; reported as cycles per second;
   invoke: one `invoke` of a 20-node linear graph (each node appends to a list),
-          in each durability mode (`--invokes` of each, five times as many in
-          exit mode, whose invokes are shorter); reported in milliseconds.
+          in each durability mode (`--invokes` of each, ten times as many in
+          exit mode, whose invokes are a fifth as long and vary the most); reported in milliseconds.
 
 The ratio is LangGraph's time over RemitSaver's: >= 1.0 means RemitSaver is at
 least as fast while it enforces the contract (claims, fences, schema checks).
 Measurements alternate between the two savers (cycles in blocks of 20,
-invokes one by one) so that a machine whose speed drifts slows both alike;
-medians are reported. Both SQLite savers run in WAL
-mode with each saver's default `synchronous` setting (LangGraph's: SQLite's
-default FULL; Remit's: NORMAL, which survives a killed process; pass
-`--sqlite-sync FULL` to run Remit with FULL too).
+invokes one by one, in the order A B B A) so that a machine whose speed
+drifts slows both alike and neither always runs first; medians are
+reported. Both SQLite savers run in WAL mode with each saver's default
+`synchronous` setting (LangGraph's: SQLite's default FULL; Remit's: NORMAL,
+which survives a killed process; pass `--sqlite-sync FULL` to run Remit with
+FULL too).
 
     python benchmarks/bench_langgraph.py [--cycles 400] [--invokes 40]
         [--engines sqlite,postgresql] [--sqlite-sync NORMAL|FULL]
@@ -127,17 +128,21 @@ class Invokes:
 def alternate(
     ours: Callable[[], None], theirs: Callable[[], None], total: int, block: int
 ) -> tuple[list[float], list[float]]:
-    """Per-call seconds of each side, measured in alternating blocks."""
+    """Per-call seconds of each side, measured in alternating blocks, in the order
+    ours-theirs then theirs-ours (ABBA): neither side always runs first, in a
+    process (and on caches) the other side has just used."""
     a: list[float] = []
     b: list[float] = []
     ours()
     theirs()  # warm both up
+    sides = ((ours, a), (theirs, b))
     while len(a) < total:
-        for fn, out in ((ours, a), (theirs, b)):
+        for fn, out in sides:
             for _ in range(block):
                 t0 = time.perf_counter()
                 fn()
                 out.append(time.perf_counter() - t0)
+        sides = sides[::-1]
     return a, b
 
 
@@ -194,8 +199,8 @@ def main() -> None:
                     )
                 )
                 for mode in ("async", "sync", "exit"):
-                    # An exit-mode invoke is a fifth as long: five times as many.
-                    count = args.invokes * (5 if mode == "exit" else 1)
+                    # An exit-mode invoke is a fifth as long, and varies the most.
+                    count = args.invokes * (10 if mode == "exit" else 1)
                     a, b = alternate(
                         Invokes(remit, mode, ours_threads).once,
                         Invokes(stock, mode, theirs_threads).once,

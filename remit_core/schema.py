@@ -151,6 +151,18 @@ class StateSchema:
             raise _invalid(exc, ids) from exc
         return validated
 
+    def holds_as_is(self, value: Any) -> bool:
+        """Whether `value` is of this (plain) type as it stands: strict validation
+        passes it, so validating would convert nothing in it. False says nothing
+        (`validate` says what is wrong, if anything)."""
+        if not self._plain or self._adapter is None:
+            return False
+        try:
+            self._adapter.validate_python(value, strict=True)
+        except ValidationError:
+            return False
+        return True
+
     def upgrade(self, value: Any, written_version: int, **ids: Any) -> Any:
         """Migrate a state read at `written_version` to this schema's version."""
         if written_version == self.version:

@@ -197,7 +197,8 @@ class StateCheck:
         chosen = self.fields if keys is None else self.fields & set(keys)
         present = {k: _unwrapped(values[k]) for k in chosen if k in values}
         if present:
-            _as_declared(present, self._partial.validate(present, **ids), ids)
+            if not self._partial.holds_as_is(present):
+                _as_declared(present, self._partial.validate(present, **ids), ids)
             self._check_whole({k: _unwrapped(values[k]) for k in self.fields if k in values}, ids)
 
     def after(self, channels: Mapping[str, Any] | None, writes: Any, **ids: Any) -> None:
@@ -244,14 +245,17 @@ class StateCheck:
                 present[ch] = v
             elif ch in self._reducers:
                 reduced.setdefault(ch, []).append(v)
-        if present:
+        if present and not self._partial.holds_as_is(present):
             _as_declared(present, self._partial.validate(present, **ids), ids)
         for ch, values in reduced.items():
             value = self._reduce(ch, values, **ids)
             if value is MISSING:
                 continue
+            adapter = self._reducers[ch][1]
+            if _holds_as_is(adapter, value):
+                continue
             try:
-                validated = self._reducers[ch][1].validate_python(value)
+                validated = adapter.validate_python(value)
             except ValidationError:
                 assert self._reduced is not None
                 self._reduced.validate({ch: value}, **ids)  # raises, naming the field
@@ -309,6 +313,16 @@ def _as_declared(given: Any, validated: Any, ids: Mapping[str, Any]) -> None:
             field=path,
             **ids,
         )
+
+
+def _holds_as_is(adapter: TypeAdapter[Any], value: Any) -> bool:
+    """Whether `value` passes `adapter` in strict mode: then it is of the type as it
+    stands, and lax validation would convert nothing in it."""
+    try:
+        adapter.validate_python(value, strict=True)
+    except ValidationError:
+        return False
+    return True
 
 
 def _converted(given: Any, kept: Any, path: str) -> tuple[str, Any, Any] | None:

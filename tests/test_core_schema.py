@@ -88,6 +88,17 @@ def test_strict_refuses_what_lax_coerces() -> None:
     assert field_of(strict, {**GOOD, "amount": "7"}) == "amount"
 
 
+def test_holds_as_is_only_for_plain_values_strict_validation_passes() -> None:
+    schema = StateSchema(OrderDict)
+    assert schema.holds_as_is(GOOD)
+    assert not schema.holds_as_is({**GOOD, "amount": "7"})  # lax validation would convert it
+    assert not schema.holds_as_is({**GOOD, "charged": 1})
+    assert not schema.holds_as_is({**GOOD, "amount": -1.5})
+    # A model state is never passed as is: its instances need `validate`'s second pass.
+    assert not StateSchema(Order).holds_as_is(Order(order_id="o1", amount=3))
+    assert not StateSchema(ORDER_JSON).holds_as_is({"order_id": "o1", "amount": 3})
+
+
 # -- BaseModel ---------------------------------------------------------------------------
 
 
