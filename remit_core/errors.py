@@ -35,8 +35,12 @@ class HeadMoved(RemitError):
     """A compare-and-set of a branch head lost: the head is no longer the expected one."""
 
 
-class CheckpointInvalid(RemitError):
-    """A write does not satisfy the declared state schema; nothing was committed (P4)."""
+class CheckpointInvalid(RemitError, ValueError):
+    """A write does not satisfy the declared state schema; nothing was committed (P4).
+
+    A `ValueError`, as a validation error of pydantic is: retry policies that leave
+    bad values alone (LangGraph's default) do not run the step again for it.
+    """
 
     def __init__(self, message: str, *, field: str | None = None, **ids: Any) -> None:
         super().__init__(message, field=field, **ids)

@@ -14,7 +14,10 @@ context manager for `with` and `async with`.
 - `state_schema`: the state type to validate every write against (P4). By
   default the schema of the graph that runs is used (`StateGraph(State)`); pass
   one (a type or a `remit_core.StateSchema` with a version and migrations) to
-  override it or for graphs without one.
+  override it or for graphs without one. A node's output is checked as the node
+  returns it, in every durability mode: a refused output fails its node with
+  `CheckpointInvalid` (a `ValueError`: a `retry_policy` runs it again only if its
+  `retry_on` takes that), before any next step, and nothing of it is stored.
 - `allowlist`: extra types ((module, name) or classes) the serializer may store.
   Pickle is never used; types of the graph's state schema are allowed
   automatically; any other type is refused at write time (`CheckpointInvalid`).

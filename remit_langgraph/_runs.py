@@ -18,10 +18,11 @@ graph that runs is the frame above. At that call the saver (`Runs.start`):
 - learns the graph's state schema (P4) and the types its serializer may store.
 
 The run then lives in a context variable, which LangGraph copies into every
-background write and every node: writes carry the claim's fence (L2), writes
-are checked against the schema, and `remit_core.effect` finds its step scope
-(P2) through `effect_scope`. A graph not run by a LangGraph loop (a direct
-saver call, `update_state`) gets plain storage with schema checks.
+background write and every node: writes carry the claim's fence (L2), a
+node's output is checked against the schema as the node returns it, and
+`remit_core.effect` finds its step scope (P2) through `effect_scope`. A graph
+not run by a LangGraph loop (a direct saver call, `update_state`) gets plain
+storage with schema checks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from langchain_core.runnables import RunnableConfig
-from langgraph._internal._constants import CONFIG_KEY_RESUME_MAP, NULL_TASK_ID
+from langgraph._internal._constants import (
+    CONFIG_KEY_RESUME_MAP,
+    CONFIG_KEY_SEND,
+    ERROR,
+    NULL_TASK_ID,
+)
 from langgraph._internal._serde import build_serde_allowlist
 from langgraph.checkpoint.base import (
     BaseCheckpointSaver,
@@ -114,6 +120,12 @@ class Run:
     check: StateCheck | None
     committed: set[str] = field(default_factory=set)
     failed: RemitError | None = None
+    #: The node outputs refused by the state schema, by task id (`_check_sends`): the
+    #: run then stores nothing more, unless a retry of the task gets its output taken.
+    refused: dict[str, RemitError] = field(default_factory=dict)
+    #: The tasks whose outputs are checked as their node hands them over: their
+    #: writes, when stored, need no second check.
+    sends_checked: set[str] = field(default_factory=set)
     #: A recovery gives consumed values back by interrupt id (`Runs._redeliver`).
     resume_spent: bool = False
     inflight: int = 0
@@ -170,6 +182,13 @@ class Run:
         if self.failed is None:
             self.failed = error
         return error
+
+    def unrefused(self, writes: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """`writes` without the error record of an output this run refused: LangGraph
+        records a failed node's error, and this one would be the trace of a write
+        that was never stored (the node runs again when the run is continued)."""
+        refused = [id(e) for e in self.refused.values()]
+        return [(ch, v) for ch, v in writes if not (ch == ERROR and id(v) in refused)]
 
     def settle(self, timeout: float = 5.0) -> None:
         """Wait for this run's writes in flight, then `ensure_live`."""
@@ -593,15 +612,10 @@ class Runs:
         recovering = loop.input is None and record.branch == run.branch
         if resume is None and not recovering:
             return None  # new input: no interrupt to settle
+        if resume is not None and record.branch != run.branch:
+            raise self._fork_not_asking(run, record)
         here = self._pause(run, record)
         if resume is not None:
-            if record.branch != run.branch:
-                raise ResumeConflict(
-                    "a resume value answers the head of a branch; this checkpoint's interrupts "
-                    "belong to another branch (fork first, then resume the fork)",
-                    run_id=run.thread,
-                    checkpoint_id=record.checkpoint_id,
-                )
             self._consume(run, here, resume)
             return None
         # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
@@ -613,6 +627,26 @@ class Runs:
         # the node's next question with the previous answer.
         run.resume_spent = True
         return None
+
+    def _fork_not_asking(self, run: Run, base: CheckpointRecord) -> ResumeConflict:
+        """The refusal of a resume value for a fork that stands at its `base`, with no
+        checkpoint of its own: its questions are the ones it asks when it runs (L3),
+        and the base's belong to the branch it was forked from."""
+        fork = next(b for b in self.remit.branches(run.thread, ns="") if b.branch == run.branch)
+        if fork.head_seq > 0:
+            what = (
+                f"the checkpoints of the fork made with fork token {fork.fork_token!r} were "
+                "deleted (delete_for_runs): it is back at its base"
+            )
+        else:
+            what = f"the fork made with fork token {fork.fork_token!r} has not run yet"
+        return ResumeConflict(
+            f"{what}, checkpoint {base.checkpoint_id!r} of another branch, and asks nothing "
+            "until it runs; continue it with invoke(None, config) (it asks its questions "
+            "again), then resume it. The value was not stored",
+            run_id=run.thread,
+            checkpoint_id=base.checkpoint_id,
+        )
 
     def _pause(self, run: Run, record: CheckpointRecord) -> list[InterruptRecord]:
         """The interrupts a resume at `record` answers: its own, or, when `record` was
@@ -781,6 +815,7 @@ class Runs:
         """Bind `run` to this context and release it when the loop exits (or is dropped)."""
         token = _current.set(run)
         release = run.claim.release  # a second call is a no-op
+        _check_outputs(loop, run)
         with self._lock:
             self._open[id(run)] = run
 
@@ -859,7 +894,7 @@ class Runs:
         if run is not None and run.failed is not None and checkpoint_id not in run.committed:
             raise run.failed
         check = run.check if run is not None else self.declared
-        if check is not None and ns == "":
+        if check is not None and ns == "" and (run is None or task_id not in run.sends_checked):
             try:
                 check.writes(writes, **ids)
                 loop = None if run is None or run.loop is None else run.loop()
@@ -932,6 +967,62 @@ class Runs:
         return check.upgrade(
             values, record.schema_version, run_id=record.run_id, checkpoint_id=record.checkpoint_id
         )
+
+
+def _check_outputs(loop: PregelLoop, run: Run) -> None:
+    """Check each node's output against the state schema as the node hands it over.
+
+    LangGraph applies a task's writes to its channels before (in "async"
+    durability: while) the saver stores them, and in "exit" durability the
+    saver never sees them: the next step would read the refused value, and a
+    Pydantic state would fail there with LangGraph's own error. Checked in the
+    node, a refused output fails its node as any node error does: `CheckpointInvalid`
+    reaches the caller, nothing of the output is applied, the head stays where
+    it was (P4). The loop is held weakly: its exit callbacks release the claim.
+    """
+    check = run.check
+    if check is None:
+        return
+    tick, held = type(loop).tick, weakref.ref(loop)
+
+    def checked_tick() -> bool:
+        current = held()
+        assert current is not None  # (a tick is a call on the loop)
+        going = tick(current)
+        ids = {"run_id": run.thread, "checkpoint_id": current.checkpoint["id"]}
+        for task in current.tasks.values() if going else ():
+            if not task.writes:  # (a task with writes is not run again)
+                _check_sends(task.config["configurable"], run, task.id, held, ids)
+        return going
+
+    loop.tick = checked_tick  # type: ignore[method-assign]
+
+
+def _check_sends(
+    conf: dict[str, Any],
+    run: Run,
+    task_id: str,
+    held: weakref.ref[PregelLoop],
+    ids: dict[str, Any],
+) -> None:
+    """Wrap the function a task's writers hand its writes to: check them first."""
+    send, check = conf[CONFIG_KEY_SEND], run.check
+    assert check is not None
+
+    def checked_send(writes: Sequence[tuple[str, Any]]) -> None:
+        writes = list(writes)
+        loop = held()
+        try:
+            check.writes(writes, **ids)
+            check.after(None if loop is None else loop.channels, writes, **ids)
+        except RemitError as exc:
+            run.refused[task_id] = exc
+            raise
+        run.refused.pop(task_id, None)  # (a retry's output was taken)
+        send(writes)
+
+    conf[CONFIG_KEY_SEND] = checked_send
+    run.sends_checked.add(task_id)
 
 
 def _json_form(value: Any) -> Any:

@@ -405,6 +405,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         checkpoint_id = conf["checkpoint_id"]
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         run = self._runs.before_writes(thread, ns, checkpoint_id, task_id, writes)
+        if run is not None and run.refused:
+            writes = run.unrefused(writes)
+            if not writes:
+                return
         records = [
             WriteRecord(
                 run_id=thread,

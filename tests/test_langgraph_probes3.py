@@ -1,0 +1,220 @@
+"""RemitSaver probed from the contract: refused node outputs in every durability and
+API, a fork whose checkpoints were deleted, a fork's history. Real LangGraph graphs
+on every engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import operator
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import pytest
+from annotated_types import Ge
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command, RetryPolicy
+from pydantic import BaseModel, Field
+from test_langgraph_support import INITIAL, World, build
+from typing_extensions import TypedDict
+
+from remit_core import CheckpointInvalid, ResumeConflict
+from remit_langgraph import AsyncRemitSaver, RemitSaver
+
+
+def config() -> dict[str, Any]:
+    return {"configurable": {"thread_id": f"lg-{uuid.uuid4().hex}"}}
+
+
+class Typed(TypedDict, total=False):
+    amount: Annotated[int, Ge(0)]
+    log: Annotated[list[str], operator.add]
+
+
+class Modelled(BaseModel):
+    amount: int = Field(0, ge=0)
+    log: Annotated[list[str], operator.add] = []
+
+
+@dataclasses.dataclass
+class Plain:
+    amount: Annotated[int, Ge(0)] = 0
+    log: Annotated[list[str], operator.add] = dataclasses.field(default_factory=list)
+
+
+def three_nodes(state: Any, saver: RemitSaver, bad: list[bool]) -> Any:
+    """a -> b -> c; b writes a negative amount while `bad[0]`, and c, which reads the
+    state, overwrites it: only a check of b's own output can see the refused value."""
+    builder = StateGraph(state)
+    builder.add_node("a", lambda s: {"log": ["a"]})
+    builder.add_node("b", lambda s: {"amount": -5 if bad[0] else 5, "log": ["b"]})
+    builder.add_node("c", lambda s: {"amount": 2, "log": ["c"]})
+    builder.add_edge(START, "a")
+    builder.add_edge("a", "b")
+    builder.add_edge("b", "c")
+    builder.add_edge("c", END)
+    return builder.compile(checkpointer=saver)
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+def run_with(api: str, graph: Any, value: Any, cfg: dict[str, Any], durability: str) -> None:
+    """One run through `api`: invoke, stream, ainvoke or astream."""
+    if api == "invoke":
+        graph.invoke(value, cfg, durability=durability)
+    elif api == "stream":
+        list(graph.stream(value, cfg, durability=durability))
+    elif api == "ainvoke":
+        asyncio.run(graph.ainvoke(value, cfg, durability=durability))
+    else:
+        asyncio.run(_drain(graph.astream(value, cfg, durability=durability)))
+
+
+@pytest.mark.parametrize("api", ["invoke", "stream", "ainvoke", "astream"])
+@pytest.mark.parametrize("durability", ["async", "sync", "exit"])
+@pytest.mark.parametrize(
+    "state", [Typed, Modelled, Plain], ids=["typeddict", "pydantic", "dataclass"]
+)
+def test_a_refused_node_output_is_checkpoint_invalid_and_the_head_stays(
+    store_url: str, state: Any, durability: str, api: str
+) -> None:
+    """Not LangGraph's own error from the next node's input, nor a run that ends well
+    because a later node overwrote the value (both happened in "async" and "exit")."""
+    bad = [True]
+    saver = (AsyncRemitSaver if api.startswith("a") else RemitSaver).from_conn_string(store_url)
+    with saver as opened:
+        graph = three_nodes(state, opened, bad)
+        cfg = config()
+        with pytest.raises(CheckpointInvalid) as err:
+            run_with(api, graph, {"amount": 1}, cfg, durability)
+        assert err.value.field == "amount"
+        assert err.value.run_id == cfg["configurable"]["thread_id"]
+        # At the checkpoint before b, with nothing of b's output on it (in "exit"
+        # durability too: a failed run saves where it got when it exits).
+        head = opened.get_tuple(cfg)
+        snapshot = graph.get_state(cfg)
+        assert snapshot.next == ("b",)
+        assert snapshot.values["log"] == ["a"]
+        assert head is not None and all(w[1] != "amount" for w in head.pending_writes or [])
+        bad[0] = False
+        run_with(api, graph, None, cfg, durability)
+        assert all(t.checkpoint["channel_values"].get("amount", 0) >= 0 for t in opened.list(cfg))
+        final = graph.get_state(cfg).values
+        assert dict(final if isinstance(final, dict) else vars(final))["log"] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("durability", ["async", "exit"])
+def test_a_retry_whose_output_is_valid_lets_the_run_go_on(store_url: str, durability: str) -> None:
+    """A refused output fails its node: a retry policy that retries it runs it again,
+    and the run keeps the output of the attempt that passes."""
+    attempts: list[int] = []
+
+    def flaky(state: Typed) -> dict[str, Any]:
+        attempts.append(1)
+        return {"amount": -1 if len(attempts) == 1 else 3}
+
+    builder = StateGraph(Typed)
+    builder.add_node(
+        "flaky", flaky, retry_policy=RetryPolicy(initial_interval=0.01, retry_on=CheckpointInvalid)
+    )
+    builder.add_edge(START, "flaky")
+    builder.add_edge("flaky", END)
+    graph = builder.compile(checkpointer=RemitSaver(store_url))
+    cfg = config()
+    assert graph.invoke({"amount": 0}, cfg, durability=durability)["amount"] == 3
+    assert len(attempts) == 2
+    assert graph.get_state(cfg).values["amount"] == 3
+
+
+def test_the_default_retry_policy_does_not_retry_a_refused_output(store_url: str) -> None:
+    """`CheckpointInvalid` is a `ValueError`, which LangGraph's default `retry_on` leaves
+    alone, as it does pydantic's own validation errors."""
+    attempts: list[int] = []
+
+    def bad(state: Typed) -> dict[str, Any]:
+        attempts.append(1)
+        return {"amount": -1}
+
+    builder = StateGraph(Typed)
+    builder.add_node("bad", bad, retry_policy=RetryPolicy())
+    builder.add_edge(START, "bad")
+    builder.add_edge("bad", END)
+    graph = builder.compile(checkpointer=RemitSaver(store_url))
+    with pytest.raises(CheckpointInvalid):
+        graph.invoke({"amount": 0}, config())
+    assert len(attempts) == 1
+
+
+# -- a fork that asks nothing yet ---------------------------------------------------------
+
+
+def forked(store_url: str, tmp_path: Path) -> tuple[World, RemitSaver, Any, str, Any]:
+    """The probe graph paused at approve, and a fork of prepare's checkpoint (token
+    "again") run to its own pause by LangGraph run "fork-run"."""
+    world = World(tmp_path)
+    saver = RemitSaver(store_url)
+    graph = build(world, saver)
+    cfg = config()
+    thread = cfg["configurable"]["thread_id"]
+    graph.invoke(INITIAL, cfg)
+    base = next(s for s in graph.get_state_history(cfg) if s.next == ("prepare",)).config
+    at = {"configurable": {**base["configurable"], "fork_token": "again", "run_id": "fork-run"}}
+    graph.invoke(None, at)
+    return world, saver, graph, thread, base
+
+
+def test_a_resume_of_a_fork_whose_run_was_deleted_says_so_and_stores_nothing(
+    store_url: str, tmp_path: Path
+) -> None:
+    world, saver, graph, thread, base = forked(store_url, tmp_path)
+    by_token = {"configurable": {"thread_id": thread, "fork_token": "again"}}
+    assert graph.get_state(by_token).next == ("approve",)
+    saver.delete_for_runs(["fork-run"])
+    with pytest.raises(ResumeConflict, match="deleted") as err:
+        graph.invoke(Command(resume="late"), by_token)
+    assert err.value.run_id == thread
+    assert err.value.checkpoint_id == base["configurable"]["checkpoint_id"]
+    assert "fork first" not in str(err.value)
+    stored = [saver._decode(i.value) for i in saver.remit.interrupts(thread) if i.value]
+    assert "late" not in stored
+    graph.invoke(None, by_token)  # the fork runs again and asks again (L3)
+    assert graph.invoke(Command(resume="fresh"), by_token)["approved_by"] == "fresh"
+    assert len(world.applications("charge")) == 1
+
+
+def test_a_resume_with_the_token_that_makes_a_fork_says_it_has_not_run(
+    store_url: str, tmp_path: Path
+) -> None:
+    world = World(tmp_path)
+    graph = build(world, RemitSaver(store_url))
+    cfg = config()
+    graph.invoke(INITIAL, cfg)
+    paused = graph.get_state(cfg).config
+    at = {"configurable": {**paused["configurable"], "fork_token": "new"}}
+    with pytest.raises(ResumeConflict, match="has not run yet") as err:
+        graph.invoke(Command(resume="x"), at)
+    assert err.value.checkpoint_id == paused["configurable"]["checkpoint_id"]
+    graph.invoke(None, at)
+    assert graph.invoke(Command(resume="y"), at)["approved_by"] == "y"
+
+
+def test_a_forks_history_takes_filter_before_and_limit(store_url: str, tmp_path: Path) -> None:
+    world, saver, graph, thread, base = forked(store_url, tmp_path)
+    by_token = {"configurable": {"thread_id": thread, "fork_token": "again"}}
+    graph.invoke(Command(resume="f"), by_token)
+    line = list(graph.get_state_history(by_token))
+    steps = [s.metadata["step"] for s in line]
+    assert steps == sorted(steps, reverse=True) and steps[-1] == -1
+    assert [s.metadata["source"] for s in line].count("fork") == 1
+    assert [s.metadata["step"] for s in graph.get_state_history(by_token, limit=2)] == steps[:2]
+    loops = [s.metadata["step"] for s in line if s.metadata["source"] == "loop"]
+    only = graph.get_state_history(by_token, filter={"source": "loop"}, limit=3)
+    assert [s.metadata["step"] for s in only] == loops[:3]
+    older = graph.get_state_history(by_token, before=line[1].config, limit=2)
+    assert [s.metadata["step"] for s in older] == steps[2:4]
+    main = {"configurable": {"thread_id": thread}}
+    assert graph.get_state(main).next == ("approve",)  # the fork left main where it was
