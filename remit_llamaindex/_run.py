@@ -79,6 +79,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("remit_llamaindex")
 
 JOURNAL_TASK = "journal"
+#: Seconds a due waiter timeout waits for an accepted event to be reduced first.
+_RECHECK = 0.05
 
 
 def new_checkpoint_id() -> str:
@@ -197,6 +199,7 @@ class Session:
         asks: Mapping[str, dict[str, Any]] | None = None,
         resent: Mapping[str, Any] | None = None,
         effects: Mapping[str, Any] | None = None,
+        deadlines: Mapping[str, float] | None = None,
         forked: bool = False,
     ) -> None:
         self.remit = remit
@@ -233,6 +236,15 @@ class Session:
         # Seconds a claim held elsewhere is waited for before `ResumeConflict`.
         self.claim_patience = 0.0
         self.opened: set[str] = set()
+        # Alive-time deadlines of the pending waiters that have a timeout (by interrupt
+        # id), and the ones of the restored state that this copy re-arms: monotonic
+        # due time and the tick that times the waiter out (`due_timeout`).
+        self.deadlines: dict[str, float] = dict(deadlines or {})
+        now = time.monotonic()
+        self.rearmed = {
+            i: (now + left, tick)
+            for i, (left, tick) in snap.rearmed_timeouts(init_state, self.deadlines).items()
+        }
         self.done = False
         # The refusal of an event that this copy lost the run with (`_stop_lost`).
         self.lost: ResumeConflict | None = None
@@ -376,6 +388,7 @@ class Session:
             replay = await replay_ticks_stream(self.mirror, _one(tick), run_id=self.key)
             self.mirror = replay.state
             self._track_asks(tick, before)
+            self.deadlines.update(snap.waiter_deadlines(before, self.mirror, tick))
             self.ticks.append(tick)
             self.unsaved.append((seq, tick))
             failure = _remit_failure(tick)
@@ -425,6 +438,7 @@ class Session:
             "next": [] if ended else snap.busy_steps(self.mirror),
             "waiting": [] if ended else [*waiting, *self.asks],
             "asks": dict(self.asks),
+            "deadlines": self._deadlines(waiting),
             "resent": self._resent(),
             "effects": self._effects(),
             "journal_seq": self.mirror.journal_seq,
@@ -438,6 +452,29 @@ class Session:
         if error is not None:
             meta["error"] = f"{type(error).__name__}: {error}"
         return meta
+
+    def _deadlines(self, waiting: list[str]) -> dict[str, float]:
+        """The deadlines a restore of the current checkpoint re-arms (pending waiters')."""
+        self.deadlines = {i: d for i, d in self.deadlines.items() if i in waiting}
+        return dict(self.deadlines)
+
+    def due_timeout(self) -> tuple[float | None, WorkflowTick | None]:
+        """The tick of a re-armed waiter timeout that is due, or the seconds until the
+        next one (None, None: none left). An event accepted for the run and not yet
+        reduced goes first: the waiter it answers must not time out under it."""
+        if not self.rearmed:
+            return None, None
+        pending = {w.interrupt_id for w in snap.waiters(self.mirror) if w.pending}
+        for interrupt_id in [i for i in self.rearmed if i not in pending]:
+            del self.rearmed[interrupt_id]
+        if not self.rearmed:
+            return None, None
+        interrupt_id, (due, tick) = min(self.rearmed.items(), key=lambda kv: kv[1][0])
+        left = due - time.monotonic()
+        if left > 0 or self.expected or self.injections:
+            return max(left, _RECHECK), None
+        del self.rearmed[interrupt_id]
+        return None, tick
 
     def _effects(self) -> dict[str, Any]:
         """What a fork of the current checkpoint shares: the effect calls of the work

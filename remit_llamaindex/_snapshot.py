@@ -19,8 +19,9 @@ from workflows.errors import WorkflowCancelledByUser
 from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StopEvent
 from workflows.runtime.types.commands import CommandCompleteRun, CommandFailWorkflow, CommandHalt
 from workflows.runtime.types.internal_state import BrokerState
-from workflows.runtime.types.results import StepWorkerWaiter
+from workflows.runtime.types.results import AddWaiter, StepWorkerWaiter
 from workflows.runtime.types.step_id import StepId
+from workflows.runtime.types.ticks import TickStepResult, TickWaiterTimeout, WorkflowTick
 from workflows.workflow import Workflow
 
 from remit_core import codec
@@ -78,14 +79,31 @@ def walk_brokers(
         yield from walk_brokers(child, (*path, key))
 
 
-def _collected(state: BrokerState) -> Iterator[tuple[str, str, StepWorkerWaiter]]:
-    """(interrupt id, step, waiter) for every waiter of the run; the interrupt id names
-    step, waiter and work item."""
+class _Located(NamedTuple):
+    """A waiter of the run, where it lives, and its interrupt id (which names step,
+    waiter and work item)."""
+
+    interrupt_id: str
+    path: tuple[str, ...]
+    broker: BrokerState
+    step_id: StepId
+    waiter: StepWorkerWaiter
+
+
+def _located(state: BrokerState) -> Iterator[_Located]:
     for path, broker in walk_brokers(state):
         for step_id, worker in sorted(broker.workers.items(), key=lambda kv: str(kv[0])):
             step = "/".join((*path, str(step_id)))
             for w in worker.collected_waiters:
-                yield f"{step}:{w.waiter_id}@{w.work_item_id or ''}", step, w
+                yield _Located(
+                    f"{step}:{w.waiter_id}@{w.work_item_id or ''}", path, broker, step_id, w
+                )
+
+
+def _collected(state: BrokerState) -> Iterator[tuple[str, str, StepWorkerWaiter]]:
+    """(interrupt id, step, waiter) for every waiter of the run."""
+    for found in _located(state):
+        yield found.interrupt_id, "/".join((*found.path, str(found.step_id))), found.waiter
 
 
 def waiters(state: BrokerState) -> list[Waiter]:
@@ -102,6 +120,51 @@ def waiters(state: BrokerState) -> list[Waiter]:
         )
         for interrupt_id, step, w in _collected(state)
     ]
+
+
+def waiter_deadlines(
+    before: BrokerState, after: BrokerState, tick: WorkflowTick
+) -> dict[str, float]:
+    """The deadlines of the waiters a reduced step result added with a `timeout`, by
+    interrupt id, in alive time (`elapsed_alive` of the waiter's broker). The
+    framework schedules such a timeout in memory only: a restored waiter has none."""
+    if not isinstance(tick, TickStepResult):
+        return {}
+    timeouts = {
+        r.waiter_id: r.timeout
+        for r in tick.result
+        if isinstance(r, AddWaiter) and r.timeout is not None
+    }
+    seen = {found.interrupt_id for found in _located(before)}
+    return {
+        found.interrupt_id: found.broker.elapsed_alive + timeouts[found.waiter.waiter_id]
+        for found in _located(after)
+        if found.interrupt_id not in seen
+        and found.waiter.waiter_id in timeouts
+        and (found.path, found.step_id) == (tuple(tick.invocation_namespace), tick.step_id)
+    }
+
+
+def rearmed_timeouts(
+    state: BrokerState, deadlines: dict[str, float]
+) -> dict[str, tuple[float, TickWaiterTimeout]]:
+    """For each pending waiter of a restored `state` with a deadline: the alive seconds
+    it has left (downtime is not counted, as for the workflow's own timeout) and the
+    tick that times it out, by interrupt id."""
+    return {
+        found.interrupt_id: (
+            max(0.0, deadlines[found.interrupt_id] - found.broker.elapsed_alive),
+            TickWaiterTimeout(
+                step_id=found.step_id,
+                waiter_id=found.waiter.waiter_id,
+                invocation_namespace=found.path,
+            ),
+        )
+        for found in _located(state)
+        if found.interrupt_id in deadlines
+        and found.waiter.resolved_event is None
+        and not found.waiter.timed_out
+    }
 
 
 def requirements(state: BrokerState) -> dict[str, dict[str, Any]]:

@@ -393,6 +393,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             asks=record.metadata.get("asks") or {},
             resent=record.metadata.get("resent") or {},
             effects=record.metadata.get("effects") or {},
+            deadlines=record.metadata.get("deadlines") or {},
             forked=record.branch != branch.branch,
         )
         pending = {w.interrupt_id for w in snap.waiters(init) if w.pending}
@@ -420,6 +421,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         asks: dict[str, dict[str, Any]] | None = None,
         resent: dict[str, Any] | None = None,
         effects: dict[str, Any] | None = None,
+        deadlines: dict[str, float] | None = None,
         forked: bool = False,
     ) -> Session:
         schema = self._schema(workflow)
@@ -439,6 +441,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             asks=asks,
             resent=resent,
             effects=effects,
+            deadlines=deadlines,
             forked=forked,
         )
 
@@ -939,9 +942,21 @@ class _Internal(BaseInternalRunAdapterDecorator):
         await super().send_event(tick)
 
     async def wait_receive(self, timeout_seconds: float | None = None) -> WaitResult:
+        """The next tick: an accepted event a crash interrupted, a re-armed waiter
+        timeout once it is due (`Session.due_timeout`), else the framework's."""
         if self._session.injections:
             return WaitResultTick(tick=self._session.injections.popleft())
-        return await super().wait_receive(timeout_seconds)
+        while True:
+            left, due = self._session.due_timeout()
+            if due is not None:
+                return WaitResultTick(tick=due)
+            if left is None or (timeout_seconds is not None and timeout_seconds <= left):
+                return await super().wait_receive(timeout_seconds)
+            result = await super().wait_receive(left)
+            if isinstance(result, WaitResultTick):
+                return result
+            if timeout_seconds is not None:
+                timeout_seconds -= left
 
     def get_state_store(self, namespace: tuple[str, ...] = ()) -> StateStore[Any] | None:
         return None if namespace else self._session.store
