@@ -34,7 +34,7 @@ from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
 
 from remit_core.effects import StepScope, bind_step_scope, current_scope
 from remit_core.errors import RemitError
-from remit_crewai import _replay
+from remit_crewai import _replay, _resume
 from remit_crewai._session import Execution, current_execution, current_fork_token
 from remit_crewai.persistence import RemitFlowPersistence
 
@@ -44,7 +44,8 @@ _aborts: dict[type[RemitError], type[RemitError]] = {}
 
 
 def install() -> None:
-    """Register the hooks, and `_replay`'s wrappers, once per process (idempotent)."""
+    """Register the hooks, and the wrappers of `_replay` and `_resume`, once per process
+    (idempotent)."""
     global _installed
     with _install_lock:
         if _installed:
@@ -54,6 +55,7 @@ def install() -> None:
         register(InterceptionPoint.POST_STEP, _on_post_step)
         register(InterceptionPoint.EXECUTION_END, _on_end)
         _replay.install()
+        _resume.install()
         _installed = True
 
 

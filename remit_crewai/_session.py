@@ -42,6 +42,8 @@ def fork_token(token: str) -> Iterator[None]:
     token again (from any process) continues the same fork instead of making
     a second one. Without a token such a kickoff is refused (`ForkWithoutIntent`).
     """
+    if not isinstance(token, str):
+        raise TypeError(f"a fork token must be a str, got {type(token).__name__}")
     if not token:
         raise ValueError("a fork token must be a non-empty string")
     reset = current_fork_token.set(token)

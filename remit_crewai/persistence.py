@@ -357,6 +357,11 @@ class RemitFlowPersistence(FlowPersistence):
         Remit records the model's name, never imports it. A flow with no checkpoint
         is `UnknownRecord`: an edit never makes a flow.
         """
+        if not isinstance(changes, Mapping):
+            raise TypeError(
+                f"changes must be a mapping of field to value, got {type(changes).__name__}; "
+                "nothing was written"
+            )
         with self._writing(flow_id) as session, session.lock:
             if session.head is None:
                 raise UnknownRecord(
@@ -501,7 +506,8 @@ class RemitFlowPersistence(FlowPersistence):
             session.handle = ClaimHandle(self.remit, claim, self.lease, heartbeat=True)
             session.beating = True
 
-    def _release(self, session: Session) -> None:
+    @staticmethod
+    def _release(session: Session) -> None:
         session.closed = True
         sessions.discard(session)
         session.handle.release()
@@ -658,6 +664,40 @@ class RemitFlowPersistence(FlowPersistence):
         session = sessions.get(self.url, forked)
         assert session is not None
         return {**session.state, "id": forked}
+
+    def _ready_to_resume(self, flow: Flow[Any], feedback: Any) -> None:
+        """Before `flow.resume(feedback)` runs anything: `TypeError` naming feedback that is
+        not a str (the claim given back, the pause still pending), and the claim again for
+        a resume retried on the instance whose earlier resume failed before consuming its
+        feedback (and gave its claim back), so that the retry consumes the pause once.
+
+        A resume whose `from_pending` claim is still held (in this context, or one the
+        flow took over from another thread) goes on under that claim.
+        """
+        held = self._session_of(flow.flow_id, flow)
+        held = None if held is None or held.closed else held
+        if not isinstance(feedback, str):
+            if held is not None and self._owns(held, flow):
+                self._release(held)
+            raise TypeError(
+                f"feedback must be a str, got {type(feedback).__name__}: nothing was resumed, "
+                "the flow still waits for its feedback"
+            )
+        if held is not None:
+            return
+        loaded = self.load_pending_feedback(flow.flow_id)
+        if loaded is None:
+            raise ResumeConflict(
+                "this flow waits for no feedback any more; nothing was resumed",
+                run_id=locate(flow.flow_id)[0],
+            )
+        try:
+            flow._initialize_state(loaded[0])
+        except BaseException:
+            session = resumer_of(self.url, flow.flow_id)
+            if session is not None:
+                self._release(session)
+            raise
 
     def _restore_into(self, flow: Flow[Any], session: Session) -> None:
         """Give a restarted flow its past: completed methods and accepted feedback.
