@@ -84,6 +84,7 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
 
     def encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:
         """The snapshot's bytes, or `Unfit` if they would not read back as this snapshot."""
+        self._check_node(snapshot)
         try:
             body = self.adapter.dump_json(snapshot, warnings="error")
         except PydanticSerializationError as exc:
@@ -106,6 +107,19 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
                     f"{ours!r} would read back as {read!r}",
                 )
         return body
+
+    def _check_node(self, snapshot: Snapshot[StateT, RunEndT]) -> None:
+        """`Unfit` at `node` for a node of another graph: pydantic would only say which of
+        the graph's nodes it expected, at the snapshot's root (or, in a graph of one node
+        class, take any node whose fields fit)."""
+        if not isinstance(snapshot, NodeSnapshot) or not self.node_ids:
+            return
+        node_id = snapshot.node.get_node_id()
+        if node_id not in self.node_ids:
+            raise Unfit(
+                "node",
+                f"{node_id} is not a node of this graph ({', '.join(sorted(self.node_ids))})",
+            )
 
     def _path_of(self, loc: Sequence[int | str]) -> _Path:
         """A pydantic validation path without its union tags (`kind`, then the node's id)."""

@@ -48,13 +48,14 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio.to_thread
 import pydantic
 from pydantic_graph import BaseNode, End
 from pydantic_graph.basenode import generate_snapshot_id
 from pydantic_graph.exceptions import GraphNodeStatusError
+from pydantic_graph.graph import Graph
 from pydantic_graph.persistence import (
     BaseStatePersistence,
     EndSnapshot,
@@ -79,9 +80,6 @@ from remit_core.errors import (
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, FenceRef, WriteRecord
 from remit_pydantic_graph._codec import ForeignNode, SnapshotCodec, Unfit
-
-if TYPE_CHECKING:
-    from pydantic_graph.graph import Graph
 
 __all__ = ["RemitStatePersistence"]
 
@@ -150,6 +148,27 @@ def _check_versions(workflow_version: object, accept_versions: object) -> frozen
     return versions
 
 
+def _checked_node(call: str, next_node: object) -> BaseNode[Any, Any, Any]:
+    """`next_node` if it is a node: anything else would fail deep inside pydantic-graph's
+    `NodeSnapshot` with an AttributeError that names neither the call nor the argument."""
+    if isinstance(next_node, BaseNode):
+        return next_node
+    hint = " (a run's End goes to snapshot_end)" if isinstance(next_node, End) else ""
+    raise TypeError(
+        f"{call}() takes next_node, a BaseNode instance of the graph{hint}; "
+        f"got {type(next_node).__name__} {next_node!r}"
+    )
+
+
+def _checked_end(end: object) -> End[Any]:
+    if isinstance(end, End):
+        return end
+    raise TypeError(
+        f"snapshot_end() takes end, the End instance the run returned; "
+        f"got {type(end).__name__} {end!r}"
+    )
+
+
 class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     """State persistence for pydantic-graph 1.x runs, keeping the Resume Contract.
 
@@ -197,7 +216,22 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     # -- types (the graph's own adapters) ---------------------------------------
     def set_graph_types(self, graph: Graph[StateT, Any, RunEndT]) -> None:
-        """Remember which node may follow which (for `resume`), then build the adapters."""
+        """Remember which node may follow which (for `resume`), then build the adapters.
+        A graph other than the one the instance's types were built for is refused."""
+        if not isinstance(graph, Graph):
+            raise TypeError(
+                f"set_graph_types() takes the pydantic-graph Graph this run belongs to, "
+                f"got {type(graph).__name__} {graph!r}"
+            )
+        typed_for: frozenset[str] = frozenset() if self._codec is None else self._codec.node_ids
+        if typed_for and typed_for != frozenset(graph.node_defs):
+            # Its types were built for another graph: they would refuse this graph's nodes.
+            raise ValueError(
+                f"set_graph_types() got graph {graph.name!r} "
+                f"({', '.join(sorted(graph.node_defs))}), but this instance is set up for a "
+                f"graph of {', '.join(sorted(typed_for))}: one instance persists "
+                "one run of one graph"
+            )
         self._edges = {
             node_id: (frozenset(d.next_node_edges), d.returns_base_node)
             for node_id, d in graph.node_defs.items()
@@ -590,14 +624,21 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     # -- the interface pydantic-graph calls ----------------------------------------
     async def snapshot_node(self, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]) -> None:
-        snapshot = NodeSnapshot(state=state, node=next_node)
+        snapshot = NodeSnapshot(state=state, node=_checked_node("snapshot_node", next_node))
         with self._turn() as resumer:
             await anyio.to_thread.run_sync(self._advance, resumer, snapshot)
 
     async def snapshot_node_if_new(
         self, snapshot_id: str, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]
     ) -> None:
-        snapshot = NodeSnapshot(state=state, node=next_node)
+        checked_id("snapshot_id", snapshot_id)
+        node = _checked_node("snapshot_node_if_new", next_node)
+        if snapshot_id != node.get_snapshot_id():
+            raise ValueError(
+                f"snapshot_node_if_new() got snapshot_id {snapshot_id!r}, but next_node's "
+                f"snapshot id is {node.get_snapshot_id()!r}: pass next_node.get_snapshot_id()"
+            )
+        snapshot = NodeSnapshot(state=state, node=node)
         with self._turn() as resumer:
             try:
                 await anyio.to_thread.run_sync(
@@ -614,7 +655,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             self._start(resumer, snapshot, keep_claim=True)
 
     async def snapshot_end(self, state: StateT, end: End[RunEndT]) -> None:
-        snapshot = EndSnapshot(state=state, result=end)
+        snapshot = EndSnapshot(state=state, result=_checked_end(end))
         with self._turn() as resumer:
             await anyio.to_thread.run_sync(self._advance, resumer, snapshot)
 
