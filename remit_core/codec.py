@@ -184,7 +184,7 @@ def _decode_tagged(tag: str, v: Any) -> Any:
     if tag == "decimal":
         return Decimal(v)
     if tag == "bytes":
-        return base64.b64decode(v)
+        return base64.b64decode(v, validate=True)
     if tag == "float":
         return float(v)
     raise ValueError(f"unknown tag {tag!r}")
@@ -229,7 +229,11 @@ def dumps(value: Any, *, exact: bool = True) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    """Decode bytes made by `dumps`. Raises `ValueError` on malformed input."""
+    """Decode bytes made by `dumps`. Raises `ValueError` on malformed input, a
+    tagged value of the wrong shape included (as stored metadata may hold)."""
     if data == b"{}":
         return {}
-    return _decode(json.loads(data))
+    try:
+        return _decode(json.loads(data))
+    except (TypeError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+        raise ValueError(f"malformed Remit value: {type(exc).__name__}: {exc}") from exc

@@ -90,6 +90,67 @@ def checked_id(name: str, value: object, *, empty: bool = False) -> str:
     return value
 
 
+def _check_ns(ns: object, *, every: bool = False) -> None:
+    """`ns` is a namespace (a str, "" the root one), or None where the call may mean
+    every namespace (`every`)."""
+    if ns is not None or not every:
+        checked_id("ns", ns, empty=True)
+
+
+def _check_bytes(name: str, value: object) -> None:
+    """A `TypeError` naming `value` unless it is a payload (bytes-like): the core
+    seals payloads as they are; encoding them is the shim's business."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
+
+
+def _checked_count(name: str, value: object, *, low: int = 0, high: int | None = None) -> int:
+    """`value` if it is an int (not a bool) from `low` up to `high`, else the
+    `TypeError`/`ValueError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r:.60}")
+    if value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return value
+
+
+#: Above the largest int every engine stores in a schema version or a write's idx
+#: (a PostgreSQL `integer`).
+_INT_LIMIT = 2**31
+_WRITE_MODES = frozenset({"first", "overwrite", "expect_absent"})
+
+
+def _checked_write(w: WriteRecord) -> None:
+    """A step write's ids and value are what every engine stores alike (see `checked_id`)."""
+    if (
+        type(w) is WriteRecord
+        and type(w.run_id) is str
+        and type(w.checkpoint_id) is str
+        and type(w.task_id) is str
+        and type(w.channel) is str
+        and type(w.ns) is str
+        and type(w.task_path) is str
+        and type(w.idx) is int
+        and type(w.value) is bytes
+        and w.run_id != ""
+        and w.checkpoint_id != ""
+        and -_INT_LIMIT <= w.idx < _INT_LIMIT
+        and "\x00" not in f"{w.run_id}{w.checkpoint_id}{w.task_id}{w.channel}{w.ns}{w.task_path}"
+    ):
+        return  # the common case, in one test
+    if not isinstance(w, WriteRecord):
+        raise TypeError(f"a step write must be a WriteRecord, got {type(w).__name__}")
+    checked_id("run_id", w.run_id)
+    checked_id("checkpoint_id", w.checkpoint_id)
+    checked_id("task_id", w.task_id, empty=True)
+    checked_id("channel", w.channel, empty=True)
+    checked_id("ns", w.ns, empty=True)
+    checked_id("task_path", w.task_path, empty=True)
+    _checked_count("write idx", w.idx, low=-_INT_LIMIT, high=_INT_LIMIT - 1)
+    _check_bytes("write value", w.value)
+
+
 def _plain_ids(
     run_id: object,
     checkpoint_id: object,
@@ -317,6 +378,8 @@ class Remit:
         holder: str | None = None,
     ) -> None:
         self.lease = checked_lease(lease)
+        if holder is not None:
+            checked_id("holder", holder)
         self.store = open_store(store) if isinstance(store, str) else store
         self.clock = clock
         self._holder = holder
@@ -354,6 +417,10 @@ class Remit:
         allow_new_root: bool = False,
     ) -> policy.CommitPlan:
         """Where a checkpoint with this parent would go (raises `ForkWithoutIntent`)."""
+        checked_id("run_id", run_id)
+        _check_ns(ns)
+        if parent_id is not None:
+            checked_id("parent_id", parent_id)
         branches = self.store.list_branches(run_id, ns)
         return policy.plan_commit(
             run_id,
@@ -393,7 +460,12 @@ class Remit:
         up with the commit, for a writer whose last write this is (its later
         `release()` is then free).
         """
-        if not _plain_ids(run_id, checkpoint_id, ns, workflow_version, parent_id, fork_token):
+        if not (
+            _plain_ids(run_id, checkpoint_id, ns, workflow_version, parent_id, fork_token)
+            and type(state) is bytes
+            and type(schema_version) is int
+            and 0 <= schema_version < _INT_LIMIT
+        ):
             checked_id("run_id", run_id)  # each raises, naming what is wrong
             checked_id("checkpoint_id", checkpoint_id)
             checked_id("ns", ns, empty=True)
@@ -402,6 +474,17 @@ class Remit:
                 checked_id("parent_id", parent_id)
             if fork_token is not None:
                 checked_id("fork_token", fork_token)
+            _check_bytes("state", state)
+            _checked_count("schema_version", schema_version, high=_INT_LIMIT - 1)
+        if blobs and not (
+            all(type(k) is str and type(v) is bytes for k, v in blobs.items())
+            and "\x00" not in "".join(blobs)
+        ):
+            for key, value in blobs.items():
+                checked_id("blob key", key, empty=True)
+                _check_bytes("blob value", value)
+        for w in writes:
+            _checked_write(w)
         guess = None
         if plan is None and fork_token is None and parent_id is None:
             # A first checkpoint usually starts a new run: try to create main
@@ -511,6 +594,7 @@ class Remit:
         """One checkpoint, verified; None if absent. `CorruptRecord` if it fails to verify."""
         checked_id("run_id", run_id)
         checked_id("checkpoint_id", checkpoint_id)
+        _check_ns(ns)
         record = self.store.get_checkpoint(run_id, ns, checkpoint_id)
         return None if record is None else self._open_ckpt(record)
 
@@ -519,6 +603,9 @@ class Remit:
     ) -> tuple[CheckpointRecord | None, list[WriteRecord]]:
         """`checkpoint` and `writes` of it, read together (one round trip where the
         engine allows); (None, []) if the checkpoint is absent."""
+        checked_id("run_id", run_id)
+        checked_id("checkpoint_id", checkpoint_id)
+        _check_ns(ns)
         record, found = self.store.get_checkpoint_and_writes(run_id, ns, checkpoint_id)
         if record is None:
             return None, []
@@ -528,9 +615,15 @@ class Remit:
         self, run_id: str, *, ns: str = "", branch: str = MAIN_BRANCH
     ) -> BranchRecord | None:
         """One branch of a run, or None."""
+        checked_id("run_id", run_id)
+        _check_ns(ns)
+        checked_id("branch", branch)
         return self.store.get_branch(run_id, ns, branch)
 
     def branches(self, run_id: str, *, ns: str | None = None) -> list[BranchRecord]:
+        """Every branch of a run (of one namespace, if `ns` is given)."""
+        checked_id("run_id", run_id)
+        _check_ns(ns, every=True)
         return self.store.list_branches(run_id, ns)
 
     def head(
@@ -538,11 +631,16 @@ class Remit:
     ) -> CheckpointRecord | None:
         """The head checkpoint of a branch, verified; None if the branch has none."""
         checked_id("run_id", run_id)
+        _check_ns(ns)
+        checked_id("branch", branch)
         record = self.store.get_head(run_id, ns, branch)
         return None if record is None else self._open_ckpt(record)
 
     def fork_branch(self, run_id: str, fork_token: str, *, ns: str = "") -> BranchRecord | None:
         """The branch a fork token made, if any."""
+        checked_id("run_id", run_id)
+        checked_id("fork_token", fork_token)
+        _check_ns(ns)
         for b in self.store.list_branches(run_id, ns):
             if b.fork_token == fork_token:
                 return b
@@ -560,12 +658,22 @@ class Remit:
         """Checkpoints newest first; each verified unless `verify` is false."""
         if run_id is not None:
             checked_id("run_id", run_id)
-        if limit is not None and (not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"limit must be a count of 0 or more, got {limit!r}")
+        _check_ns(ns, every=True)
+        if before_id is not None:
+            checked_id("before_id", before_id, empty=True)
+        if limit is not None:
+            _checked_count("limit", limit)
         records = self.store.list_checkpoints(run_id, ns, before_id=before_id, limit=limit)
         return [self._open_ckpt(r) for r in records] if verify else records
 
     def blobs(self, run_id: str, keys: Sequence[str], *, ns: str = "") -> dict[str, bytes]:
+        """The stored blobs among `keys`, verified."""
+        checked_id("run_id", run_id)
+        _check_ns(ns)
+        if isinstance(keys, str):
+            raise TypeError("keys must be a collection of blob keys, not one str")
+        for key in keys:
+            checked_id("blob key", key, empty=True)
         found = self.store.get_blobs(run_id, ns, keys)
         return {
             k: codec.unseal(v, f"blob\x00{ns}\x00{k}", run_id=run_id, blob=k)
@@ -585,6 +693,10 @@ class Remit:
         fence: FenceRef | None = None,
     ) -> None:
         """Store step writes atomically (see `Store.put_writes` for `mode`)."""
+        if mode not in _WRITE_MODES:
+            raise ValueError(f"mode must be one of {sorted(_WRITE_MODES)}, got {mode!r}")
+        for w in writes:
+            _checked_write(w)
         failpoints.hit("writes.before")
         self.store.put_writes([self._seal_write(w) for w in writes], mode=mode, fence=fence)
         failpoints.hit("writes.after")
@@ -593,6 +705,11 @@ class Remit:
         self, run_id: str, checkpoint_id: str, *, ns: str = "", after_idx: int | None = None
     ) -> list[WriteRecord]:
         """Step writes of one checkpoint, verified, ordered by (task_id, idx)."""
+        checked_id("run_id", run_id)
+        checked_id("checkpoint_id", checkpoint_id)
+        _check_ns(ns)
+        if after_idx is not None:
+            _checked_count("after_idx", after_idx, low=-_INT_LIMIT)
         found = self.store.get_writes(run_id, ns, checkpoint_id, after_idx=after_idx)
         return [self._open_write(w) for w in found]
 
@@ -613,8 +730,15 @@ class Remit:
     ) -> None:
         """Record pending interrupts (id -> prompt bytes); existing ones are left as they are."""
         checked_id("run_id", run_id)
-        for iid in interrupts:
+        checked_id("branch", branch)
+        if checkpoint_id is not None:
+            checked_id("checkpoint_id", checkpoint_id)
+        if not isinstance(interrupts, Mapping):
+            raise TypeError("interrupts must map each interrupt id to its prompt bytes or None")
+        for iid, prompt in interrupts.items():
             checked_id("interrupt_id", iid)
+            if prompt is not None:
+                _check_bytes("prompt", prompt)
         now = self.clock()
         records = [
             InterruptRecord(
@@ -644,6 +768,8 @@ class Remit:
         """
         checked_id("run_id", run_id)
         checked_id("interrupt_id", interrupt_id)
+        checked_id("branch", branch)
+        _check_bytes("value", value)
         failpoints.hit("interrupt.before_consume")
         record = self.store.consume_interrupt(
             run_id,
@@ -669,10 +795,18 @@ class Remit:
     def interrupt(
         self, run_id: str, interrupt_id: str, *, branch: str = MAIN_BRANCH
     ) -> InterruptRecord | None:
+        """One interrupt, its prompt and value verified; None if absent."""
+        checked_id("run_id", run_id)
+        checked_id("interrupt_id", interrupt_id)
+        checked_id("branch", branch)
         r = self.store.get_interrupt(run_id, branch, interrupt_id)
         return None if r is None else self._open_interrupt(r)
 
     def interrupts(self, run_id: str, *, branch: str | None = None) -> list[InterruptRecord]:
+        """Interrupts of a run (of one branch, if given), oldest first, verified."""
+        checked_id("run_id", run_id)
+        if branch is not None:
+            checked_id("branch", branch)
         return [self._open_interrupt(r) for r in self.store.list_interrupts(run_id, branch)]
 
     # -- claims ------------------------------------------------------------
@@ -693,6 +827,8 @@ class Remit:
         """
         checked_id("run_id", run_id)
         checked_id("scope", scope)
+        if holder is not None:
+            checked_id("holder", holder, empty=True)
         lease = self.lease if lease is None else checked_lease(lease)
         holder = holder or f"{self.holder}/{next(_holder_serial)}"
         claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
@@ -713,6 +849,7 @@ class Remit:
         released if the head or a write fails to verify."""
         checked_id("run_id", run_id)
         checked_id("branch", branch)
+        _check_ns(ns)
         lease = self.lease if lease is None else checked_lease(lease)
         holder = f"{self.holder}/{next(_holder_serial)}"
         claim, record, writes = self.store.acquire_claim_at_head(
@@ -775,8 +912,11 @@ class Remit:
     def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
         """Delete checkpoints (and their writes), heads included: a deleted head first
         moves back to `policy.head_after_delete`. Fork bases are kept. Returns the count."""
+        checked_id("run_id", run_id)
+        _check_ns(ns)
         if isinstance(checkpoint_ids, str):
             raise TypeError("checkpoint_ids must be a collection of ids, not one str")
+        checkpoint_ids = [checked_id("checkpoint_id", c) for c in checkpoint_ids]
         branches = self.store.list_branches(run_id, ns)
         # A fork base is kept: no head moves back for it (nor past it).
         doomed = set(checkpoint_ids) - {b.base_id for b in branches if b.base_id is not None}
@@ -803,6 +943,7 @@ class Remit:
         `keep_last` of any branch. Returns how many were deleted."""
         if isinstance(run_ids, str):
             raise TypeError("run_ids must be a collection of run ids, not one str")
+        _checked_count("keep_last", keep_last, low=1)
         deleted = 0
         for run_id in run_ids:
             records = self.store.list_checkpoints(checked_id("run_id", run_id), None)

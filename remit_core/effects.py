@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from remit_core import codec, failpoints, policy
+from remit_core.core import checked_id
 from remit_core.errors import EffectInDoubt, RemitError
 from remit_core.records import EffectRecord, FenceRef
 
@@ -245,6 +246,9 @@ class _Call:
     """One effect invocation: its scope, key, and the store operations of the protocol."""
 
     def __init__(self, scope: StepScope, effect_key: str) -> None:
+        # Checked before any store call, so that every engine refuses them alike.
+        checked_id("run_id", scope.run_id)
+        checked_id("effect key", effect_key)
         self.scope = scope
         self.key = effect_key
         self.idem = policy.idempotency_key(scope.run_id, effect_key)
