@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from pathlib import Path
 from remit_core.conformance import report
 from remit_core.conformance.adapter import Target
 from remit_core.conformance.cells import select
-from remit_core.conformance.runner import discover, run_matrix
+from remit_core.conformance.runner import discover, run_matrix, unreachable
 from remit_core.core import checked_lease
 
 FRAMEWORKS = ("langgraph", "llamaindex", "crewai", "pydantic-graph")
@@ -83,9 +84,47 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGHUP reached the parent: stop like Ctrl-C, killing every scenario."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def _usage_error(args: argparse.Namespace, targets: Sequence[str]) -> str | None:
+    """What is wrong with the options that a run cannot fix (None: nothing)."""
+    for path in (args.json, args.markdown, args.html):
+        if path is not None and (path.is_dir() or not path.absolute().parent.is_dir()):
+            return f"cannot write {path}: not a file in an existing folder"
+    if args.folder is not None:
+        if args.folder.exists() and (not args.folder.is_dir() or any(args.folder.iterdir())):
+            return (
+                f"--folder {args.folder} is not an empty folder: an earlier run's journals "
+                "would mix with this one's; give a new or empty folder"
+            )
+        try:
+            args.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--folder {args.folder}: {exc.strerror or exc}"
+    for spec in targets:
+        problem = unreachable(spec)
+        if problem is not None:
+            return f"target {problem}"
+    return None
+
+
 def conformance(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the matrix as asked; 0 if no Remit cell failed, 1 if one did, 2 on bad usage."""
-    targets = args.target or ["vanilla", "sqlite"]
+    """Run the matrix as asked; 0 if no Remit cell failed, 1 if one did, 2 on bad usage.
+
+    Interrupted (Ctrl-C, SIGTERM, SIGHUP), it kills every scenario, removes
+    its temporary folder and exits 128 + the signal's number.
+    """
+    targets = list(dict.fromkeys(args.target or ["vanilla", "sqlite"]))
     try:
         cells = select(args.cells)
         for spec in targets:
@@ -103,6 +142,10 @@ def conformance(args: argparse.Namespace, argv: Sequence[str]) -> int:
         checked_lease(args.lease)
     except ValueError as exc:
         print(f"remit conformance: --lease: {exc}", file=sys.stderr)
+        return 2
+    problem = _usage_error(args, targets)
+    if problem is not None:
+        print(f"remit conformance: {problem}", file=sys.stderr)
         return 2
     adapters, notes = discover(args.framework)
     for note in notes:
@@ -131,8 +174,15 @@ def conformance(args: argparse.Namespace, argv: Sequence[str]) -> int:
         (args.html, report.to_html),
     ):
         if path is not None:
-            path.write_text(render(matrix), encoding="utf-8")
+            try:
+                path.write_text(render(matrix), encoding="utf-8")
+            except OSError as exc:
+                print(f"remit conformance: cannot write {path}: {exc}", file=sys.stderr)
+                return 2
             print(f"wrote {path}", file=sys.stderr)
+    if not any(c.cells for c in matrix.columns):
+        print("remit conformance: no framework could run on these targets", file=sys.stderr)
+        return 2
     return 0 if matrix.remit_ok() else 1
 
 
@@ -140,9 +190,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `remit` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    if args.command == "conformance":
+    if args.command != "conformance":
+        return 2
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
         return conformance(args, argv)
-    return 2
+    except (KeyboardInterrupt, _Stopped) as exc:
+        signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
+        print("\nremit conformance: interrupted; every scenario was stopped", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

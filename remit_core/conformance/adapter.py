@@ -107,6 +107,10 @@ class NotApplicable(Exception):
 # -- targets ---------------------------------------------------------------------
 
 
+#: The URL schemes a target may name (a vanilla server or a Remit store).
+_URL_SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss")
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a probe run persists.
@@ -153,13 +157,13 @@ class Target:
         local = f"sqlite:///{folder / 'store.db'}"
         if spec == "vanilla":
             return Target(spec, "vanilla", local, folder, tag)
-        if spec.startswith("vanilla+"):
-            return Target(spec, "vanilla", spec.split("+", 1)[1], folder, tag)
         if spec in ("sqlite", "remit"):
             return Target(spec, "remit", local, folder, tag)
-        scheme = spec.split(":", 1)[0].lower()
-        if scheme in ("sqlite", "postgresql", "postgres", "redis", "rediss"):
-            return Target(spec, "remit", spec, folder, tag)
+        kind: Literal["vanilla", "remit"] = "vanilla" if spec.startswith("vanilla+") else "remit"
+        url = spec.split("+", 1)[1] if kind == "vanilla" else spec
+        scheme, sep, rest = url.partition("://")
+        if sep and rest and scheme.lower() in _URL_SCHEMES:
+            return Target(spec, kind, url, folder, tag)
         raise ValueError(
             f"unknown target {spec!r}: use vanilla, vanilla+postgresql://..., sqlite, "
             "postgresql://... or redis://..."

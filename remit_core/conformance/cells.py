@@ -209,19 +209,24 @@ RACY: frozenset[str] = frozenset(
 
 
 def select(spec: Iterable[str] | None) -> list[Cell]:
-    """Cells named by ids ("5"), ranges ("30-35") or scenario names ("K8-PROC"); all if empty."""
-    items = [p.strip() for s in (spec or ()) for p in s.split(",") if p.strip()]
-    if not items:
+    """Cells named by ids ("5"), ranges ("30-35") or scenario names ("K8-PROC"); all if None.
+
+    A selection that names nothing (`--cells ","`) is an error, not "every cell".
+    """
+    if spec is None:
         return list(CELLS)
+    items = [p.strip() for s in spec for p in s.split(",") if p.strip()]
+    if not items:
+        raise ValueError("--cells names no cell: give ids (5), ranges (30-35) or scenario names")
     chosen: set[int] = set()
     for item in items:
         upper = item.upper()
         if upper in SCENARIOS:
             chosen.update(c.id for c in CELLS if c.scenario == upper)
             continue
-        lo, _, hi = item.partition("-")
+        lo, dash, hi = item.partition("-")
         try:
-            first, last = int(lo), int(hi or lo)
+            first, last = int(lo), int(hi if dash else lo)
         except ValueError:
             raise ValueError(
                 f"unknown cell {item!r}: use ids (5), ranges (30-35) or scenario names "

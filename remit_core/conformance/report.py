@@ -37,7 +37,9 @@ def text(matrix: Matrix) -> str:
     head = f"{'id':>3} {'scenario':<24}{'checks':<8}" + "".join(
         f"{c.label:<{width}}" for c in columns
     )
-    lines = [head, "-" * len(head)]
+    # Remit's columns share a label across frameworks: name each column's framework above it.
+    above = " " * 36 + "".join(f"{'[' + c.framework + ']':<{width}}" for c in columns)
+    lines = [above.rstrip(), head, "-" * len(head)]
     for cell_id in matrix.cells:
         cell = BY_ID[cell_id]
         row = f"{cell_id:>3} {cell.scenario:<24}{cell.checks:<8}"

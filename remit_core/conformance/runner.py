@@ -31,6 +31,8 @@ from remit_core.conformance.scenarios import RUNNERS, Context, ScenarioNotApplic
 ENTRY_POINT_GROUP = "remit.probe_adapters"
 #: How long one scenario (all its workers) may take before it is killed.
 SCENARIO_TIMEOUT = 600.0
+#: How long the check that a target's server answers may take (`unreachable`).
+REACH_TIMEOUT = 15.0
 
 
 @dataclass
@@ -157,8 +159,60 @@ def discover(frameworks: Sequence[str] | None = None) -> tuple[list[ProbeAdapter
     return adapters, notes
 
 
+def _reach(target: Target) -> None:
+    """In a forked process: open the target's store or server once (raises if it cannot)."""
+    if target.kind == "remit":
+        from remit_core.stores import open_store
+
+        open_store(target.url).close()
+        return
+    import psycopg
+
+    with psycopg.connect(target.url, connect_timeout=int(REACH_TIMEOUT)) as conn:
+        conn.execute("SELECT 1")
+
+
+def unreachable(spec: str, timeout: float = REACH_TIMEOUT) -> str | None:
+    """Why the store or server `spec` names cannot be used; None when it answers.
+
+    Checked once before the matrix so that a server that is down, or a bad
+    store option, is one clear error rather than a FAIL in every cell. The
+    check runs in a forked process: the parent opens no connection pool and
+    stays fork-safe, and a server that never answers costs `timeout` at most.
+    """
+    target = Target.parse(spec, Path("."), "reach")
+    if spec in ("vanilla", "sqlite", "remit"):
+        return None  # a fresh file in the run's own folder
+    if target.engine == "sqlite":
+        from remit_core.conformance.storage import sqlite_path
+
+        parent = sqlite_path(target.url).parent
+        if not parent.is_dir():
+            return f"{spec}: folder {parent} does not exist"
+    if target.kind == "vanilla" and target.engine != "postgresql":
+        return None  # the adapter says whether its framework has such a backend
+    outcome = fork(functools.partial(_reach, target)).wait(timeout)
+    if outcome.ok:
+        return None
+    if outcome.status == "timeout":
+        return f"{spec}: no answer within {timeout:.0f}s"
+    return f"{spec}: {outcome.summary()}"
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[:40] or "x"
+
+
+def _unique_slugs(specs: Sequence[str]) -> dict[str, str]:
+    """A folder name per target, distinct even where two specs slug alike (long URLs)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        slug, n = _slug(spec), 1
+        while slug in out.values():
+            n += 1
+            slug = f"{_slug(spec)}-{n}"
+        out[spec] = slug
+    return out
 
 
 @dataclass
@@ -175,6 +229,8 @@ class _Job:
 def _scenario_body(job: _Job, lease: float) -> dict[str, Any]:
     """In the scenario process: run one scenario and return its verdicts as plain data."""
     os.setpgid(0, 0)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the parent's handlers are not ours
+        signal.signal(sig, signal.SIG_DFL)
     job.folder.mkdir(parents=True, exist_ok=True)
     log = os.open(job.folder / "scenario.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for fd in (1, 2):  # what the framework prints stays with the scenario, off the terminal
@@ -213,9 +269,11 @@ def run_matrix(
     matrix = Matrix([c.id for c in cells], [], list(notes), repeat)
     scenarios = [s for s in SCENARIOS if any(c.scenario == s for c in cells)]
     queue: list[_Job] = []
+    targets = list(dict.fromkeys(targets))  # a target named twice is one column
+    slugs = _unique_slugs(targets)
     for adapter in adapters:
         for spec in targets:
-            col_folder = folder / _slug(adapter.framework) / _slug(spec)
+            col_folder = folder / _slug(adapter.framework) / slugs[spec]
             probe_target = Target.parse(spec, col_folder, "probe")
             column = Column(
                 adapter.framework, spec, adapter.describe(probe_target), probe_target.kind
@@ -247,6 +305,9 @@ def run_matrix(
                 job = queue.pop(0)
                 job.started = time.monotonic()
                 job.worker = fork(functools.partial(_scenario_body, job, lease))
+                # Also set from here: a kill before the child's own setpgid still reaches its group.
+                with contextlib.suppress(OSError):
+                    os.setpgid(job.worker.pid, job.worker.pid)
                 running.append(job)
             for job in list(running):
                 assert job.worker is not None
