@@ -14,13 +14,15 @@ context manager for `with` and `async with`.
 - `state_schema`: the state type to validate every write against (P4). By
   default the schema of the graph that runs is used (`StateGraph(State)`); pass
   one (a type or a `remit_core.StateSchema` with a version and migrations) to
-  override it or for graphs without one. A node's output is checked as the node
+  override it or for graphs without one (its keys are state channels: an
+  `@entrypoint` has none, and is not checked). A node's output is checked as the node
   returns it, in every durability mode: a refused output fails its node with
   `CheckpointInvalid` (a `ValueError`: a `retry_policy` runs it again only if its
   `retry_on` takes that), before any next step, and nothing of it is stored.
 - `allowlist`: extra types ((module, name) or classes) the serializer may store.
-  Pickle is never used; types of the graph's state schema are allowed
-  automatically; any other type is refused at write time (`CheckpointInvalid`).
+  Pickle is never used; types of the graph's state schema (of an `@entrypoint`:
+  its input, return and saved types) are allowed automatically; any other type
+  is refused at write time (`CheckpointInvalid`).
 - `lease`: seconds a run's claim lives without a heartbeat (L1); default the
   core's `DEFAULT_LEASE`.
 - `workflow_version` / `accept_versions`: the version label recorded on every

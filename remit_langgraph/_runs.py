@@ -28,8 +28,10 @@ storage with schema checks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
+import typing
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -336,9 +338,8 @@ class Runs:
         channels = getattr(builder, "channels", None) or graph.channels
         if check is not None:
             check.with_channels(channels)
-        if isinstance(self.saver.serde, StrictSerializer) and builder is not None:
-            schemas = [builder.state_schema, builder.input_schema, builder.output_schema]
-            schemas += [node.input_schema for node in builder.nodes.values()]
+        if isinstance(self.saver.serde, StrictSerializer):
+            schemas = _schema_types(graph, builder)
             self.saver.serde.allow(build_serde_allowlist(schemas=schemas, channels=channels))
             self.saver.serde.allow(plain_record_types(schemas))
         return check
@@ -967,6 +968,23 @@ class Runs:
         return check.upgrade(
             values, record.schema_version, run_id=record.run_id, checkpoint_id=record.checkpoint_id
         )
+
+
+def _schema_types(graph: Pregel[Any, Any, Any, Any], builder: Any) -> list[Any]:
+    """The types a graph declares: its builder's schemas, or, for a graph with no
+    builder (an `@entrypoint`), the type hints of the functions its nodes run: the
+    entrypoint's input, return and saved types, which LangGraph stores as they are.
+    (Its channels carry them too, but as strings under `from __future__ import
+    annotations`; the hints resolve them.)"""
+    if builder is not None:
+        schemas = [builder.state_schema, builder.input_schema, builder.output_schema]
+        return schemas + [node.input_schema for node in builder.nodes.values()]
+    hints: list[Any] = []
+    for node in graph.nodes.values():
+        for fn in (getattr(node.bound, "func", None), getattr(node.bound, "afunc", None)):
+            with contextlib.suppress(Exception):  # (an unresolvable hint names nothing)
+                hints += typing.get_type_hints(fn).values()
+    return hints
 
 
 def _check_outputs(loop: PregelLoop, run: Run) -> None:
