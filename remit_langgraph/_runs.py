@@ -1024,19 +1024,22 @@ def _check_sends(
     ids: dict[str, Any],
 ) -> None:
     """Wrap the function a task's writers hand its writes to: check them first."""
-    send, check = conf[CONFIG_KEY_SEND], run.check
+    send, check, refused = conf[CONFIG_KEY_SEND], run.check, run.refused
     assert check is not None
+    whole = check.checks_whole
 
     def checked_send(writes: Sequence[tuple[str, Any]]) -> None:
         writes = list(writes)
-        loop = held()
         try:
             check.writes(writes, **ids)
-            check.after(None if loop is None else loop.channels, writes, **ids)
+            if whole:
+                loop = held()
+                check.after(None if loop is None else loop.channels, writes, **ids)
         except RemitError as exc:
-            run.refused[task_id] = exc
+            refused[task_id] = exc
             raise
-        run.refused.pop(task_id, None)  # (a retry's output was taken)
+        if refused:
+            refused.pop(task_id, None)  # (a retry's output was taken)
         send(writes)
 
     conf[CONFIG_KEY_SEND] = checked_send

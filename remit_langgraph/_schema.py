@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import typing
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -144,6 +145,9 @@ class StateCheck:
         #: key -> (its channel, an adapter of its type without outer constraints)
         self._reducers: dict[str, tuple[Any, TypeAdapter[Any]]] = {}
         self._reduced: StateSchema | None = None  # the same, named like the state's
+        #: Reducer keys that concatenate lists (`Annotated[list[T], operator.add]`):
+        #: a list write that holds as it stands makes a value that holds.
+        self._appends: dict[str, TypeAdapter[Any]] = {}
         self._channels: Mapping[str, Any] | None = None
         #: A model's (or dataclass's) own checks (validators, `__post_init__`) hold of
         #: a whole state: the state type, and the keys a whole state has.
@@ -184,6 +188,9 @@ class StateCheck:
             if k in self.fields and isinstance(ch, _REDUCER_CHANNELS)
         }
         self._reducers = {k: (channels[k], TypeAdapter(t)) for k, t in bare.items()}
+        self._appends = {
+            k: adapter for k, (ch, adapter) in self._reducers.items() if _appends_lists(ch, bare[k])
+        }
         self._reduced = (
             StateSchema(TypedDict("ReducedWrites", bare, total=False))  # type: ignore[operator]
             if bare
@@ -200,6 +207,11 @@ class StateCheck:
             if not self._partial.holds_as_is(present):
                 _as_declared(present, self._partial.validate(present, **ids), ids)
             self._check_whole({k: _unwrapped(values[k]) for k in self.fields if k in values}, ids)
+
+    @property
+    def checks_whole(self) -> bool:
+        """Whether `after` checks anything: the state type has checks of its own."""
+        return self._whole is not None
 
     def after(self, channels: Mapping[str, Any] | None, writes: Any, **ids: Any) -> None:
         """Check the whole state `channels` hold once a task's `writes` are applied,
@@ -240,9 +252,12 @@ class StateCheck:
         """Check a task's writes to state channels (see the module docstring)."""
         present: dict[str, Any] = {}
         reduced: dict[str, list[Any]] = {}
+        appends = self._appends
         for ch, v in writes:
             if ch in self._plain:
                 present[ch] = v
+            elif ch in appends and type(v) is list and _holds_as_is(appends[ch], v):
+                continue  # (the empty list plus `v` is `v`; a key's lists join alike)
             elif ch in self._reducers:
                 reduced.setdefault(ch, []).append(v)
         if present and not self._partial.holds_as_is(present):
@@ -313,6 +328,18 @@ def _as_declared(given: Any, validated: Any, ids: Mapping[str, Any]) -> None:
             field=path,
             **ids,
         )
+
+
+def _appends_lists(channel: Any, bare_type: Any) -> bool:
+    """Whether `channel` folds writes into its key with `operator.add` from an empty
+    list, for a key of type `list[T]`: the value then holds if each write does
+    (strict validation of a list is element by element)."""
+    return (
+        type(channel) is BinaryOperatorAggregate
+        and channel.operator is operator.add
+        and type(channel.value) is list
+        and typing.get_origin(bare_type) is list
+    )
 
 
 def _holds_as_is(adapter: TypeAdapter[Any], value: Any) -> bool:

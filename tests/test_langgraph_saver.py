@@ -696,6 +696,39 @@ def test_a_refused_reducer_write_is_not_stored_and_the_thread_stays_readable(
     assert state.values == {"amount": 1, "log": ["ok"]} and state.next == ("bad",)
 
 
+class Tally(TypedDict):
+    counts: Annotated[list[Annotated[int, Ge(0)]], operator.add]
+
+
+class Ints(list):  # type: ignore[type-arg]
+    """A list of another class: joined by `operator.add`, it makes a plain list."""
+
+
+@pytest.mark.parametrize(
+    "bad", [["1"], [True], [-1], (1, 2), [1.5]], ids=["str", "bool", "negative", "tuple", "float"]
+)
+@pytest.mark.parametrize("durability", ["exit", "sync"])
+def test_a_list_appended_by_its_reducer_is_checked_item_by_item(
+    store_url: str, bad: Any, durability: str
+) -> None:
+    """A key that `operator.add` appends to is checked as it is written: an item
+    that is not of the list's item type, or breaks its constraint, is refused (no
+    conversion), a list of another class that holds is taken."""
+    saver = RemitSaver(store_url)
+    builder = StateGraph(Tally)
+    builder.add_node("good", lambda s: {"counts": Ints([1, 2])})
+    builder.add_node("bad", lambda s: {"counts": bad})
+    builder.add_edge(START, "good")
+    builder.add_edge("good", "bad")
+    graph = builder.compile(checkpointer=saver)
+    cfg = config()
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke({"counts": [0]}, cfg, durability=durability)
+    assert str(err.value.field).startswith("counts")
+    state = graph.get_state(cfg)
+    assert state.values == {"counts": [0, 1, 2]} and state.next == ("bad",)
+
+
 class Counted(TypedDict):
     log: Annotated[list[str], MinLen(2), operator.add]
     messages: Annotated[list[AnyMessage], add_messages]

@@ -343,27 +343,38 @@ def test_sqlite_file_of_schema_1_is_migrated_and_keeps_its_data(tmp_path: Path) 
     store.close()
 
 
-def test_sqlite_file_of_schema_3_gets_commit_views_that_check_the_holder(
-    tmp_path: Path,
-) -> None:
+def _set_up_again(tmp_path: Path, *older: str) -> SQLiteStore:
+    """A store file made as an older Remit left it (`older`, run on a new file),
+    then set up again: every migration is applied."""
     url = f"sqlite:///{tmp_path}/t.db"
     old = SQLiteStore(url)
     old.setup()
-    conn = old._connection()  # stand-ins for the views of migrations 2 and 3
-    for kind, name in [
-        ("TRIGGER", "remit_commit_blobs_insert"),
-        ("VIEW", "remit_commit_blobs"),
-        ("TRIGGER", "remit_commit_insert"),
-        ("VIEW", "remit_commit"),
-    ]:
-        conn.execute(f"DROP {kind} {name}")
-    conn.execute("CREATE VIEW remit_commit AS SELECT 1 AS fence")
-    conn.execute("CREATE VIEW remit_commit_blobs AS SELECT * FROM remit_commit")
-    conn.execute("DELETE FROM remit_migrations WHERE version = 4")
+    conn = old._connection()
+    for statement in older:
+        conn.execute(statement)
     old.close()
     store = SQLiteStore(url)
     store.setup()
     assert store.applied_migrations() == list(range(1, SCHEMA_VERSION + 1))
+    return store
+
+
+def test_sqlite_file_of_schema_3_gets_commit_views_that_check_the_holder(
+    tmp_path: Path,
+) -> None:
+    # Stand-ins for the views of migrations 2 and 3.
+    store = _set_up_again(
+        tmp_path,
+        "DROP TRIGGER remit_commit_release_insert",
+        "DROP VIEW remit_commit_release",
+        "DROP TRIGGER remit_commit_blobs_insert",
+        "DROP VIEW remit_commit_blobs",
+        "DROP TRIGGER remit_commit_insert",
+        "DROP VIEW remit_commit",
+        "CREATE VIEW remit_commit AS SELECT 1 AS fence",
+        "CREATE VIEW remit_commit_blobs AS SELECT * FROM remit_commit",
+        "DELETE FROM remit_migrations WHERE version >= 4",
+    )
     claim = store.acquire_claim("r", "main", "A", now=0.0, lease=60.0)
     stranger = FenceRef("r", "main", claim.fence, "B")
     for blobs in ([], [BlobRecord("r", "k", b"v")]):
@@ -744,6 +755,67 @@ def test_a_commit_gives_its_claim_up_only_if_it_holds(store: Store, run_id: str)
     released = store.get_claim(run_id, "main")
     assert released is not None and released.holder == "" and released.fence == claim.fence
     assert store.acquire_claim(run_id, "main", "B", now=1.0, lease=60.0).fence == claim.fence + 1
+
+
+@pytest.mark.parametrize(
+    "blobs, writes",
+    [(0, 0), (1, 0), (4, 0), (5, 0), (1, 2)],
+    ids=["bare", "one-blob", "four-blobs", "five-blobs", "with-writes"],
+)
+def test_a_commit_of_any_shape_gives_its_claim_up_with_it(
+    store: Store, run_id: str, blobs: int, writes: int
+) -> None:
+    """Each shape of commit (SQLite: one statement, or a transaction past what the
+    statement carries) appends, stores its blobs and writes, and releases, or none."""
+    claim = store.acquire_claim(run_id, "main", "A", now=0.0, lease=60.0)
+    fence = FenceRef.of(claim)
+    rows = [BlobRecord(run_id, f"k{i}", b"v%d" % i) for i in range(blobs)]
+    pending = [write(run_id, "c01", "t", i, b"w%d" % i) for i in range(writes)]
+    store.commit_checkpoint(
+        ckpt(run_id, "c01", None), expected_head=None, blobs=rows, writes=pending,
+        fence=fence, release=claim,
+    )  # fmt: skip
+    assert head_id(store, run_id) == "c01"
+    assert store.get_blobs(run_id, "", [b.key for b in rows]) == {b.key: b.value for b in rows}
+    assert [w.value for w in store.get_writes(run_id, "", "c01")] == [w.value for w in pending]
+    released = store.get_claim(run_id, "main")
+    assert released is not None and released.holder == "" and released.fence == claim.fence
+
+
+@pytest.mark.parametrize("blobs", [0, 1])
+def test_a_commit_releases_only_the_claim_it_names(store: Store, run_id: str, blobs: int) -> None:
+    """A release rides with the commit of another run's claim: a claim taken over
+    since (another holder, a higher fence) stays with its new holder."""
+    stale = store.acquire_claim(run_id, "side", "A", now=0.0, lease=1.0)
+    taken = store.acquire_claim(run_id, "side", "B", now=5.0, lease=60.0)
+    claim = store.acquire_claim(run_id, "main", "C", now=5.0, lease=60.0)
+    store.commit_checkpoint(
+        ckpt(run_id, "c01", None),
+        expected_head=None,
+        blobs=[BlobRecord(run_id, "k", b"v")] * blobs,
+        fence=FenceRef.of(claim),
+        release=stale,
+    )
+    assert head_id(store, run_id) == "c01"
+    assert store.get_claim(run_id, "side") == taken
+    assert store.get_claim(run_id, "main") == claim
+
+
+def test_sqlite_file_of_schema_4_gets_the_commit_that_releases(tmp_path: Path) -> None:
+    store = _set_up_again(  # as a Remit of schema 4 left it
+        tmp_path,
+        "DROP TRIGGER remit_commit_release_insert",
+        "DROP VIEW remit_commit_release",
+        "DELETE FROM remit_migrations WHERE version = 5",
+    )
+    claim = store.acquire_claim("r", "main", "A", now=0.0, lease=60.0)
+    store.commit_checkpoint(
+        ckpt("r", "c01", None), expected_head=None, fence=FenceRef.of(claim), release=claim
+    )
+    assert head_id(store, "r") == "c01"
+    released = store.get_claim("r", "main")
+    assert released is not None and released.holder == ""
+    store.close()
 
 
 def test_a_checkpoint_and_its_writes_read_together(store: Store, run_id: str) -> None:

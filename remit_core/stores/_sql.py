@@ -77,6 +77,7 @@ MIGRATIONS: dict[int, list[str]] = {
     2: [],
     3: [],
     4: [],
+    5: [],
 }
 
 _CKPT_COLS = (

@@ -190,6 +190,36 @@ _COMMIT_WITH_BLOBS_SCHEMA = [
 ]
 
 
+#: The one-statement commit that also gives up the writer's claim (its last write):
+#: its trigger makes the commit with blobs above, then releases the claim if the
+#: claim is still (run, scope, fence, holder), as `SqlStore.release_claim` does.
+_COMMIT_RELEASE_SCHEMA = [
+    "DROP TRIGGER IF EXISTS remit_commit_release_insert",
+    "DROP VIEW IF EXISTS remit_commit_release",
+    "CREATE VIEW remit_commit_release AS SELECT *, NULL AS release_run, "
+    "NULL AS release_scope, NULL AS release_fence, NULL AS release_holder "
+    "FROM remit_commit_blobs WHERE 0",
+    """CREATE TRIGGER remit_commit_release_insert
+    INSTEAD OF INSERT ON remit_commit_release
+    BEGIN
+        INSERT INTO remit_commit_blobs VALUES (NEW.run_id, NEW.checkpoint_id, NEW.branch,
+            NEW.parent_id, NEW.state, NEW.ns, NEW.seq, NEW.metadata, NEW.schema_version,
+            NEW.workflow_version, NEW.created_at, NEW.expected_head, NEW.fence_run,
+            NEW.fence_scope, NEW.fence, NEW.fence_holder, """
+    + ", ".join(f"NEW.key{i}, NEW.value{i}" for i in _SLOTS)
+    + """);
+        UPDATE remit_claims SET holder = '', expires_at = 0 WHERE run_id = NEW.release_run
+            AND scope = NEW.release_scope AND fence = NEW.release_fence
+            AND holder = NEW.release_holder;
+    END""",
+]
+_COMMIT_RELEASE = (
+    "INSERT INTO remit_commit_release VALUES ("
+    + ", ".join(["?"] * (_COMMIT_WIDTH + 2 * _BLOB_SLOTS + 4))
+    + ")"
+)
+
+
 #: Rows per multi-row statement: a larger batch goes in as several, in one transaction.
 _MAX_ROWS = 64
 _BLOB_NAMES = ("run_id", "ns", "key", "value")
@@ -413,11 +443,13 @@ class SQLiteStore(SqlStore):
     stays the same: reading the head just committed costs one pragma.
     """
 
-    #: 2 and 3 made the commit views; 4 makes them anew, with the fence's holder.
+    #: 2 and 3 made the commit views; 4 makes them anew, with the fence's holder;
+    #: 5 adds the commit that releases its claim.
     _engine_migrations: dict[int, list[str]] = {
         2: [],
         3: [],
         4: _COMMIT_SCHEMA + _COMMIT_WITH_BLOBS_SCHEMA,
+        5: _COMMIT_RELEASE_SCHEMA,
     }
 
     def __init__(self, url: str) -> None:
@@ -512,8 +544,8 @@ class SQLiteStore(SqlStore):
         # One INSERT into the `remit_commit` view: its trigger checks the fence,
         # moves the branch head from `expected_head` and appends the checkpoint,
         # all in the statement's own transaction; a few blobs of the checkpoint's
-        # own run ride along (`remit_commit_blobs`). Other blobs and writes, and
-        # a release, join it in an explicit transaction.
+        # own run (`remit_commit_blobs`) and a release (`remit_commit_release`)
+        # ride along. Other blobs and writes join it in an explicit transaction.
         r = record
         key = (r.run_id, r.ns, r.branch)
         params = _ckpt_params(r) + [
@@ -530,19 +562,21 @@ class SQLiteStore(SqlStore):
             and all(b.run_id == r.run_id and b.ns == r.ns for b in blobs)
         )
         sql = _COMMIT
-        if carried and blobs:
+        if carried and (blobs or release is not None):
             sql = _COMMIT_WITH_BLOBS
             for b in blobs:
                 params += (b.key, b.value)
             params += [None, None] * (_BLOB_SLOTS - len(blobs))
+            if release is not None:
+                sql = _COMMIT_RELEASE
+                params += _release_params(release)
         with self._lock:
             self._keep_heads = True
             try:
-                if not carried or release is not None:
+                if not carried:
                     with self._transaction as txn:
                         self._commit_row(txn, r, expected_head, fence, sql, params)
-                        if not carried:
-                            _insert_rows(txn, blobs, writes)
+                        _insert_rows(txn, blobs, writes)
                         if release is not None:
                             txn.execute(self._release_sql, _release_params(release))
                         failpoints.hit("checkpoint.in_commit")
