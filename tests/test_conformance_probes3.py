@@ -183,3 +183,29 @@ def test_a_stopped_run_leaves_no_process_and_no_folder(
     while _processes_with(str(scratch)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _processes_with(str(scratch)) == []
+
+
+def _hang(ctx: object) -> dict[int, object]:
+    time.sleep(3600)
+    return {}
+
+
+def test_a_scenario_past_its_time_limit_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scenario that gives no verdict in time is stopped, and its cells say why
+    (not "killed by signal 9", which reads as a crash of the target)."""
+    from remit_core.conformance import runner, scenarios
+    from remit_core.conformance.runner import discover, run_matrix
+
+    (adapter,), _ = discover(["langgraph"])
+    monkeypatch.setattr(runner, "SCENARIO_TIMEOUT", 1.0)
+    monkeypatch.setitem(scenarios.RUNNERS, "SEQ", _hang)  # (the forked scenario inherits it)
+    started = time.monotonic()
+    matrix = run_matrix([adapter], ["sqlite"], select(["1-2"]), tmp_path / "run", jobs=1)
+    assert time.monotonic() - started < 60
+    (column,) = matrix.columns
+    for cell_id in (1, 2):
+        result = column.cells[cell_id]
+        assert result.status == "ERROR", result
+        assert "no verdict within 1 s" in result.measured, result.measured

@@ -25,7 +25,7 @@ from typing import Any
 
 from remit_core.conformance.adapter import ProbeAdapter, Target
 from remit_core.conformance.cells import BY_ID, RACY, SCENARIOS, Cell
-from remit_core.conformance.processes import Worker, fork
+from remit_core.conformance.processes import Outcome, Worker, fork
 from remit_core.conformance.scenarios import RUNNERS, Context, ScenarioNotApplicable
 
 ENTRY_POINT_GROUP = "remit.probe_adapters"
@@ -314,7 +314,8 @@ def run_matrix(
                 outcome = job.worker.poll()
                 if outcome is None and time.monotonic() - job.started > SCENARIO_TIMEOUT:
                     _kill_group(job.worker.pid)
-                    outcome = job.worker.wait(30)
+                    job.worker.wait(30)
+                    outcome = Outcome("timeout")  # (stopped here: not a crash of the target)
                 if outcome is None:
                     continue
                 running.remove(job)
@@ -352,6 +353,8 @@ def _collect(
         return
     if not outcome.ok:
         detail = outcome.summary()
+        if outcome.status == "timeout":
+            detail = f"no verdict within {SCENARIO_TIMEOUT:g} s; the scenario was stopped"
         if outcome.error and outcome.error.get("traceback"):
             print(outcome.error["traceback"], file=sys.stderr)
         for cell_id in wanted:
