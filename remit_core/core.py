@@ -90,6 +90,18 @@ def checked_id(name: str, value: object, *, empty: bool = False) -> str:
     return value
 
 
+def check_fence_run(fence: FenceRef | None, run_id: str) -> None:
+    """`Fenced` unless `fence` is None or a claim's on `run_id`: a claim guards the
+    writes of its own run only (a fence of another run would pass for any run's)."""
+    if fence is not None and fence.run_id != run_id:
+        raise Fenced(
+            f"write to run {run_id!r} carries a fence of run {fence.run_id!r}: a claim "
+            "fences writes to its own run only",
+            run_id=run_id,
+            scope=fence.scope,
+        )
+
+
 def _check_ns(ns: object, *, every: bool = False) -> None:
     """`ns` is a namespace (a str, "" the root one), or None where the call may mean
     every namespace (`every`)."""
@@ -455,7 +467,7 @@ class Remit:
 
         Raises `ForkWithoutIntent` if `parent_id` is not a head and no
         `fork_token` is given, `HeadMoved` if another writer won the race,
-        `Fenced` if `fence` is stale. Nothing is written when it raises.
+        `Fenced` if `fence` is stale or of another run. Nothing is written when it raises.
         `allow_new_root`: see `policy.plan_commit`. `release`: a claim to give
         up with the commit, for a writer whose last write this is (its later
         `release()` is then free).
@@ -485,6 +497,7 @@ class Remit:
                 _check_bytes("blob value", value)
         for w in writes:
             _checked_write(w)
+        check_fence_run(fence, run_id)  # (its writes may be other runs': they ride with it)
         guess = None
         if plan is None and fork_token is None and parent_id is None:
             # A first checkpoint usually starts a new run: try to create main
@@ -697,6 +710,7 @@ class Remit:
             raise ValueError(f"mode must be one of {sorted(_WRITE_MODES)}, got {mode!r}")
         for w in writes:
             _checked_write(w)
+            check_fence_run(fence, w.run_id)
         failpoints.hit("writes.before")
         self.store.put_writes([self._seal_write(w) for w in writes], mode=mode, fence=fence)
         failpoints.hit("writes.after")
@@ -739,6 +753,7 @@ class Remit:
             checked_id("interrupt_id", iid)
             if prompt is not None:
                 _check_bytes("prompt", prompt)
+        check_fence_run(fence, run_id)
         now = self.clock()
         records = [
             InterruptRecord(
@@ -770,6 +785,7 @@ class Remit:
         checked_id("interrupt_id", interrupt_id)
         checked_id("branch", branch)
         _check_bytes("value", value)
+        check_fence_run(fence, run_id)
         failpoints.hit("interrupt.before_consume")
         record = self.store.consume_interrupt(
             run_id,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from remit_core import codec, failpoints, policy
-from remit_core.core import checked_id
+from remit_core.core import check_fence_run, checked_id
 from remit_core.errors import EffectInDoubt, RemitError
 from remit_core.records import EffectRecord, FenceRef
 
@@ -249,6 +249,7 @@ class _Call:
         # Checked before any store call, so that every engine refuses them alike.
         checked_id("run_id", scope.run_id)
         checked_id("effect key", effect_key)
+        check_fence_run(scope.fence, scope.run_id)
         self.scope = scope
         self.key = effect_key
         self.idem = policy.idempotency_key(scope.run_id, effect_key)

@@ -22,6 +22,7 @@ from remit_core import (
     MAIN_BRANCH,
     CorruptRecord,
     EffectInDoubt,
+    Fenced,
     Remit,
     WriteRecord,
     codec,
@@ -185,6 +186,35 @@ def test_an_effect_with_a_bad_key_or_run_is_refused_before_the_ledger(
     with step_scope(remit, None, "s"), pytest.raises(TypeError, match="run_id"):  # type: ignore[arg-type]
         run_effect("e", applied.append)
     assert applied == [] and remit.store.get_effect(run_id, "5") is None
+
+
+def test_a_fence_of_another_run_is_refused_and_nothing_is_written(
+    store_url: str, run_id: str
+) -> None:
+    """A claim fences its own run's writes: presented for another run (whose claim
+    it does not hold), a commit, writes, interrupts, a consume and an effect are
+    refused before the store is asked."""
+    remit = Remit(store_url)
+    remit.commit(run_id=run_id, checkpoint_id="c1", parent_id=None, state=b"s")
+    remit.open_interrupts(run_id, {"i1": None}, checkpoint_id="c1")
+    other = remit.claim(f"{run_id}-other", heartbeat=False)
+    fence = other.fence
+    before = _snapshot(remit, run_id)
+    applied: list[str] = []
+    refused: list[Call] = [
+        _commit(fence=fence),
+        lambda r, run: r.put_writes([_write(run)], fence=fence),
+        lambda r, run: r.open_interrupts(run, {"i2": None}, fence=fence),
+        lambda r, run: r.consume(run, "i1", b"v", fence=fence),
+    ]
+    for call in refused:
+        with pytest.raises(Fenced, match="fence of run"):
+            call(remit, run_id)
+    with step_scope(remit, run_id, "s", fence=fence), pytest.raises(Fenced):
+        run_effect("e", applied.append)
+    assert applied == [] and remit.store.get_effect(run_id, "s/e#0") is None
+    assert _snapshot(remit, run_id) == before
+    other.release()
 
 
 # -- malformed tagged values -------------------------------------------------------------
