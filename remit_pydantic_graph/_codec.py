@@ -1,10 +1,11 @@
 """P4 for pydantic-graph snapshots: their bytes, through the graph's own type adapter.
 
 A snapshot is written only if it serializes under the graph's types without
-a warning, validates back, and reads back equal to the snapshot the run
-holds: a value JSON cannot carry (`inf` in a `float | None` field, which
-pydantic writes as null) is refused, never stored as another value. A
-refusal names the bad value by its full path from the snapshot
+a warning (by field name, or by alias for a model that reads its fields by
+alias), validates back, and reads back equal to the snapshot the run holds
+(fields excluded from dumps aside): a value JSON cannot carry (`inf` in a
+`float | None` field, which pydantic writes as null) is refused, never
+stored as another value. A refusal names the bad value by its full path from the snapshot
 (`state.inner.amount`, `state.items.1`, `node.value`, `result.data`), in
 the same form whichever check found it. No I/O here.
 """
@@ -21,6 +22,7 @@ from typing import Annotated, Any, Generic, Union
 
 import pydantic
 import pydantic_core
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticSerializationError
 from pydantic_graph import End
 from pydantic_graph.persistence import NodeSnapshot, RunEndT, Snapshot, StateT
@@ -90,23 +92,43 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         except PydanticSerializationError as exc:
             path, problem = self._unserializable(snapshot) or ((), _problem(str(exc)))
             raise Unfit(_dotted(path), f"does not fit the graph's types: {problem}") from exc
+        refused = self._read_back(snapshot, body)
+        if refused is None:
+            return body
+        # A model whose fields have aliases reads them by alias only (unless it allows
+        # names too): written by name, it would not read back. By alias, it may.
+        aliased = self.adapter.dump_json(snapshot, warnings="error", by_alias=True)
+        if aliased != body:
+            also = self._read_back(snapshot, aliased)
+            if also is None:
+                return aliased
+            # Report the writing that got further: the other wrote fields under names the
+            # model does not read (it found them missing, or read back their defaults).
+            refused = also if _rank(also) < _rank(refused) else refused
+        unfit, cause, _ = refused
+        raise unfit from cause
+
+    def _read_back(
+        self, snapshot: Snapshot[StateT, RunEndT], body: bytes
+    ) -> tuple[Unfit, Exception | None, int] | None:
+        """None if `body` reads back as `snapshot`; else the refusal, its cause and how
+        many fields the reading found missing."""
         try:
             back = self.adapter.validate_json(body)
         except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            raise Unfit(
-                _dotted(self._path_of(first.get("loc", ()))),
-                f"does not satisfy the graph's types: {first.get('msg')}",
-            ) from exc
-        if not _equal(back, snapshot):
-            found = _difference(snapshot, back, (), self.declared)
-            if found is not None:
-                path, ours, read = found
-                raise Unfit(
-                    _dotted(path),
-                    f"{ours!r} would read back as {read!r}",
-                )
-        return body
+            errors = exc.errors()
+            unfit = Unfit(
+                _dotted(self._path_of(errors[0].get("loc", ()))),
+                f"does not satisfy the graph's types: {errors[0].get('msg')}",
+            )
+            return unfit, exc, sum(e["type"] == "missing" for e in errors)
+        if _equal(back, snapshot):
+            return None
+        found = _difference(snapshot, back, (), self.declared)
+        if found is None:
+            return None
+        path, ours, read = found
+        return Unfit(_dotted(path), f"{ours!r} would read back as {read!r}"), None, 0
 
     def _check_node(self, snapshot: Snapshot[StateT, RunEndT]) -> None:
         """`Unfit` at `node` for a node of another graph: pydantic would only say which of
@@ -142,6 +164,13 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
             if found is not None:
                 return found
         return None
+
+
+def _rank(refused: tuple[Unfit, Exception | None, int]) -> tuple[int, bool]:
+    """How far a refused writing got: fields found missing, then a value read back as
+    another (a field read back as its default) behind a value the types refuse."""
+    _, cause, missing = refused
+    return missing, cause is None
 
 
 def _dotted(path: _Path) -> str:
@@ -319,7 +348,22 @@ def _declares(declared: Any, kind: type) -> bool:
 
 
 def _dataclass_fields(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+    """A dataclass's stored data: its fields, less those excluded from dumps (as a model's)."""
+    cls = type(obj)
+    return {
+        f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj) if not _excluded(cls, f)
+    }
+
+
+def _excluded(cls: type, f: dataclasses.Field[Any]) -> bool:
+    """Whether pydantic leaves `f` out of dumps (`Field(exclude=True)`): not stored, so a
+    read back holds its default, as a model's excluded field does."""
+    infos = getattr(cls, "__pydantic_fields__", None)  # a pydantic dataclass
+    if isinstance(infos, Mapping) and f.name in infos:
+        return bool(infos[f.name].exclude)
+    hint = _hints(cls, ()).get(f.name)
+    metadata = typing.get_args(hint)[1:] if typing.get_origin(hint) is Annotated else ()
+    return any(isinstance(m, FieldInfo) and m.exclude is True for m in (*metadata, f.default))
 
 
 def _model_fields(model: pydantic.BaseModel) -> dict[str, Any]:

@@ -522,7 +522,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if resumer is not None:
             self._drop(resumer)  # a claim on the line it left
 
-    def _start_base(self, line: BranchRecord | None) -> _Head | None:
+    def _start_base(self, resumer: _Resumer, line: BranchRecord | None) -> _Head | None:
         """The head a new node starts after (None: the line is empty), or the refusal (P3).
 
         Without a token only an empty line takes a new node. With one, a new node
@@ -535,6 +535,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return None
         ids = {"run_id": self.run_id, "checkpoint_id": head.top.id}
         if self.fork_token is None:
+            self._refuse_stale(resumer, head)
             raise self._refuse_fork(head.top.id, self._start_reason(head))
         if not head.top.is_node:
             whose = (
@@ -559,6 +560,28 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         return head
 
+    def _refuse_stale(self, resumer: _Resumer, head: _Head) -> None:
+        """`ResumeConflict` for a driver whose node another resumer moved the run on from
+        (its lease ran out, its writes were fenced) and that now goes on with that node's
+        result (a retried `run.next()`): it lost the run, as a racing resumer does; it is
+        not forking it."""
+        mine = resumer.own_head
+        if mine is None or mine == head.top.id:
+            return
+        record: CheckpointRecord | None = head.top.record
+        while record is not None and record.checkpoint_id != mine:
+            parent = record.parent_id
+            record = None if parent is None else self.remit.checkpoint(self.run_id, parent)
+        if record is None:
+            return  # not a node of this line: a fork, refused as such
+        raise ResumeConflict(
+            f"snapshot {mine!r} was this instance's node, but another resumer moved the run "
+            f"on from it while this instance held no claim; branch {self.branch!r} is at "
+            f"{head.top.describe()} now. Nothing was written",
+            run_id=self.run_id,
+            checkpoint_id=mine,
+        )
+
     def _name_line(self) -> None:
         """Record that `fork_token` starts the run's line: presented again, from any
         process, the token names this line, not a new one (P3)."""
@@ -581,13 +604,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         body = self._encode(snapshot)
         try:
             # Refuse from a read first: a refused writer never holds the claim.
-            self._start_base(self._token_line())
+            self._start_base(resumer, self._token_line())
             self._acquire(resumer, heartbeat=False)
             branch = self.branch
             line = self._token_line()  # another process may have used the token meanwhile
             if self.branch != branch:
                 self._switch(resumer, self.branch, heartbeat=False)
-            head = self._start_base(line)
+            head = self._start_base(resumer, line)
             if head is not None and line is None:
                 head = self._fork(
                     resumer, head.top.id, heartbeat=False, why=self._start_reason(head)
