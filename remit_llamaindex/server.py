@@ -187,11 +187,12 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         self, handler: PersistentHandler, channel: str, fence: FenceRef | None
     ) -> None:
         value = json.dumps(handler.model_dump(mode="json")).encode()
-        self.remit.put_writes(
-            [WriteRecord(self._index, "handlers", handler.handler_id, 0, channel, value, NS)],
-            mode="overwrite",
-            fence=fence,
-        )
+        writes = [WriteRecord(self._index, "handlers", handler.handler_id, 0, channel, value, NS)]
+        if fence is not None:
+            # The run's own copy carries the fence; the index entry rides with it,
+            # so a server that lost the run cannot change its status in the index.
+            writes.append(WriteRecord(fence.run_id, "handler", "handler", 0, channel, value, NS))
+        self.remit.put_writes(writes, mode="overwrite", fence=fence)
 
     async def update(self, handler: PersistentHandler) -> None:
         """Write a handler record; one with a run is fenced by the run's claim."""

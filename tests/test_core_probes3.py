@@ -217,6 +217,24 @@ def test_a_fence_of_another_run_is_refused_and_nothing_is_written(
     other.release()
 
 
+def test_writes_of_another_run_ride_with_the_fenced_runs_own(store_url: str, run_id: str) -> None:
+    """A fence guards its run's writes; another run's writes in the same call are
+    written with them while the claim holds, and with them refused once it is lost."""
+    remit = Remit(store_url)
+    index = f"{run_id}-index"
+    claim = remit.claim(run_id, heartbeat=False)
+    both = [_write(run_id, checkpoint_id="h"), _write(index, checkpoint_id="h")]
+    remit.put_writes(both, mode="overwrite", fence=claim.fence)
+    assert [len(remit.writes(r, "h")) for r in (run_id, index)] == [1, 1]
+    stale = claim.fence
+    claim.release()
+    remit.claim(run_id, heartbeat=False)  # another holder: the old fence is stale
+    moved = [_write(run_id, checkpoint_id="h2"), _write(index, checkpoint_id="h2")]
+    with pytest.raises(Fenced):
+        remit.put_writes(moved, mode="overwrite", fence=stale)
+    assert [remit.writes(r, "h2") for r in (run_id, index)] == [[], []]
+
+
 # -- malformed tagged values -------------------------------------------------------------
 
 MALFORMED = [
