@@ -43,7 +43,7 @@ from workflows.events import Event
 from workflows.runtime.control_loop import replay_ticks_stream
 from workflows.runtime.types.internal_state import BrokerState, InProgressState
 from workflows.runtime.types.plugin import ExternalRunAdapter, as_v2_runtime_compatibility_shim
-from workflows.runtime.types.results import StepWorkerFailed
+from workflows.runtime.types.results import StepWorkerFailed, StepWorkerResult
 from workflows.runtime.types.step_id import StepId
 from workflows.runtime.types.ticks import (
     TickAddEvent,
@@ -71,7 +71,7 @@ from remit_core.schema import StateSchema
 from remit_llamaindex import _shared_effects
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._state import RemitStateStore
-from remit_llamaindex._storable import unstorable
+from remit_llamaindex._storable import check_event_storable, unstorable, unstorable_event
 
 if TYPE_CHECKING:
     from workflows.context.serializers import JsonSerializer
@@ -121,8 +121,9 @@ async def _one(tick: WorkflowTick) -> AsyncIterator[WorkflowTick]:
     yield tick
 
 
-def validated_event(event: Event, **ids: Any) -> None:
-    """Re-validate a delivered event against its own model (catches `model_construct`)."""
+def validated_event(event: Event, serializer: JsonSerializer, **ids: Any) -> None:
+    """Re-validate a delivered event against its own model (catches `model_construct`),
+    and refuse one the store would give back as another value (`unstorable_event`)."""
     try:
         type(event).model_validate(event.model_dump())
     except ValidationError as exc:
@@ -134,6 +135,7 @@ def validated_event(event: Event, **ids: Any) -> None:
             field=field,
             **ids,
         ) from exc
+    check_event_storable(event, serializer, "the event was not delivered", qualified=False, **ids)
 
 
 def check_awaited(state: BrokerState, event: Event, step: StepId | None, **ids: Any) -> None:
@@ -407,7 +409,7 @@ class Session:
                 await asyncio.to_thread(self._commit, status, replay.exit_command)
             except _Unstorable as exc:
                 found = exc.found or unstorable(await self.store.get_state(), self.serializer)
-                await asyncio.to_thread(self._commit_failed, exc.__cause__, found)
+                await asyncio.to_thread(self._commit_failed, exc.__cause__, found, exc.what)
             if isinstance(tick, TickStepResult):
                 failpoints.hit("step.after")
             if status in snap.TERMINAL or (status == snap.WAITING and not self.expected):
@@ -492,6 +494,9 @@ class Session:
             self.store.check_live()
         except CheckpointInvalid as exc:
             raise _Unstorable((exc.field or "<state>", exc.message)) from exc
+        carried = _unstorable_carried(self.unsaved, self.serializer)
+        if carried is not None:
+            raise _Unstorable(carried, what="event value")
         try:
             metadata = self._metadata(status, exit_command)
             payload = self.store.payload(self.serializer)
@@ -558,7 +563,12 @@ class Session:
             checkpoint_id=self.head_id,
         )
 
-    def _commit_failed(self, cause: BaseException | None, found: tuple[str, str] | None) -> None:
+    def _commit_failed(
+        self,
+        cause: BaseException | None,
+        found: tuple[str, str] | None,
+        what: str = "state value",
+    ) -> None:
         """A tick the framework's serializer cannot store ends the run: commit it as failed,
         with the state of its last checkpoint, and raise `CheckpointInvalid`.
 
@@ -566,7 +576,7 @@ class Session:
         step and fail the same way."""
         assert self.claim is not None
         field, reason = found if found is not None else (None, f"{cause}"[:300])
-        where = f"state value at {field}" if field is not None else "an event or result"
+        where = f"{what} at {field}" if field is not None else "an event or result"
         error = CheckpointInvalid(
             f"the run cannot be checkpointed: {where} cannot be stored ({reason}); it was "
             "stopped and committed as failed with the state of its last checkpoint",
@@ -712,7 +722,7 @@ class Session:
         an answer when every ask was answered, any event once the run has ended, and
         an event the run would drop (`check_awaited`)."""
         ids = {"run_id": self.run_id, "checkpoint_id": self.head_id}
-        validated_event(tick.event, **ids)
+        validated_event(tick.event, self.serializer, **ids)
         before = {w.interrupt_id: w for w in snap.waiters(self.mirror)}
         after = snap.waiters(
             (await replay_ticks_stream(self.mirror, _one(tick), run_id=self.key)).state
@@ -825,6 +835,32 @@ class _Unstorable(Exception):
     encode it, or its state fails the schema (the error is its cause; `found` names the
     field and the reason when known)."""
 
-    def __init__(self, found: tuple[str, str] | None = None) -> None:
+    def __init__(self, found: tuple[str, str] | None = None, what: str = "state value") -> None:
         super().__init__()
         self.found = found
+        self.what = what
+
+
+def _unstorable_carried(
+    ticks: list[tuple[int, WorkflowTick]], serializer: JsonSerializer
+) -> tuple[str, str] | None:
+    """The first value an event of `ticks` carries (a step's returned or sent event, an
+    added event) that the checkpoint would give back as another value: a step re-run
+    after a crash would run on that other value (`unstorable_event`). (A `StopEvent`'s
+    `result` is not one of its fields: it is stored as the framework encodes it.)"""
+    for _, tick in ticks:
+        events: list[Event] = []
+        if isinstance(tick, TickAddEvent):
+            events.append(tick.event)
+        elif isinstance(tick, TickStepResult):
+            events.extend(
+                r.result
+                for r in tick.result
+                if isinstance(r, StepWorkerResult) and r.result is not None
+            )
+            events.extend(s.event for s in tick.sends)
+        for event in events:
+            found = unstorable_event(event, serializer)
+            if found is not None:
+                return f"{type(event).__name__}.{found[0]}", found[1]
+    return None

@@ -130,6 +130,71 @@ def unstorable(state: BaseModel, serializer: JsonSerializer) -> tuple[str, str] 
     return None
 
 
+_MISSING = object()
+
+
+def _event_values(event: BaseModel) -> list[tuple[str, Any, Any]]:
+    """(name, value, how to read it from a decoded copy) of every field of `event`:
+    its declared fields, then the undeclared ones a framework `Event` keeps in `_data`."""
+    fields = list(type(event).model_fields)
+    values: list[tuple[str, Any, Any]] = [
+        (name, getattr(event, name), lambda e, n=name: getattr(e, n, _MISSING)) for name in fields
+    ]
+    data = getattr(event, "_data", None)
+    if isinstance(data, dict):
+        values.extend(
+            (key, value, lambda e, k=key: getattr(e, "_data", {}).get(k, _MISSING))
+            for key, value in data.items()
+            if key not in fields
+        )
+    return values
+
+
+def unstorable_event(event: BaseModel, serializer: JsonSerializer) -> tuple[str, str] | None:
+    """The first field of `event` that the store cannot hold as it is, and why.
+
+    A resume value is stored with its interrupt and a recovery continues with the
+    stored copy: a value that decodes as another (a tuple or set read back as a list,
+    bytes or a datetime held untyped read back as a string, a class the serializer
+    does not resolve) would reach a recovered run as a different value than the one
+    acknowledged to its sender."""
+    try:
+        back = serializer.deserialize(serializer.serialize(event))
+    except Exception as exc:  # the framework's serializer raises ValueError, or worse
+        for name, value, _ in _event_values(event):
+            found = _unstorable_value(value, serializer, name)
+            if found is not None:
+                return found
+        return "<root>", f"the event cannot be stored as JSON ({exc})"
+    if type(back) is not type(event):
+        return "<root>", f"a {type(event).__name__} would come back as a {type(back).__name__}"
+    for name, value, read in _event_values(event):
+        found = _mismatch(value, read(back), name)
+        if found is not None:
+            return found
+    return None
+
+
+def check_event_storable(
+    event: BaseModel, serializer: JsonSerializer, outcome: str, *, qualified: bool, **ids: Any
+) -> None:
+    """Raise `CheckpointInvalid` naming the first field of `event` the store would give
+    back as another value (`unstorable_event`); `outcome` says what came of the event,
+    and `qualified` names the field with the event's type."""
+    found = unstorable_event(event, serializer)
+    if found is None:
+        return
+    field, reason = found
+    name = type(event).__name__
+    raise CheckpointInvalid(
+        f"{name} value at {field} cannot be stored as it is: {reason} (a recovery would "
+        f"continue with that other value); {outcome}: send plain JSON values, or declare "
+        "the field's type on the event",
+        field=f"{name}.{field}" if qualified else field,
+        **ids,
+    )
+
+
 def check_storable(state: BaseModel, serializer: JsonSerializer, **ids: Any) -> None:
     """Raise `CheckpointInvalid` naming the first key of `state` a checkpoint cannot hold."""
     found = unstorable(state, serializer)

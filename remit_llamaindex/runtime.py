@@ -100,7 +100,7 @@ from remit_llamaindex._run import (
     validated_event,
 )
 from remit_llamaindex._state import RemitStateStore
-from remit_llamaindex._storable import check_storable
+from remit_llamaindex._storable import check_event_storable, check_storable
 
 logger = logging.getLogger("remit_llamaindex")
 _FIRST_ATTEMPT = RetryAttempt()
@@ -212,6 +212,16 @@ class RemitRuntime(BaseRuntimeDecorator):
         serializer: BaseSerializer | None = None,
     ) -> ExternalRunAdapter:
         json_ser = snap.require_json(serializer or self.get_serializer(workflow))
+        if start_event is not None:
+            # Refused before anything is stored: a step re-run after a crash would
+            # see the other value the checkpoint gives back.
+            check_event_storable(
+                start_event,
+                json_ser,
+                "the run was not started and nothing was stored",
+                qualified=True,
+                run_id=run_id,
+            )
         drawn = _child.was_drawn(run_id)
         child = None
         found: Session | _child.EndedRun
@@ -715,9 +725,10 @@ class RemitRuntime(BaseRuntimeDecorator):
         naming the interrupt it would have answered if that one was consumed already."""
         record = self._head(run_id)
         ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
-        validated_event(event, **ids)
+        serializer = self.get_serializer(workflow)
+        validated_event(event, serializer, **ids)
         ctx, requirements, _ = snap.decode_body(record.state, **ids)
-        state = snap.broker_state(ctx, workflow, self.get_serializer(workflow))
+        state = snap.broker_state(ctx, workflow, serializer)
         snap.restore_requirements(state, requirements)
         if snap.takes(state, event):
             return
