@@ -12,7 +12,11 @@ they act only on flows whose persistence is one:
   keyed by branch, method and occurrence.
 - POST_STEP: notes the route a router took, for the save that completes it;
   closes the step scope.
-- EXECUTION_END: consumes feedback still owed, releases the claim.
+- EXECUTION_END: consumes feedback still owed, releases the claim. CrewAI
+  dispatches none for a kickoff or resume stopped by cancellation (a
+  timeout, a cancelled task, Ctrl-C), whose claim would then be renewed for
+  as long as the process lives: the wrappers `install` puts on
+  `kickoff_async` and `resume_async` end such a run as a failed one.
 
 A flow awaited inside another's async step runs its hooks in that step's
 context, so each hook puts back what it replaced (the outer step's scope,
@@ -25,11 +29,13 @@ refusal from a hook is raised as its own Remit class that is also a
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from crewai.flow import runtime
 from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
 
 from remit_core.effects import StepScope, bind_step_scope, current_scope
@@ -56,7 +62,30 @@ def install() -> None:
         register(InterceptionPoint.EXECUTION_END, _on_end)
         _replay.install()
         _resume.install()
+        _end_when_cancelled("kickoff_async")
+        _end_when_cancelled("resume_async")
         _installed = True
+
+
+def _end_when_cancelled(name: str) -> None:
+    """Wrap CrewAI's `name` so that a Remit-backed run it stops by cancellation (or
+    KeyboardInterrupt), for which CrewAI dispatches no EXECUTION_END, ends as a failed
+    run does: its claim released, its context restored."""
+    engine = runtime.Flow
+    run = getattr(engine, name)
+
+    @functools.wraps(run)
+    async def ending(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await run(self, *args, **kwargs)
+        except Exception:
+            raise
+        except BaseException:
+            if isinstance(getattr(self, "persistence", None), RemitFlowPersistence):
+                _end(self, completed=False, output=None)
+            raise
+
+    setattr(engine, name, ending)
 
 
 @dataclass
@@ -160,19 +189,29 @@ def _on_post_step(ctx: Any) -> None:
 
 
 def _on_end(ctx: Any) -> Any:
-    backend = _backend(ctx)
-    if backend is None:
+    if _backend(ctx) is None:
         return None
-    _close_scopes(ctx.flow, all_of_them=True)
-    completed = ctx.status == "completed"
+    return _end(ctx.flow, completed=ctx.status == "completed", output=ctx.payload)
+
+
+def _end(flow: Any, *, completed: bool, output: Any) -> Any:
+    """The run of `flow` ended: consume what it owes, release its claim, put back the
+    kickoff it ran inside; what a restart that ran nothing returns, else None."""
+    backend = flow.persistence
+    _close_scopes(flow, all_of_them=True)
+    ex = current_execution.get()
+    mine = ex if ex is not None and ex.flow() is flow else None
+    if mine is not None:
+        mine.over = True  # a save still running in a worker thread claims for itself
     try:
         # A restart that ran nothing returns the output the finished run returned.
-        output = backend._restart_output(ctx.flow) if completed and ctx.payload is None else None
-        backend._finish(ctx.flow, completed=completed)
-        return output
+        restored = backend._restart_output(flow) if completed and output is None else None
+        # The id the kickoff claimed: a kickoff that failed early (a fork refused) has
+        # not given it to the flow yet.
+        backend._finish(flow, completed=completed, flow_id=None if mine is None else mine.restart)
+        return restored
     except RemitError as exc:
         raise aborting(exc) from exc
     finally:
-        ex = current_execution.get()
-        if ex is not None and ex.flow() is ctx.flow:
-            current_execution.set(ex.outer)
+        if mine is not None:
+            current_execution.set(mine.outer)

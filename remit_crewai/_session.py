@@ -61,7 +61,8 @@ class Execution:
     may not (raised by `load_state`, since CrewAI swallows errors of hooks);
     `stepping`: a step began, so later `load_state` calls are plain reads;
     `outer`: the kickoff this one runs inside (a flow awaited in another's
-    step), current again when this one ends.
+    step), current again when this one ends; `over`: it ended (a save still
+    running in a worker thread of a cancelled kickoff drives nothing).
     """
 
     flow: weakref.ref[Any]
@@ -71,6 +72,7 @@ class Execution:
     restart: str | None = None
     refusal: BaseException | None = None
     stepping: bool = False
+    over: bool = False
 
 
 #: The kickoff now running in this context (set by the EXECUTION_START hook).
@@ -114,6 +116,8 @@ class Session:
     #: Occurrences (`method#n`) whose effects are keyed under the branch they first ran
     #: on: the pause a fork was made from, run again to pause again (`_paused_on`).
     keys_from: dict[str, str] = field(default_factory=dict)
+    #: The JSON Schemas its checkpoints record (`state_schema`, `feedback_schema`).
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     closed: bool = False
     pid: int = field(default_factory=os.getpid)
     lock: threading.RLock = field(default_factory=threading.RLock)

@@ -86,6 +86,10 @@ _PLAIN_TYPES = (
 )
 
 
+#: The JSON Schemas a flow's checkpoints record, so that every persistence checks them.
+_SCHEMAS = ("state_schema", "feedback_schema")
+
+
 def _interrupt_method(interrupt_id: str) -> str:
     return interrupt_id.rsplit("#", 1)[0]
 
@@ -110,7 +114,9 @@ class RemitFlowPersistence(FlowPersistence):
     version outside {`workflow_version`, *`accepts`} is refused. `state_schema`
     (JSON Schema) validates dict states; a model state validates against its
     model. `feedback_schema` (JSON Schema) validates human feedback before it
-    is consumed. All fields are plain data; the store connects on first use.
+    is consumed. Both are recorded with the flow's checkpoints, and a persistence
+    made without them checks the recorded ones. All fields are plain data; the
+    store connects on first use.
     """
 
     persistence_type: str = Field(default="RemitFlowPersistence")
@@ -420,6 +426,11 @@ class RemitFlowPersistence(FlowPersistence):
             state={} if body is None else body.state,
             beating=heartbeat,
             output=None if body is None else body.output,
+            schemas={}
+            if record is None
+            else {
+                k: record.metadata[k] for k in _SCHEMAS if isinstance(record.metadata.get(k), dict)
+            },
         )
 
     @contextlib.contextmanager
@@ -456,7 +467,9 @@ class RemitFlowPersistence(FlowPersistence):
                 self._activate(session)
                 return session
             ex = current_execution.get()
-            flow = None if ex is None else ex.flow()
+            if ex is None or ex.over:
+                return None  # no kickoff, or one that ended (a save left in its thread)
+            flow = ex.flow()
             if flow is None or flow.flow_id != flow_id:
                 return None
             session = self._open(flow_id, heartbeat=True)
@@ -512,6 +525,13 @@ class RemitFlowPersistence(FlowPersistence):
         sessions.discard(session)
         session.handle.release()
 
+    def _schema(self, session: Session, name: str) -> dict[str, Any] | None:
+        """This persistence's `state_schema` or `feedback_schema`, else the one the flow's
+        head recorded: a resume or edit through a persistence made without the flow's
+        schemas still checks what the flow's own saves check (P4)."""
+        own: dict[str, Any] | None = getattr(self, name)
+        return own if own is not None else session.schemas.get(name)
+
     def _plain_state(self, session: Session, state_data: Any) -> dict[str, Any]:
         """The state as plain data the codec stores exactly, or `CheckpointInvalid`."""
         ids = {"run_id": session.run_id, "checkpoint_id": session.head}
@@ -551,8 +571,9 @@ class RemitFlowPersistence(FlowPersistence):
                 field="<root>",
                 **ids,
             )
-        if self.state_schema is not None:
-            StateSchema(self.state_schema).validate(plain, **ids)
+        schema = self._schema(session, "state_schema")
+        if schema is not None:
+            StateSchema(schema).validate(plain, **ids)
         return plain
 
     @staticmethod
@@ -590,6 +611,10 @@ class RemitFlowPersistence(FlowPersistence):
         output: bytes | None = None,
     ) -> CheckpointRecord:
         remit = self.remit
+        for name in _SCHEMAS:
+            schema = self._schema(session, name)
+            if schema is not None:
+                session.schemas[name] = schema
         try:
             plan = policy.plan_continue(
                 session.run_id,
@@ -617,6 +642,7 @@ class RemitFlowPersistence(FlowPersistence):
                 "method": method,
                 "kind": kind,
                 **({} if session.state_type is None else {"model": _name(session.state_type)}),
+                **session.schemas,
             },
             workflow_version=self.workflow_version,
             fence=session.fence,
@@ -823,8 +849,9 @@ class RemitFlowPersistence(FlowPersistence):
             if feedback.method_name != method:
                 return
             ids = {"run_id": session.run_id, "interrupt_id": pending.interrupt_id}
-            if self.feedback_schema is not None:
-                StateSchema(self.feedback_schema).validate(feedback.feedback, **ids)
+            schema = self._schema(session, "feedback_schema")
+            if schema is not None:
+                StateSchema(schema).validate(feedback.feedback, **ids)
             prompt = codec.loads(pending.prompt) if pending.prompt is not None else {}
             value = _feedback_entry(
                 pending.interrupt_id, feedback, prompt.get("method_output"), prompt.get("metadata")
@@ -893,9 +920,12 @@ class RemitFlowPersistence(FlowPersistence):
             return None  # something ran: CrewAI returns what ran last
         return codec.loads(session.output)
 
-    def _finish(self, flow: Flow[Any], *, completed: bool) -> None:
-        """The run of `flow` ended (or failed): consume what it still owes and release it."""
-        session = self._session_of(flow.flow_id, flow)
+    def _finish(self, flow: Flow[Any], *, completed: bool, flow_id: str | None = None) -> None:
+        """The run of `flow` ended (or failed): consume what it still owes and release it.
+
+        `flow_id`: the id its kickoff claimed, when that differs from the flow's own (a
+        kickoff that failed before CrewAI gave the flow the id of `inputs["id"]`)."""
+        session = self._session_of(flow_id or flow.flow_id, flow)
         if session is None or not self._owns(session, flow):
             return
         try:

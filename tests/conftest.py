@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,15 @@ def store_url(request: pytest.FixtureRequest, tmp_path: object) -> Iterator[str]
 @pytest.fixture
 def run_id() -> str:
     return f"run-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(params=ENGINES)
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store URL per engine, for the tests of a shim (a test file may define its own)."""
+    return engine_url(request.param, tmp_path)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Path:
+    """The file of the world database the tests' effects and journals are kept in."""
+    return tmp_path / "world.db"

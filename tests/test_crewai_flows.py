@@ -33,7 +33,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-from conftest import engine_url  # noqa: E402
 from crewai.flow.persistence.base import _persistence_registry  # noqa: E402
 from crewai.flow.runtime import _resolve_persistence  # noqa: E402
 
@@ -45,16 +44,6 @@ from remit_crewai.probe import CrewAIProbe  # noqa: E402
 
 ENGINES = ["sqlite", "postgresql", "redis"]
 CrewAIProbe().preload()  # what every child needs, imported once here
-
-
-@pytest.fixture(params=ENGINES)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return engine_url(request.param, tmp_path)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Path:
-    return tmp_path / "world.db"
 
 
 def child(fn: Callable[[], Any], *, barrier: Barrier | None = None) -> Worker:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import engine_url
 from test_crewai_flows import (
     applied,
     child,
@@ -33,16 +32,6 @@ from remit_crewai import RemitFlowPersistence, fork_token
 ENGINES = ["sqlite", "postgresql", "redis"]
 #: Where CrewAI looks for an LLM to classify feedback; unset, classifying fails at once.
 LLM_SETTINGS = ("OPENAI_API_KEY", "MODEL", "MODEL_NAME", "OPENAI_MODEL_NAME")
-
-
-@pytest.fixture(params=ENGINES)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return engine_url(request.param, tmp_path)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Path:
-    return tmp_path / "world.db"
 
 
 def statuses(url: str, flow_id: str) -> list[str]:

@@ -1,0 +1,27 @@
+"""Parts the CrewAI flow tests build their flows from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remit_core.conformance.world import EffectSink
+from remit_core.effects import effect
+
+
+class Later:
+    """A feedback provider that answers later: the flow pauses (CrewAI saves it and
+    raises `HumanFeedbackPending`), to be resumed with the feedback."""
+
+    def request_feedback(self, context: Any, flow: Any) -> str:
+        from crewai.flow.async_feedback.types import HumanFeedbackPending
+
+        raise HumanFeedbackPending(context=context)
+
+
+def sink_effect(sink: EffectSink, kind: str) -> Any:
+    """An effect named `kind` that applies `kind` to `sink` once per idempotency key."""
+
+    def apply(*, idempotency_key: str) -> str:
+        return sink.apply(kind, idempotency_key)
+
+    return effect(apply, name=kind, reconcile=sink.reconcile)
