@@ -86,6 +86,8 @@ __all__ = ["RemitStatePersistence"]
 #: A head node an answer may take the place of: one not started, or one that raised
 #: (a pause run by mistake): nothing followed it.
 _ANSWERABLE = ("created", "pending", "error")
+#: Seconds a driver waits for the claim to run its own next node (`_acquire_own_next`).
+_OWN_NEXT_PATIENCE = 2.0
 
 
 @dataclass
@@ -459,19 +461,34 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Move to the branch `fork_token` names from `base_id` (P3); its head must be the base."""
         if self.fork_token is None:
             raise self._refuse_fork(base_id, why)
+        self._check_fork_unmoved(base_id)
         made = self._fork_branch(base_id, self.fork_token)
         self._line = made
         self._switch(resumer, made.branch, heartbeat=heartbeat)
         head = self._read_head()
         if head is None or head.top.id != base_id:
-            raise HeadMoved(
-                f"fork token {self.fork_token!r} already made branch {made.branch!r} from "
-                f"{base_id!r}, now at {None if head is None else head.top.id!r}: continue that "
-                "branch instead of forking again",
-                run_id=self.run_id,
-                checkpoint_id=base_id,
-            )
+            raise self._fork_moved(made.branch, base_id, None if head is None else head.top.id)
         return head
+
+    def _check_fork_unmoved(self, base_id: str) -> None:
+        """`HeadMoved` if the fork token's branch from `base_id` has moved on already:
+        refused from a read, with no claim taken, so that the process driving the fork
+        (which holds no claim between its nodes) is not stopped by a late forker."""
+        line = (
+            None
+            if self.fork_token is None
+            else self.remit.fork_branch(self.run_id, self.fork_token)
+        )
+        if line is not None and line.base_id == base_id and line.head_id != base_id:
+            raise self._fork_moved(line.branch, base_id, line.head_id)
+
+    def _fork_moved(self, branch: str, base_id: str, now: str | None) -> HeadMoved:
+        return HeadMoved(
+            f"fork token {self.fork_token!r} already made branch {branch!r} from "
+            f"{base_id!r}, now at {now!r}: continue that branch instead of forking again",
+            run_id=self.run_id,
+            checkpoint_id=base_id,
+        )
 
     def _fork_branch(self, base_id: str, fork_token: str) -> BranchRecord:
         """The branch `fork_token` makes from `base_id`, or already made from it (P3)."""
@@ -750,7 +767,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             why = self._run_reason(resumer, snapshot_id, self._read_head())
             if why is not None and self.fork_token is None:
                 raise self._refuse_fork(snapshot_id, why)
-            self._acquire(resumer, heartbeat=True)
+            if why is not None:
+                self._check_fork_unmoved(snapshot_id)
+            if snapshot_id == resumer.own_head:
+                self._acquire_own_next(resumer)
+            else:
+                self._acquire(resumer, heartbeat=True)
             resumer.loaded = None
             head = self._read_head()
             why = self._run_reason(resumer, snapshot_id, head)
@@ -937,6 +959,22 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             run_id=self.run_id,
             checkpoint_id=pause_id,
         )
+
+    def _acquire_own_next(self, resumer: _Resumer) -> None:
+        """Take the claim to run this resumer's own next node. It holds none between its
+        nodes, and a racer may hold it for a moment only to find the run moved on (a
+        process forking with the same token, a resumer seeing the pause answered): wait
+        that out for up to `_OWN_NEXT_PATIENCE` seconds. A resumer that really took
+        the run over moves it on, and this one then gets `ResumeConflict` (`_run_reason`)."""
+        deadline = time.monotonic() + _OWN_NEXT_PATIENCE
+        while True:
+            try:
+                self._acquire(resumer, heartbeat=True)
+                return
+            except ResumeConflict:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     def _acquire_patiently(self, resumer: _Resumer) -> bool:
         """Take the claim, waiting out at most one lease of its current holder."""

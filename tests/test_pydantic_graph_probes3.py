@@ -28,6 +28,7 @@ from test_pydantic_graph_persistence import GRAPH, World, in_child
 from remit_core import (
     CheckpointInvalid,
     ForkWithoutIntent,
+    HeadMoved,
     ResumeConflict,
     UnknownRecord,
     arun_effect,
@@ -340,6 +341,43 @@ def test_two_processes_continuing_an_old_snapshot_with_one_token_make_one_branch
     assert shape(forked)[-3:] == [("Ship", "success"), ("Close", "success"), ("End", "end")]
     assert world.entered()["fill"] == 1 and world.entered()["ship"] == 2
     assert world.sink.counts() == {"ship": 2}  # main's, and the fork's own
+
+
+def test_a_late_forker_with_the_token_leaves_the_fork_to_its_driver(
+    store_url: str, run_id: str, world: World
+) -> None:
+    """P3, liveness: a fork's driver holds no claim between its nodes. A second process
+    forking with the same token after the fork moved on gets HeadMoved from a read (it
+    takes no claim), and a racer that holds the claim for a moment, only to leave, does
+    not stop the driver's next node: the driver waits it out and finishes the fork."""
+    asyncio.run(CARTS.run(Fill(), state=Cart(), deps=world, persistence=carts(store_url, run_id)))
+    ship = next(s for s in history(store_url, run_id) if isinstance(getattr(s, "node", None), Ship))
+
+    async def go() -> str:
+        driver = carts(store_url, run_id, fork_token="late")
+        async with CARTS.iter(ship.node, state=ship.state, deps=world, persistence=driver) as run:
+            assert isinstance(await run.__anext__(), Ship)  # (the start node, not run yet)
+            assert isinstance(await run.__anext__(), Close)  # Ship ran; between nodes now
+            branch = driver.branch
+            store = driver.remit.store
+            before = store.get_claim(run_id, branch)
+            late = carts(store_url, run_id, fork_token="late")
+            with pytest.raises(HeadMoved, match="continue that branch"):
+                async with CARTS.iter(
+                    ship.node, state=ship.state, deps=world, persistence=late
+                ) as late_run:
+                    async for _ in late_run:
+                        pass
+            assert store.get_claim(run_id, branch) == before  # refused from a read
+            racer = driver.remit.claim(run_id, branch, heartbeat=False)
+            threading.Timer(0.3, racer.release).start()
+            async for _ in run:
+                pass
+        assert run.result is not None
+        return run.result.output
+
+    assert asyncio.run(go()) == "shipped 100"
+    assert world.entered()["ship"] == 2 and world.entered()["close"] == 2
 
 
 # -- the interface with bad input: typed errors naming the argument, nothing written -----------
