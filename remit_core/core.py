@@ -714,10 +714,10 @@ class Remit:
             raise ValueError(f"mode must be one of {sorted(_WRITE_MODES)}, got {mode!r}")
         for w in writes:
             _checked_write(w)
-        if fence is not None and all(w.run_id != fence.run_id for w in writes):
+        if fence is not None and writes and all(w.run_id != fence.run_id for w in writes):
             # A claim guards its own run's writes; other runs' writes may ride
             # with them in one atomic call, as with a commit, but never alone.
-            check_fence_run(fence, writes[0].run_id if writes else "")
+            check_fence_run(fence, writes[0].run_id)
         failpoints.hit("writes.before")
         self.store.put_writes([self._seal_write(w) for w in writes], mode=mode, fence=fence)
         failpoints.hit("writes.after")

@@ -225,6 +225,7 @@ def test_writes_of_another_run_ride_with_the_fenced_runs_own(store_url: str, run
     claim = remit.claim(run_id, heartbeat=False)
     both = [_write(run_id, checkpoint_id="h"), _write(index, checkpoint_id="h")]
     remit.put_writes(both, mode="overwrite", fence=claim.fence)
+    remit.put_writes([], fence=claim.fence)  # (nothing to guard: nothing refused)
     assert [len(remit.writes(r, "h")) for r in (run_id, index)] == [1, 1]
     stale = claim.fence
     claim.release()
