@@ -86,7 +86,7 @@ __all__ = ["RemitStatePersistence"]
 #: A head node an answer may take the place of: one not started, or one that raised
 #: (a pause run by mistake): nothing followed it.
 _ANSWERABLE = ("created", "pending", "error")
-#: Seconds a driver waits for the claim to run its own next node (`_acquire_own_next`).
+#: Seconds a driver waits for the claim to run its own next node (`_begin_run`).
 _OWN_NEXT_PATIENCE = 2.0
 
 
@@ -461,7 +461,6 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Move to the branch `fork_token` names from `base_id` (P3); its head must be the base."""
         if self.fork_token is None:
             raise self._refuse_fork(base_id, why)
-        self._check_fork_unmoved(base_id)
         made = self._fork_branch(base_id, self.fork_token)
         self._line = made
         self._switch(resumer, made.branch, heartbeat=heartbeat)
@@ -769,10 +768,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 raise self._refuse_fork(snapshot_id, why)
             if why is not None:
                 self._check_fork_unmoved(snapshot_id)
-            if snapshot_id == resumer.own_head:
-                self._acquire_own_next(resumer)
-            else:
-                self._acquire(resumer, heartbeat=True)
+            # This resumer's own next node: it holds no claim between its nodes, and a
+            # racer may hold it a moment only to find the run moved on (a late forker,
+            # a resumer seeing the pause answered). One that took the run over moves
+            # it on, and this one then gets `ResumeConflict` (`_run_reason`).
+            own_next = snapshot_id == resumer.own_head
+            self._acquire_within(resumer, _OWN_NEXT_PATIENCE if own_next else 0.0, heartbeat=True)
             resumer.loaded = None
             head = self._read_head()
             why = self._run_reason(resumer, snapshot_id, head)
@@ -960,33 +961,25 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             checkpoint_id=pause_id,
         )
 
-    def _acquire_own_next(self, resumer: _Resumer) -> None:
-        """Take the claim to run this resumer's own next node. It holds none between its
-        nodes, and a racer may hold it for a moment only to find the run moved on (a
-        process forking with the same token, a resumer seeing the pause answered): wait
-        that out for up to `_OWN_NEXT_PATIENCE` seconds. A resumer that really took
-        the run over moves it on, and this one then gets `ResumeConflict` (`_run_reason`)."""
-        deadline = time.monotonic() + _OWN_NEXT_PATIENCE
+    def _acquire_within(self, resumer: _Resumer, seconds: float, *, heartbeat: bool) -> None:
+        """`_acquire`, retried while another holder has the claim, for up to `seconds`."""
+        deadline = time.monotonic() + seconds
         while True:
             try:
-                self._acquire(resumer, heartbeat=True)
+                self._acquire(resumer, heartbeat=heartbeat)
                 return
             except ResumeConflict:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.02)
+                time.sleep(0.05)
 
     def _acquire_patiently(self, resumer: _Resumer) -> bool:
         """Take the claim, waiting out at most one lease of its current holder."""
-        deadline = time.monotonic() + self.lease + 1.0
-        while True:
-            try:
-                self._acquire(resumer, heartbeat=False)
-                return True
-            except ResumeConflict:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.05)
+        try:
+            self._acquire_within(resumer, self.lease + 1.0, heartbeat=False)
+        except ResumeConflict:
+            return False
+        return True
 
     def _paused_head(self, pause_id: str | None = None) -> _Head:
         """The head if the run is paused (at `pause_id`, if given): a node not started, not
