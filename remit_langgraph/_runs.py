@@ -33,7 +33,7 @@ import contextvars
 import threading
 import typing
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -122,7 +122,7 @@ class Run:
     check: StateCheck | None
     committed: set[str] = field(default_factory=set)
     failed: RemitError | None = None
-    #: The node outputs refused by the state schema, by task id (`_check_sends`): the
+    #: The node outputs refused by the state schema, by task id (`_check_send`): the
     #: run then stores nothing more, unless a retry of the task gets its output taken.
     refused: dict[str, RemitError] = field(default_factory=dict)
     #: The tasks whose outputs are checked as their node hands them over: their
@@ -1002,48 +1002,62 @@ def _check_outputs(loop: PregelLoop, run: Run) -> None:
     if check is None:
         return
     tick, held = type(loop).tick, weakref.ref(loop)
+    checked, holds, whole, refused = run.sends_checked, check.holds, check.checks_whole, run.refused
 
     def checked_tick() -> bool:
         current = held()
         assert current is not None  # (a tick is a call on the loop)
         going = tick(current)
-        ids = {"run_id": run.thread, "checkpoint_id": current.checkpoint["id"]}
-        for task in current.tasks.values() if going else ():
-            if not task.writes:  # (a task with writes is not run again)
-                _check_sends(task.config["configurable"], run, task.id, held, ids)
+        if going:
+            checkpoint_id = current.checkpoint["id"]
+            for task in current.tasks.values():
+                if not task.writes:  # (a task with writes is not run again)
+                    conf = task.config["configurable"]
+                    conf[CONFIG_KEY_SEND] = checked_sender(
+                        conf[CONFIG_KEY_SEND], task.id, checkpoint_id
+                    )
+                    checked.add(task.id)
         return going
+
+    def checked_sender(
+        send: Callable[[Sequence[tuple[str, Any]]], None], task_id: str, checkpoint_id: str
+    ) -> Callable[[Sequence[tuple[str, Any]]], None]:
+        """The function a task's writers hand its writes to, checking them first."""
+
+        def checked_send(writes: Sequence[tuple[str, Any]]) -> None:
+            writes = list(writes)
+            # Most outputs hold as they stand (`holds`); the rest get the full check.
+            if whole or refused or not holds(writes):
+                _check_send(run, held, task_id, writes, checkpoint_id)
+            send(writes)
+
+        return checked_send
 
     loop.tick = checked_tick  # type: ignore[method-assign]
 
 
-def _check_sends(
-    conf: dict[str, Any],
+def _check_send(
     run: Run,
-    task_id: str,
     held: weakref.ref[PregelLoop],
-    ids: dict[str, Any],
+    task_id: str,
+    writes: list[tuple[str, Any]],
+    checkpoint_id: str,
 ) -> None:
-    """Wrap the function a task's writers hand its writes to: check them first."""
-    send, check, refused = conf[CONFIG_KEY_SEND], run.check, run.refused
+    """Check a task's output against the state schema: `CheckpointInvalid` refuses
+    it (and the run stores nothing more, unless a retry's output is taken)."""
+    check, refused = run.check, run.refused
     assert check is not None
-    whole = check.checks_whole
-
-    def checked_send(writes: Sequence[tuple[str, Any]]) -> None:
-        writes = list(writes)
-        try:
-            check.writes(writes, **ids)
-            if whole:
-                loop = held()
-                check.after(None if loop is None else loop.channels, writes, **ids)
-        except RemitError as exc:
-            refused[task_id] = exc
-            raise
-        if refused:
-            refused.pop(task_id, None)  # (a retry's output was taken)
-        send(writes)
-
-    conf[CONFIG_KEY_SEND] = checked_send
-    run.sends_checked.add(task_id)
+    ids = {"run_id": run.thread, "checkpoint_id": checkpoint_id}
+    try:
+        check.writes(writes, **ids)
+        if check.checks_whole:
+            loop = held()
+            check.after(None if loop is None else loop.channels, writes, **ids)
+    except RemitError as exc:
+        refused[task_id] = exc
+        raise
+    if refused:
+        refused.pop(task_id, None)  # (a retry's output was taken)
 
 
 def _json_form(value: Any) -> Any:

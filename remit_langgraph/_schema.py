@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 from langgraph._internal._typing import MISSING
@@ -148,6 +149,8 @@ class StateCheck:
         #: Reducer keys that concatenate lists (`Annotated[list[T], operator.add]`):
         #: a list write that holds as it stands makes a value that holds.
         self._appends: dict[str, TypeAdapter[Any]] = {}
+        #: key -> a test that a write to it holds as it stands (`holds`).
+        self._quick: dict[str, Callable[[Any], bool]] = {}
         self._channels: Mapping[str, Any] | None = None
         #: A model's (or dataclass's) own checks (validators, `__post_init__`) hold of
         #: a whole state: the state type, and the keys a whole state has.
@@ -196,6 +199,9 @@ class StateCheck:
             if bare
             else None
         )
+        quick = {k: _strict_test(self._types[k], lists=False) for k in self._plain}
+        quick.update({k: _strict_test(bare[k], lists=True) for k in self._appends})
+        self._quick = {k: test for k, test in quick.items() if test is not None}
         self._channels = channels
         return self
 
@@ -247,6 +253,23 @@ class StateCheck:
         type requires (before that, as in an input checkpoint, it is not a state)."""
         if self._whole is not None and self._required <= state.keys():
             self._whole.validate(dict(state), **ids)
+
+    def holds(self, writes: Any) -> bool:
+        """Whether a task's `writes` hold as they stand, key by key: each write to
+        a plain key is of its type, each list appended to a list key is of the
+        list's type (strict validation: nothing in it would be converted), and
+        no write goes to a state key of another kind. False says nothing
+        (`writes` says what is wrong, if anything). A node's writes are tested so
+        as it hands them over; most hold, and this is the cheap way to say it."""
+        quick, fields = self._quick, self.fields
+        for ch, v in writes:
+            test = quick.get(ch)
+            if test is None:
+                if ch in fields:
+                    return False
+            elif not test(v):
+                return False
+        return True
 
     def writes(self, writes: Any, **ids: Any) -> None:
         """Check a task's writes to state channels (see the module docstring)."""
@@ -340,6 +363,18 @@ def _appends_lists(channel: Any, bare_type: Any) -> bool:
         and type(channel.value) is list
         and typing.get_origin(bare_type) is list
     )
+
+
+def _strict_test(field_type: Any, *, lists: bool) -> Callable[[Any], bool] | None:
+    """A test that a value is of `field_type` as it stands (a list, if `lists`),
+    without raising; None where Pydantic's validator cannot give one."""
+    try:
+        isinstance_python = TypeAdapter(field_type).validator.isinstance_python
+    except Exception:  # noqa: BLE001 (e.g. an unresolved forward reference: the full check)
+        return None
+    if lists:
+        return lambda v: type(v) is list and isinstance_python(v, strict=True)
+    return functools.partial(isinstance_python, strict=True)
 
 
 def _holds_as_is(adapter: TypeAdapter[Any], value: Any) -> bool:

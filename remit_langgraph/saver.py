@@ -506,8 +506,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         stops here instead of running on.
         """
         run = current_run()
-        if run is not None:
-            run.ensure_live()
+        if run is not None and (run.failed is not None or run.claim.lost):
+            run.ensure_live()  # raises
         if current is None:
             n = 1
         elif isinstance(current, str):

@@ -107,6 +107,33 @@ def test_a_refused_node_output_is_checkpoint_invalid_and_the_head_stays(
         assert dict(final if isinstance(final, dict) else vars(final))["log"] == ["a", "b", "c"]
 
 
+@pytest.mark.parametrize("durability", ["sync", "exit"])
+@pytest.mark.parametrize(
+    ("key", "output"),
+    [("amount", "5"), ("amount", True), ("log", ["b", 1]), ("log", "b"), ("log", [b"b"])],
+    ids=["str-for-int", "bool-for-int", "int-in-list", "str-for-list", "bytes-in-list"],
+)
+def test_an_output_that_holds_only_once_converted_is_refused(
+    store_url: str, durability: str, key: str, output: Any
+) -> None:
+    """Most node outputs hold as they stand and are let through by a quick test;
+    one that passes only by conversion (or not at all) gets the full check."""
+    builder = StateGraph(Typed)
+    builder.add_node("a", lambda s: {"log": ["a"]})
+    builder.add_node("b", lambda s: {key: output})
+    builder.add_edge(START, "a")
+    builder.add_edge("a", "b")
+    builder.add_edge("b", END)
+    saver = RemitSaver(store_url)
+    graph, cfg = builder.compile(checkpointer=saver), config()
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke({"amount": 1}, cfg, durability=durability)
+    assert err.value.field is not None and err.value.field.split(".")[0].split("[")[0] == key
+    snapshot = graph.get_state(cfg)
+    assert snapshot.next == ("b",)
+    assert snapshot.values == {"amount": 1, "log": ["a"]}
+
+
 @pytest.mark.parametrize("durability", ["async", "exit"])
 def test_a_retry_whose_output_is_valid_lets_the_run_go_on(store_url: str, durability: str) -> None:
     """A refused output fails its node: a retry policy that retries it runs it again,
