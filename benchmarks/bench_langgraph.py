@@ -21,7 +21,7 @@ which survives a killed process; pass `--sqlite-sync FULL` to run Remit with
 FULL too).
 
     python benchmarks/bench_langgraph.py [--cycles 400] [--invokes 40]
-        [--engines sqlite,postgresql] [--sqlite-sync NORMAL|FULL]
+        [--engines sqlite,postgresql] [--modes async,sync,exit] [--sqlite-sync NORMAL|FULL]
 
 PostgreSQL comes from REMIT_BENCH_PG (default: the local test server). Every
 thread this run writes is deleted at the end.
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=400)
     parser.add_argument("--invokes", type=int, default=40)
     parser.add_argument("--engines", default="sqlite,postgresql")
+    parser.add_argument("--modes", default="async,sync,exit", help="durability modes to invoke in")
     parser.add_argument("--sqlite-sync", default="NORMAL", choices=["NORMAL", "FULL"])
     args = parser.parse_args()
     rows: list[tuple[str, str, float, float, str]] = []
@@ -198,7 +199,7 @@ def main() -> None:
                         stock_label,
                     )
                 )
-                for mode in ("async", "sync", "exit"):
+                for mode in args.modes.split(","):
                     # An exit-mode invoke is a fifth as long, and varies the most.
                     count = args.invokes * (10 if mode == "exit" else 1)
                     a, b = alternate(
