@@ -199,8 +199,9 @@ class StateCheck:
             if bare
             else None
         )
-        quick = {k: _strict_test(self._types[k], lists=False) for k in self._plain}
-        quick.update({k: _strict_test(bare[k], lists=True) for k in self._appends})
+        # (A key's type is one Pydantic takes, `_checkable`: its adapter builds.)
+        quick = {k: _strict_test(TypeAdapter(self._types[k])) for k in self._plain}
+        quick.update({k: _strict_test(a, lists=True) for k, a in self._appends.items()})
         self._quick = {k: test for k, test in quick.items() if test is not None}
         self._channels = channels
         return self
@@ -365,11 +366,11 @@ def _appends_lists(channel: Any, bare_type: Any) -> bool:
     )
 
 
-def _strict_test(field_type: Any, *, lists: bool) -> Callable[[Any], bool] | None:
-    """A test that a value is of `field_type` as it stands (a list, if `lists`),
+def _strict_test(adapter: TypeAdapter[Any], *, lists: bool = False) -> Callable[[Any], bool] | None:
+    """A test that a value is of `adapter`'s type as it stands (a list, if `lists`),
     without raising; None where Pydantic's validator cannot give one."""
     try:
-        isinstance_python = TypeAdapter(field_type).validator.isinstance_python
+        isinstance_python = adapter.validator.isinstance_python
     except Exception:  # noqa: BLE001 (e.g. an unresolved forward reference: the full check)
         return None
     if lists:
