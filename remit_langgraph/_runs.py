@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import threading
 import typing
 import weakref
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from langchain_core.runnables import RunnableConfig
 from langgraph._internal._constants import (
+    CONF,
     CONFIG_KEY_RESUME_MAP,
     CONFIG_KEY_SEND,
     ERROR,
@@ -1002,7 +1004,9 @@ def _check_outputs(loop: PregelLoop, run: Run) -> None:
     if check is None:
         return
     tick, held = type(loop).tick, weakref.ref(loop)
-    checked, holds, whole, refused = run.sends_checked, check.holds, check.checks_whole, run.refused
+    checked, whole, refused = run.sends_checked, check.checks_whole, run.refused
+    # The run's quick tests, as of its channels (inlined below: they run once per node).
+    quick, fields = check.quick_tests()
 
     def checked_tick() -> bool:
         current = held()
@@ -1012,26 +1016,36 @@ def _check_outputs(loop: PregelLoop, run: Run) -> None:
             checkpoint_id = current.checkpoint["id"]
             for task in current.tasks.values():
                 if not task.writes:  # (a task with writes is not run again)
-                    conf = task.config["configurable"]
-                    conf[CONFIG_KEY_SEND] = checked_sender(
-                        conf[CONFIG_KEY_SEND], task.id, checkpoint_id
+                    conf = task.config[CONF]
+                    conf[CONFIG_KEY_SEND] = functools.partial(
+                        checked_send, conf[CONFIG_KEY_SEND], task.id, checkpoint_id
                     )
                     checked.add(task.id)
         return going
 
-    def checked_sender(
-        send: Callable[[Sequence[tuple[str, Any]]], None], task_id: str, checkpoint_id: str
-    ) -> Callable[[Sequence[tuple[str, Any]]], None]:
-        """The function a task's writers hand its writes to, checking them first."""
-
-        def checked_send(writes: Sequence[tuple[str, Any]]) -> None:
-            writes = list(writes)
-            # Most outputs hold as they stand (`holds`); the rest get the full check.
-            if whole or refused or not holds(writes):
-                _check_send(run, held, task_id, writes, checkpoint_id)
-            send(writes)
-
-        return checked_send
+    def checked_send(
+        send: Callable[[Sequence[tuple[str, Any]]], None],
+        task_id: str,
+        checkpoint_id: str,
+        writes: Sequence[tuple[str, Any]],
+    ) -> None:
+        """What a task's writers hand its writes to: checked, then sent on. Most
+        outputs hold as they stand (`StateCheck.quick_tests`); the rest get the full check."""
+        writes = list(writes)
+        full = whole or bool(refused)
+        if not full:
+            for ch, v in writes:
+                test = quick.get(ch)
+                if test is None:
+                    if ch in fields:
+                        full = True
+                        break
+                elif not test(v):
+                    full = True
+                    break
+        if full:
+            _check_send(run, held, task_id, writes, checkpoint_id)
+        send(writes)
 
     loop.tick = checked_tick  # type: ignore[method-assign]
 

@@ -255,22 +255,14 @@ class StateCheck:
         if self._whole is not None and self._required <= state.keys():
             self._whole.validate(dict(state), **ids)
 
-    def holds(self, writes: Any) -> bool:
-        """Whether a task's `writes` hold as they stand, key by key: each write to
-        a plain key is of its type, each list appended to a list key is of the
-        list's type (strict validation: nothing in it would be converted), and
-        no write goes to a state key of another kind. False says nothing
-        (`writes` says what is wrong, if anything). A node's writes are tested so
-        as it hands them over; most hold, and this is the cheap way to say it."""
-        quick, fields = self._quick, self.fields
-        for ch, v in writes:
-            test = quick.get(ch)
-            if test is None:
-                if ch in fields:
-                    return False
-            elif not test(v):
-                return False
-        return True
+    def quick_tests(self) -> tuple[Mapping[str, Callable[[Any], bool]], frozenset[str]]:
+        """The cheap way to say a node's writes hold as they stand, key by key: a
+        test per key (a write to a plain key is of its type, a list appended to a
+        list key is of the list's type; strict validation, so nothing in it would
+        be converted), and the state keys, which a write to a key with no test
+        sends to the full check (`writes`). A test's False says nothing: `writes`
+        says what is wrong, if anything. Taken once per run, as of its channels."""
+        return self._quick, self.fields
 
     def writes(self, writes: Any, **ids: Any) -> None:
         """Check a task's writes to state channels (see the module docstring)."""
