@@ -200,8 +200,9 @@ class StateCheck:
             else None
         )
         # (A key's type is one Pydantic takes, `_checkable`: its adapter builds.)
-        quick = {k: _strict_test(TypeAdapter(self._types[k])) for k in self._plain}
-        quick.update({k: _strict_test(a, lists=True) for k, a in self._appends.items()})
+        types = self._types
+        quick = {k: _strict_test(TypeAdapter(types[k]), types[k]) for k in self._plain}
+        quick.update({k: _strict_test(a, bare[k], lists=True) for k, a in self._appends.items()})
         self._quick = {k: test for k, test in quick.items() if test is not None}
         self._channels = channels
         return self
@@ -358,15 +359,38 @@ def _appends_lists(channel: Any, bare_type: Any) -> bool:
     )
 
 
-def _strict_test(adapter: TypeAdapter[Any], *, lists: bool = False) -> Callable[[Any], bool] | None:
-    """A test that a value is of `adapter`'s type as it stands (a list, if `lists`),
-    without raising; None where Pydantic's validator cannot give one."""
+#: Types whose every value of exactly that type passes strict validation.
+_EXACT = (str, int, float, bool, bytes)
+
+
+def _strict_test(
+    adapter: TypeAdapter[Any], type_: Any, *, lists: bool = False
+) -> Callable[[Any], bool] | None:
+    """A test that a value is of `type_` (`adapter`'s) as it stands (a list of it, if
+    `lists`), without raising; None where Pydantic's validator cannot give one. A
+    value of exactly a plain type (`str`, `int`, ...), or a list of such values,
+    passes at once; Pydantic's strict validator tests the rest."""
     try:
         isinstance_python = adapter.validator.isinstance_python
     except Exception:  # noqa: BLE001 (e.g. an unresolved forward reference: the full check)
         return None
     if lists:
-        return lambda v: type(v) is list and isinstance_python(v, strict=True)
+        args = typing.get_args(type_)
+        item = args[0] if len(args) == 1 and args[0] in _EXACT else None
+        if item is None:
+            return lambda v: type(v) is list and isinstance_python(v, strict=True)
+
+        def test(v: Any) -> bool:
+            if type(v) is not list:
+                return False
+            for x in v:
+                if type(x) is not item:
+                    return bool(isinstance_python(v, strict=True))
+            return True
+
+        return test
+    if type_ in _EXACT:
+        return lambda v: type(v) is type_ or isinstance_python(v, strict=True)
     return functools.partial(isinstance_python, strict=True)
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import operator
+import typing
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,12 +17,13 @@ import pytest
 from annotated_types import Ge
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, RetryPolicy
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 from test_langgraph_support import INITIAL, World, build
 from typing_extensions import TypedDict
 
 from remit_core import CheckpointInvalid, ResumeConflict
 from remit_langgraph import AsyncRemitSaver, RemitSaver
+from remit_langgraph._schema import StateCheck
 
 
 def config() -> dict[str, Any]:
@@ -132,6 +135,69 @@ def test_an_output_that_holds_only_once_converted_is_refused(
     snapshot = graph.get_state(cfg)
     assert snapshot.next == ("b",)
     assert snapshot.values == {"amount": 1, "log": ["a"]}
+
+
+class Plain(TypedDict, total=False):
+    text: str
+    count: int
+    ratio: float
+    flag: bool
+    raw: bytes
+    short: Annotated[str, Field(max_length=3)]
+    ints: Annotated[list[int], operator.add]
+    words: Annotated[list[str], operator.add]
+
+
+class Label(str):
+    pass
+
+
+class Small(enum.IntEnum):
+    ONE = 1
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "abcd",
+        Label("x"),
+        1,
+        True,
+        Small.ONE,
+        1.5,
+        2**70,
+        float("nan"),
+        b"x",
+        bytearray(b"x"),
+        None,
+        [],
+        [1, 2],
+        [1, True],
+        [1, "2"],
+        ["a", "b"],
+        ["a", Label("b")],
+        [Small.ONE],
+        (1,),
+    ],
+    ids=repr,
+)
+def test_the_quick_test_of_a_key_says_what_strict_validation_says(value: Any) -> None:
+    """A write of exactly a plain type (or a list of such) passes the quick test at
+    once; it must answer as Pydantic's strict validation of the key's type would,
+    constraints included, for every value, of any type."""
+    builder = StateGraph(Plain)
+    builder.add_node("n", lambda s: {})
+    builder.add_edge(START, "n")
+    builder.add_edge("n", END)
+    check = StateCheck.of(Plain)
+    assert check is not None
+    quick, _ = check.with_channels(builder.compile().channels).quick_tests()
+    lists = {"ints": list[int], "words": list[str]}
+    assert set(quick) == set(Plain.__annotations__)
+    for key, test in quick.items():
+        hint = lists.get(key) or typing.get_type_hints(Plain, include_extras=True)[key]
+        expected = TypeAdapter(hint).validator.isinstance_python(value, strict=True)
+        assert bool(test(value)) == (expected and (key not in lists or type(value) is list)), key
 
 
 @pytest.mark.parametrize("durability", ["async", "exit"])
