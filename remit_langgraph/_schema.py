@@ -7,9 +7,10 @@ Ge(0)]`, `Field(ge=0)`). Reducer metadata in `Annotated` (e.g.
 `operator.add`) is ignored by validation. The field types are gathered from a
 TypedDict, a Pydantic model or a dataclass into a `total=False` TypedDict,
 which the core validates and which names the failing field. A Pydantic
-model's or dataclass's own checks (validators, `__post_init__`) hold of a
-whole state: they are run on every checkpoint that has the keys the type
-requires, and on the state a task's writes would make.
+model's or dataclass's own checks (validators, `__post_init__`, a config of
+its own) hold of a whole state: they are run on every checkpoint that has the
+keys the type requires, and on the state a task's writes would make. A type
+with none has nothing more to check of a whole state than of its keys.
 
 A node's write is checked before it is stored, so that a refused write never
 becomes a pending write that every later read of the thread re-applies: a
@@ -33,6 +34,7 @@ from langgraph.channels.binop import BinaryOperatorAggregate
 from langgraph.channels.last_value import LastValue, LastValueAfterFinish
 from langgraph.types import Overwrite
 from pydantic import BaseModel, PydanticSchemaGenerationError, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 from typing_extensions import TypedDict, is_typeddict
 
 from remit_core.errors import CheckpointInvalid
@@ -90,6 +92,35 @@ def _required_fields(state_type: type) -> set[str]:
         for f in dataclasses.fields(state_type)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     }
+
+
+def _has_own_checks(state_type: type) -> bool:
+    """Whether a model or dataclass checks more of a state than its fields' types
+    and constraints (which the key-by-key check applies): validators, a
+    post-init, a config of its own, a discriminated field, a Pydantic dataclass
+    (whose `Field(...)` defaults hold constraints). Only such a type has a whole
+    state checked: each checkpoint, and each node's output (a slower path)."""
+    decorators = getattr(state_type, "__pydantic_decorators__", None)
+    if decorators is not None and (
+        decorators.validators
+        or decorators.field_validators
+        or decorators.root_validators
+        or decorators.model_validators
+    ):
+        return True
+    if issubclass(state_type, BaseModel):
+        return (
+            bool(state_type.model_config)
+            or state_type.model_post_init is not BaseModel.model_post_init
+            or any(f.discriminator is not None for f in state_type.model_fields.values())
+        )
+    if not dataclasses.is_dataclass(state_type):
+        return False
+    return (
+        hasattr(state_type, "__pydantic_fields__")
+        or hasattr(state_type, "__post_init__")
+        or any(isinstance(f.default, FieldInfo) for f in dataclasses.fields(state_type))
+    )
 
 
 def plain_record_types(types: Any) -> set[type]:
@@ -171,9 +202,7 @@ class StateCheck:
         if not fields:
             return None
         check = cls({k: _checkable(t) for k, t in fields.items()}, declared)
-        if isinstance(state_type, type) and (
-            issubclass(state_type, BaseModel) or dataclasses.is_dataclass(state_type)
-        ):
+        if isinstance(state_type, type) and _has_own_checks(state_type):
             check._whole = StateSchema(state_type, version=check.version)
             check._required = frozenset(_required_fields(state_type))
         return check

@@ -11,13 +11,14 @@ import operator
 import typing
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
+import pydantic.dataclasses
 import pytest
 from annotated_types import Ge
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, RetryPolicy
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, field_validator
 from test_langgraph_support import INITIAL, World, build
 from typing_extensions import TypedDict
 
@@ -137,7 +138,7 @@ def test_an_output_that_holds_only_once_converted_is_refused(
     assert snapshot.values == {"amount": 1, "log": ["a"]}
 
 
-class Plain(TypedDict, total=False):
+class Exact(TypedDict, total=False):
     text: str
     count: int
     ratio: float
@@ -185,19 +186,109 @@ def test_the_quick_test_of_a_key_says_what_strict_validation_says(value: Any) ->
     """A write of exactly a plain type (or a list of such) passes the quick test at
     once; it must answer as Pydantic's strict validation of the key's type would,
     constraints included, for every value, of any type."""
-    builder = StateGraph(Plain)
+    builder = StateGraph(Exact)
     builder.add_node("n", lambda s: {})
     builder.add_edge(START, "n")
     builder.add_edge("n", END)
-    check = StateCheck.of(Plain)
+    check = StateCheck.of(Exact)
     assert check is not None
     quick, _ = check.with_channels(builder.compile().channels).quick_tests()
     lists = {"ints": list[int], "words": list[str]}
-    assert set(quick) == set(Plain.__annotations__)
+    assert set(quick) == set(Exact.__annotations__)
     for key, test in quick.items():
-        hint = lists.get(key) or typing.get_type_hints(Plain, include_extras=True)[key]
+        hint = lists.get(key) or typing.get_type_hints(Exact, include_extras=True)[key]
         expected = TypeAdapter(hint).validator.isinstance_python(value, strict=True)
         assert bool(test(value)) == (expected and (key not in lists or type(value) is list)), key
+
+
+class Bare(BaseModel):
+    amount: int = Field(0, ge=0)
+
+
+class Configured(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+    ratio: float = 0.0
+
+
+class Validated(BaseModel):
+    amount: int = 0
+
+    @field_validator("amount")
+    @classmethod
+    def even(cls, value: int) -> int:
+        return value
+
+
+class Private(BaseModel):
+    amount: int = 0
+    _seen: int = PrivateAttr(0)
+
+
+class Cat(BaseModel):
+    kind: Literal["cat"] = "cat"
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"] = "dog"
+
+
+class Tagged(BaseModel):
+    pet: Cat | Dog = Field(Cat(), discriminator="kind")
+
+
+@dataclasses.dataclass
+class Checked:
+    amount: int = 0
+
+    def __post_init__(self) -> None:
+        pass
+
+
+@pydantic.dataclasses.dataclass
+class PydanticData:
+    amount: int = Field(0, ge=0)
+
+
+@pytest.mark.parametrize(
+    ("state", "whole"),
+    [
+        (Typed, False),
+        (Bare, False),
+        (Plain, False),
+        (Configured, True),
+        (Validated, True),
+        (Private, True),
+        (Tagged, True),
+        (Checked, True),
+        (PydanticData, True),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_a_whole_state_is_checked_where_its_type_checks_more_than_its_keys(
+    state: Any, whole: bool
+) -> None:
+    """Each node's output of a state type with checks beyond its keys' types and
+    constraints (validators, a post-init, a config of its own, a discriminated field,
+    a Pydantic dataclass's `Field` defaults) takes the whole-state check; a plain
+    model or dataclass, whose keys say it all, takes the quick key-by-key one."""
+    check = StateCheck.of(state)
+    assert check is not None and check.checks_whole is whole
+
+
+def test_a_models_config_refuses_an_output_its_keys_types_take(store_url: str) -> None:
+    """`allow_inf_nan=False` is the model's, not the key's type's: only the check of
+    the whole state refuses a NaN, before anything of it is applied or stored."""
+    builder = StateGraph(Configured)
+    builder.add_node("a", lambda s: {"ratio": 0.5})
+    builder.add_node("b", lambda s: {"ratio": float("nan")})
+    builder.add_edge(START, "a")
+    builder.add_edge("a", "b")
+    builder.add_edge("b", END)
+    graph, cfg = builder.compile(checkpointer=RemitSaver(store_url)), config()
+    with pytest.raises(CheckpointInvalid):
+        graph.invoke({"ratio": 0.0}, cfg, durability="exit")
+    snapshot = graph.get_state(cfg)
+    assert snapshot.next == ("b",) and snapshot.values == {"ratio": 0.5}
 
 
 @pytest.mark.parametrize("durability", ["async", "exit"])
