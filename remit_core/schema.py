@@ -149,6 +149,16 @@ class StateSchema:
             self._adapter.validate_python(plain, by_name=True)
         except ValidationError as exc:
             raise _invalid(exc, ids) from exc
+        except TypeError as exc:
+            # A validator function's own `TypeError` (a callable discriminator given a
+            # value of no kind it knows), which Pydantic lets through.
+            only = next(iter(value)) if isinstance(value, Mapping) and len(value) == 1 else None
+            where = f" at {only}" if isinstance(only, str) else ""
+            raise CheckpointInvalid(
+                f"state does not satisfy its schema{where}: {exc}",
+                field=only if isinstance(only, str) else None,
+                **ids,
+            ) from exc
         return validated
 
     def holds_as_is(self, value: Any) -> bool:
@@ -159,7 +169,7 @@ class StateSchema:
             return False
         try:
             self._adapter.validate_python(value, strict=True)
-        except ValidationError:
+        except (ValidationError, TypeError):  # (`TypeError`: see `validate`)
             return False
         return True
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import operator
 import typing
 from collections.abc import Callable, Mapping
@@ -32,6 +31,7 @@ from typing import Annotated, Any
 from langgraph._internal._typing import MISSING
 from langgraph.channels.binop import BinaryOperatorAggregate
 from langgraph.channels.last_value import LastValue, LastValueAfterFinish
+from langgraph.graph.message import add_messages
 from langgraph.types import Overwrite
 from pydantic import BaseModel, PydanticSchemaGenerationError, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -232,6 +232,9 @@ class StateCheck:
         types = self._types
         quick = {k: _strict_test(TypeAdapter(types[k]), types[k]) for k in self._plain}
         quick.update({k: _strict_test(a, bare[k], lists=True) for k, a in self._appends.items()})
+        quick.update(
+            {k: _messages_test(a) for k, (ch, a) in self._reducers.items() if _adds_messages(ch)}
+        )
         self._quick = {k: test for k, test in quick.items() if test is not None}
         self._channels = channels
         return self
@@ -317,7 +320,7 @@ class StateCheck:
                 continue
             try:
                 validated = adapter.validate_python(value)
-            except ValidationError:
+            except (ValidationError, TypeError):  # (`TypeError`: see `StateSchema.validate`)
                 assert self._reduced is not None
                 self._reduced.validate({ch: value}, **ids)  # raises, naming the field
                 raise
@@ -399,28 +402,67 @@ def _strict_test(
     `lists`), without raising; None where Pydantic's validator cannot give one. A
     value of exactly a plain type (`str`, `int`, ...), or a list of such values,
     passes at once; Pydantic's strict validator tests the rest."""
-    try:
-        isinstance_python = adapter.validator.isinstance_python
-    except Exception:  # noqa: BLE001 (e.g. an unresolved forward reference: the full check)
+    strict = _strict_validator(adapter)
+    if strict is None:
         return None
     if lists:
         args = typing.get_args(type_)
         item = args[0] if len(args) == 1 and args[0] in _EXACT else None
         if item is None:
-            return lambda v: type(v) is list and isinstance_python(v, strict=True)
+            return lambda v: type(v) is list and strict(v)
 
         def test(v: Any) -> bool:
             if type(v) is not list:
                 return False
             for x in v:
                 if type(x) is not item:
-                    return bool(isinstance_python(v, strict=True))
+                    return strict(v)
             return True
 
         return test
     if type_ in _EXACT:
-        return lambda v: type(v) is type_ or isinstance_python(v, strict=True)
-    return functools.partial(isinstance_python, strict=True)
+        return lambda v: type(v) is type_ or strict(v)
+    return strict
+
+
+def _strict_validator(adapter: TypeAdapter[Any]) -> Callable[[Any], bool] | None:
+    """Whether a value passes `adapter` in strict mode, as a test that never raises
+    (a callable discriminator may raise `TypeError` on a value of no kind it knows);
+    None where Pydantic's validator cannot give one."""
+    try:
+        isinstance_python = adapter.validator.isinstance_python
+    except Exception:  # noqa: BLE001 (e.g. an unresolved forward reference: the full check)
+        return None
+
+    def strict(v: Any) -> bool:
+        try:
+            return bool(isinstance_python(v, strict=True))
+        except Exception:  # noqa: BLE001 (says nothing: the full check tells)
+            return False
+
+    return strict
+
+
+def _adds_messages(channel: Any) -> bool:
+    """Whether `channel` folds writes into its key with LangGraph's `add_messages`
+    from an empty list (`MessagesState`, `Annotated[list[AnyMessage], add_messages]`)."""
+    return (
+        type(channel) is BinaryOperatorAggregate
+        and channel.operator is add_messages
+        and type(channel.value) is list
+    )
+
+
+def _messages_test(adapter: TypeAdapter[Any]) -> Callable[[Any], bool] | None:
+    """A test that a write to an `add_messages` key is messages of the key's type
+    (`adapter`'s, a list type) as they stand: a list of them, or one. The reducer
+    then makes a list of those very messages (ids given, duplicates merged), which
+    holds as they do; a write it would convert (a dict, a tuple, a string) gets the
+    full check."""
+    strict = _strict_validator(adapter)
+    if strict is None:
+        return None
+    return lambda v: strict(v if type(v) is list else [v])
 
 
 def _holds_as_is(adapter: TypeAdapter[Any], value: Any) -> bool:
@@ -428,7 +470,7 @@ def _holds_as_is(adapter: TypeAdapter[Any], value: Any) -> bool:
     stands, and lax validation would convert nothing in it."""
     try:
         adapter.validate_python(value, strict=True)
-    except ValidationError:
+    except (ValidationError, TypeError):  # (`TypeError`: see `StateSchema.validate`)
         return False
     return True
 

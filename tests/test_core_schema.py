@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from typing_extensions import NotRequired, TypedDict
 
 from remit_core import CheckpointInvalid, Migrations, StateSchema, VersionMismatch
@@ -242,3 +242,38 @@ def test_migrations_step_by_step() -> None:
     with pytest.raises(VersionMismatch) as err:
         StateSchema(dict, version=3).upgrade({}, 1, run_id="r1", checkpoint_id="c1")
     assert "no migration from version 1" in str(err.value)
+
+
+def _kind_of(value: Any) -> str:
+    """A callable discriminator that raises `TypeError` on a value of no kind it knows
+    (as LangChain's message discriminator does); Pydantic lets that through."""
+    if isinstance(value, dict):
+        return str(value["kind"])
+    if hasattr(value, "kind"):
+        return str(value.kind)
+    raise TypeError(f"no kind in {type(value).__name__}")
+
+
+class Cat(BaseModel):
+    kind: Literal["cat"] = "cat"
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"] = "dog"
+
+
+class Pet(TypedDict, total=False):
+    pet: Annotated[
+        Union[Annotated[Cat, Tag("cat")], Annotated[Dog, Tag("dog")]],  # noqa: UP007
+        Discriminator(_kind_of),
+    ]
+
+
+@pytest.mark.parametrize("value", ["cat", 3, None])
+def test_a_validators_own_type_error_is_a_checkpoint_invalid_naming_the_field(value: Any) -> None:
+    schema = StateSchema(Pet)
+    assert schema.validate({"pet": Cat()}, run_id="r") == {"pet": Cat()}
+    assert schema.holds_as_is({"pet": value}) is False
+    with pytest.raises(CheckpointInvalid) as err:
+        schema.validate({"pet": value}, run_id="r")
+    assert err.value.field == "pet" and "no kind" in str(err.value)

@@ -16,7 +16,14 @@ from typing import Annotated, Any, Literal
 import pydantic.dataclasses
 import pytest
 from annotated_types import Ge
-from langgraph.graph import END, START, StateGraph
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    AnyMessage,
+    HumanMessage,
+    RemoveMessage,
+)
+from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Command, RetryPolicy
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, field_validator
 from test_langgraph_support import INITIAL, World, build
@@ -199,6 +206,65 @@ def test_the_quick_test_of_a_key_says_what_strict_validation_says(value: Any) ->
         hint = lists.get(key) or typing.get_type_hints(Exact, include_extras=True)[key]
         expected = TypeAdapter(hint).validator.isinstance_python(value, strict=True)
         assert bool(test(value)) == (expected and (key not in lists or type(value) is list)), key
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        [AIMessage(content="a", id="1")],
+        AIMessage(content="a"),
+        [HumanMessage(content="h"), AIMessageChunk(content="c")],
+        [("user", "hi")],
+        {"role": "user", "content": "hi"},
+        "hi",
+        [RemoveMessage(id="1")],
+        [AIMessage.model_construct(content=5)],
+        [],
+    ],
+    ids=repr,
+)
+def test_the_quick_test_of_a_messages_key_passes_only_messages_as_they_stand(output: Any) -> None:
+    """An `add_messages` key's quick test passes a write of message instances of the
+    key's type (a list of them, or one), as the full check of what the reducer makes
+    of them would; a write the reducer converts (a tuple, a dict, a string) or that
+    removes a message gets the full check, which takes it."""
+    builder = StateGraph(MessagesState)
+    builder.add_node("n", lambda s: {})
+    builder.add_edge(START, "n")
+    builder.add_edge("n", END)
+    check = StateCheck.of(MessagesState)
+    assert check is not None
+    quick, _ = check.with_channels(builder.compile().channels).quick_tests()
+    messages = output if isinstance(output, list) else [output]
+    instances = all(isinstance(m, (AIMessage, HumanMessage, AIMessageChunk)) for m in messages)
+    assert quick["messages"](output) is instances
+    check.writes([("messages", output)], run_id="t")  # the full check takes each
+
+
+class Latest(TypedDict, total=False):
+    last: AnyMessage
+
+
+@pytest.mark.parametrize("durability", ["exit", "sync"])
+def test_a_write_the_keys_discriminator_cannot_place_is_refused(
+    store_url: str, durability: str
+) -> None:
+    """LangChain's message discriminator raises `TypeError` on a string, and Pydantic
+    lets it through: it is still `CheckpointInvalid` naming the key, and the thread
+    stays where it was."""
+    builder = StateGraph(Latest)
+    builder.add_node("n", lambda s: {"last": "hi"})
+    builder.add_edge(START, "n")
+    builder.add_edge("n", END)
+    graph, cfg = builder.compile(checkpointer=RemitSaver(store_url)), config()
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke({"last": AIMessage(content="x", id="1")}, cfg, durability=durability)
+    assert err.value.field == "last"
+    with pytest.raises(CheckpointInvalid):
+        graph.update_state(cfg, {"last": "hi"})
+    snapshot = graph.get_state(cfg)
+    assert snapshot.next == ("n",)
+    assert snapshot.values == {"last": AIMessage(content="x", id="1")}
 
 
 class Bare(BaseModel):
