@@ -10,6 +10,7 @@ import enum
 import operator
 import typing
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -164,6 +165,17 @@ class Small(enum.IntEnum):
     ONE = 1
 
 
+def quick_tests_of(state: Any) -> Mapping[str, Callable[[Any], bool]]:
+    """The quick tests of `state`'s keys, as a graph of it has them."""
+    builder = StateGraph(state)
+    builder.add_node("n", lambda s: {})
+    builder.add_edge(START, "n")
+    builder.add_edge("n", END)
+    check = StateCheck.of(state)
+    assert check is not None
+    return check.with_channels(builder.compile().channels).quick_tests()[0]
+
+
 @pytest.mark.parametrize(
     "value",
     [
@@ -193,13 +205,7 @@ def test_the_quick_test_of_a_key_says_what_strict_validation_says(value: Any) ->
     """A write of exactly a plain type (or a list of such) passes the quick test at
     once; it must answer as Pydantic's strict validation of the key's type would,
     constraints included, for every value, of any type."""
-    builder = StateGraph(Exact)
-    builder.add_node("n", lambda s: {})
-    builder.add_edge(START, "n")
-    builder.add_edge("n", END)
-    check = StateCheck.of(Exact)
-    assert check is not None
-    quick, _ = check.with_channels(builder.compile().channels).quick_tests()
+    quick = quick_tests_of(Exact)
     lists = {"ints": list[int], "words": list[str]}
     assert set(quick) == set(Exact.__annotations__)
     for key, test in quick.items():
@@ -228,13 +234,7 @@ def test_the_quick_test_of_a_messages_key_passes_only_messages_as_they_stand(out
     key's type (a list of them, or one), as the full check of what the reducer makes
     of them would; a write the reducer converts (a tuple, a dict, a string) or that
     removes a message gets the full check, which takes it."""
-    builder = StateGraph(MessagesState)
-    builder.add_node("n", lambda s: {})
-    builder.add_edge(START, "n")
-    builder.add_edge("n", END)
-    check = StateCheck.of(MessagesState)
-    assert check is not None
-    quick, _ = check.with_channels(builder.compile().channels).quick_tests()
+    quick = quick_tests_of(MessagesState)
     messages = output if isinstance(output, list) else [output]
     instances = all(isinstance(m, (AIMessage, HumanMessage, AIMessageChunk)) for m in messages)
     assert quick["messages"](output) is instances
