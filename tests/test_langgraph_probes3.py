@@ -165,15 +165,15 @@ class Small(enum.IntEnum):
     ONE = 1
 
 
-def quick_tests_of(state: Any) -> Mapping[str, Callable[[Any], bool]]:
-    """The quick tests of `state`'s keys, as a graph of it has them."""
+def quick_tests_of(state: Any) -> tuple[StateCheck, Mapping[str, Callable[[Any], bool]]]:
+    """The check of `state` and the quick tests of its keys, as a graph of it has them."""
     builder = StateGraph(state)
     builder.add_node("n", lambda s: {})
     builder.add_edge(START, "n")
     builder.add_edge("n", END)
     check = StateCheck.of(state)
     assert check is not None
-    return check.with_channels(builder.compile().channels).quick_tests()[0]
+    return check, check.with_channels(builder.compile().channels).quick_tests()[0]
 
 
 @pytest.mark.parametrize(
@@ -205,7 +205,7 @@ def test_the_quick_test_of_a_key_says_what_strict_validation_says(value: Any) ->
     """A write of exactly a plain type (or a list of such) passes the quick test at
     once; it must answer as Pydantic's strict validation of the key's type would,
     constraints included, for every value, of any type."""
-    quick = quick_tests_of(Exact)
+    _, quick = quick_tests_of(Exact)
     lists = {"ints": list[int], "words": list[str]}
     assert set(quick) == set(Exact.__annotations__)
     for key, test in quick.items():
@@ -234,7 +234,7 @@ def test_the_quick_test_of_a_messages_key_passes_only_messages_as_they_stand(out
     key's type (a list of them, or one), as the full check of what the reducer makes
     of them would; a write the reducer converts (a tuple, a dict, a string) or that
     removes a message gets the full check, which takes it."""
-    quick = quick_tests_of(MessagesState)
+    check, quick = quick_tests_of(MessagesState)
     messages = output if isinstance(output, list) else [output]
     instances = all(isinstance(m, (AIMessage, HumanMessage, AIMessageChunk)) for m in messages)
     assert quick["messages"](output) is instances
