@@ -161,6 +161,12 @@ class StateSchema:
             ) from exc
         return validated
 
+    @property
+    def plain(self) -> bool:
+        """Whether the type validates plain data into plain data alone (no model or
+        dataclass instance taken as it is): `validate` then needs no second pass."""
+        return self._plain
+
     def holds_as_is(self, value: Any) -> bool:
         """Whether `value` is of this (plain) type as it stands: strict validation
         passes it, so validating would convert nothing in it. False says nothing

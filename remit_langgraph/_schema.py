@@ -35,6 +35,7 @@ from langgraph.graph.message import add_messages
 from langgraph.types import Overwrite
 from pydantic import BaseModel, PydanticSchemaGenerationError, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticSerializationError
 from typing_extensions import TypedDict, is_typeddict
 
 from remit_core.errors import CheckpointInvalid
@@ -177,6 +178,7 @@ class StateCheck:
         #: key -> (its channel, an adapter of its type without outer constraints)
         self._reducers: dict[str, tuple[Any, TypeAdapter[Any]]] = {}
         self._reduced: StateSchema | None = None  # the same, named like the state's
+        self._plain_reducers: frozenset[str] = frozenset()
         #: Reducer keys that concatenate lists (`Annotated[list[T], operator.add]`):
         #: a list write that holds as it stands makes a value that holds.
         self._appends: dict[str, TypeAdapter[Any]] = {}
@@ -187,6 +189,10 @@ class StateCheck:
         #: a whole state: the state type, and the keys a whole state has.
         self._whole: StateSchema | None = None
         self._required: frozenset[str] = frozenset()
+        #: List keys of models (a chat's messages), checked item by item (`_Items`).
+        self._items = {
+            k: _Items(item) for k, t in self._types.items() if (item := _model_items(t)) is not None
+        }
 
     @classmethod
     def of(cls, state: Any) -> StateCheck | None:
@@ -220,6 +226,8 @@ class StateCheck:
             if k in self.fields and isinstance(ch, _REDUCER_CHANNELS)
         }
         self._reducers = {k: (channels[k], TypeAdapter(t)) for k, t in bare.items()}
+        #: Reducer keys of plain data, which strict validation checks as they stand.
+        self._plain_reducers = frozenset(k for k, t in bare.items() if StateSchema(t).plain)
         self._appends = {
             k: adapter for k, (ch, adapter) in self._reducers.items() if _appends_lists(ch, bare[k])
         }
@@ -229,11 +237,28 @@ class StateCheck:
             else None
         )
         # (A key's type is one Pydantic takes, `_checkable`: its adapter builds.)
-        types = self._types
-        quick = {k: _strict_test(TypeAdapter(types[k]), types[k]) for k in self._plain}
-        quick.update({k: _strict_test(a, bare[k], lists=True) for k, a in self._appends.items()})
+        # A key of models gets a quick test only where its items are checked deeply
+        # (`_Items`): an instance built or changed without validation passes strict
+        # validation as it stands.
+        types, items = self._types, self._items
+        quick = {
+            k: _strict_test(TypeAdapter(types[k]), types[k])
+            for k in self._plain
+            if StateSchema(types[k]).plain
+        }
         quick.update(
-            {k: _messages_test(a) for k, (ch, a) in self._reducers.items() if _adds_messages(ch)}
+            {
+                k: _deep(_strict_test(a, bare[k], lists=True), items.get(k))
+                for k, a in self._appends.items()
+                if k in self._plain_reducers or k in items
+            }
+        )
+        quick.update(
+            {
+                k: _deep(_messages_test(a), items[k])
+                for k, (ch, a) in self._reducers.items()
+                if _adds_messages(ch) and k in items
+            }
         )
         self._quick = {k: test for k, test in quick.items() if test is not None}
         self._channels = channels
@@ -244,8 +269,17 @@ class StateCheck:
         chosen = self.fields if keys is None else self.fields & set(keys)
         present = {k: _unwrapped(values[k]) for k in chosen if k in values}
         if present:
-            if not self._partial.holds_as_is(present):
-                _as_declared(present, self._partial.validate(present, **ids), ids)
+            rest = present
+            if self._items:
+                rest = {}
+                for k, v in present.items():
+                    items = self._items.get(k)
+                    if items is not None and type(v) is list:
+                        items.check(k, v, ids)
+                    else:
+                        rest[k] = v
+            if rest and not self._partial.holds_as_is(rest):
+                _as_declared(rest, self._partial.validate(rest, **ids), ids)
             self._check_whole({k: _unwrapped(values[k]) for k in self.fields if k in values}, ids)
 
     @property
@@ -305,7 +339,12 @@ class StateCheck:
         for ch, v in writes:
             if ch in self._plain:
                 present[ch] = v
-            elif ch in appends and type(v) is list and _holds_as_is(appends[ch], v):
+            elif (
+                ch in appends
+                and type(v) is list
+                and _holds_as_is(appends[ch], v)
+                and (ch not in self._items or self._items[ch].holds(v))
+            ):
                 continue  # (the empty list plus `v` is `v`; a key's lists join alike)
             elif ch in self._reducers:
                 reduced.setdefault(ch, []).append(v)
@@ -315,16 +354,15 @@ class StateCheck:
             value = self._reduce(ch, values, **ids)
             if value is MISSING:
                 continue
-            adapter = self._reducers[ch][1]
-            if _holds_as_is(adapter, value):
+            items = self._items.get(ch)
+            if items is not None and type(value) is list:
+                items.check(ch, value, ids)  # (each item deeply, as `StateSchema.validate`)
                 continue
-            try:
-                validated = adapter.validate_python(value)
-            except (ValidationError, TypeError):  # (`TypeError`: see `StateSchema.validate`)
-                assert self._reduced is not None
-                self._reduced.validate({ch: value}, **ids)  # raises, naming the field
-                raise
-            _as_declared({ch: value}, {ch: validated}, ids)
+            if ch in self._plain_reducers and _holds_as_is(self._reducers[ch][1], value):
+                continue
+            assert self._reduced is not None
+            # Raises naming the field; a model in the value is checked by its plain form too.
+            _as_declared({ch: value}, self._reduced.validate({ch: value}, **ids), ids)
 
     def _reduce(self, channel: str, values: list[Any], **ids: Any) -> Any:
         """What the reducer of `channel` makes of its empty value and `values`; MISSING
@@ -363,12 +401,13 @@ class StateCheck:
 _SCALARS = (bool, int, float, str, bytes)
 
 
-def _as_declared(given: Any, validated: Any, ids: Mapping[str, Any]) -> None:
+def _as_declared(given: Any, validated: Any, ids: Mapping[str, Any], path: str = "") -> None:
     """`CheckpointInvalid` where validation passed `given` only by converting a plain
     value to another type ("5" to 5, 1 to True): LangGraph stores what the node
     returned, not the converted value, so the stored state would not be of its
-    declared type. (An int where a float is declared is a float's value.)"""
-    where = _converted(given, validated, "")
+    declared type. (An int where a float is declared is a float's value.) `path`:
+    where `given` is in the state, if it is not the state."""
+    where = _converted(given, validated, path)
     if where is not None:
         path, value, kept = where
         raise CheckpointInvalid(
@@ -463,6 +502,97 @@ def _messages_test(adapter: TypeAdapter[Any]) -> Callable[[Any], bool] | None:
     if strict is None:
         return None
     return lambda v: strict(v if type(v) is list else [v])
+
+
+def _deep(test: Callable[[Any], bool] | None, items: _Items | None) -> Callable[[Any], bool] | None:
+    """`test`, then (for a key of models) each item checked deeply by `items`."""
+    if test is None or items is None:
+        return test
+    holds = items.holds
+    return lambda v: test(v) and holds(v if type(v) is list else [v])
+
+
+def _model_items(field_type: Any) -> Any:
+    """T, where `field_type` is `list[T]` (annotated with reducers alone, no constraint
+    on the list) and T holds models (as `AnyMessage` does); else None."""
+    while typing.get_origin(field_type) is Annotated:
+        field_type, *metadata = typing.get_args(field_type)
+        if not all(callable(m) and not isinstance(m, type) for m in metadata):
+            return None  # a constraint on the whole list: checked with the rest
+    args = typing.get_args(field_type)
+    if typing.get_origin(field_type) is not list or len(args) != 1:
+        return None
+    return None if StateSchema(args[0]).plain else args[0]
+
+
+class _Items:
+    """The check of a list key's items one by one, as `StateSchema.validate` checks a
+    value (the item, then its plain form, which catches an instance built or changed
+    without validation), remembering each item that passed with its plain form. A
+    checkpoint holds the whole list, a chat's messages grow by a few per step, and
+    an item's plain form is several times cheaper to make than to validate: an item
+    met again whose plain form is as it was (so is its check, validators being
+    functions of it) is not validated again."""
+
+    #: Items remembered (then forgotten at once): each is kept alive while remembered,
+    #: so its `id` names no other object.
+    KEPT = 4096
+
+    def __init__(self, item_type: Any) -> None:
+        self._adapter: TypeAdapter[Any] = TypeAdapter(item_type)
+        self._passed: dict[int, tuple[Any, Any]] = {}
+
+    def check(self, key: str, items: list[Any], ids: Mapping[str, Any]) -> None:
+        """`CheckpointInvalid` naming the first item of `items` (the list at `key`) that
+        fails, and the field in it."""
+        for i, item in enumerate(items):
+            where = f"{key}[{i}]"
+            try:
+                validated = self._checked(item)
+            except (ValidationError, TypeError) as exc:  # (`TypeError`: see `StateSchema`)
+                raise _item_invalid(exc, where, ids) from exc
+            _as_declared(item, validated, ids, where)
+
+    def holds(self, items: list[Any]) -> bool:
+        """Whether every item of `items` passes as it stands (False says nothing:
+        `check` says what is wrong, if anything)."""
+        try:
+            return all(self._checked(item) is item for item in items)
+        except (ValidationError, TypeError):
+            return False
+
+    def _checked(self, item: Any) -> Any:
+        """`item` validated (raises as Pydantic does), and remembered if it passed."""
+        adapter, passed = self._adapter, self._passed
+        validated = adapter.validate_python(item)
+        try:
+            plain = adapter.dump_python(validated, round_trip=True, by_alias=False, warnings=False)
+        except PydanticSerializationError:
+            return validated  # no plain form: the first pass is all there is
+        seen = passed.get(id(item))
+        if seen is not None and seen[0] is item and seen[1] == plain:
+            return validated
+        adapter.validate_python(plain, by_name=True)
+        if validated is item:  # (a converted item is not what the state holds)
+            if len(passed) >= self.KEPT:
+                passed.clear()
+            passed[id(item)] = (item, plain)
+        return validated
+
+
+def _item_invalid(
+    exc: ValidationError | TypeError, where: str, ids: Mapping[str, Any]
+) -> CheckpointInvalid:
+    """`CheckpointInvalid` naming the field in item `where` that failed."""
+    msg, path = str(exc), where
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        msg = str(first.get("msg"))
+        for part in first.get("loc", ()):
+            path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return CheckpointInvalid(
+        f"state does not satisfy its schema at {path}: {msg}", field=path, **ids
+    )
 
 
 def _holds_as_is(adapter: TypeAdapter[Any], value: Any) -> bool:

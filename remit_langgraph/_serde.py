@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
+import sys
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -52,6 +54,8 @@ _PLAIN_TYPES = frozenset(_PLAIN)
 #: The ext hook's refusal, kept per thread because msgpack re-raises it without a cause.
 _refusals = threading.local()
 _CONTAINERS = (list, tuple, set, frozenset)
+#: Containers that hold nothing to refuse when empty (a message's `additional_kwargs`).
+_EMPTY_FINE = frozenset((dict, *_CONTAINERS))
 _OPTIONS = ormsgpack.OPT_NON_STR_KEYS
 
 
@@ -131,7 +135,9 @@ class StrictSerializer(SerializerProtocol):
         items: Any
         if cls is dict:
             for k, v in obj.items():
-                if type(v) in _PLAIN_TYPES and type(k) in _PLAIN_TYPES:
+                if type(k) in _PLAIN_TYPES and (
+                    type(v) in _PLAIN_TYPES or (not v and type(v) in _EMPTY_FINE)
+                ):
                     continue  # the common case, without a call
                 bad = None if type(k) in _PLAIN_TYPES else self._refused(k)
                 if bad is None:
@@ -157,7 +163,7 @@ class StrictSerializer(SerializerProtocol):
         else:
             return None
         for step, value in items:
-            if type(value) in _PLAIN_TYPES:
+            if type(value) in _PLAIN_TYPES or (not value and type(value) in _EMPTY_FINE):
                 continue
             bad = self._refused(value)
             if bad is not None:
@@ -219,7 +225,7 @@ class StrictSerializer(SerializerProtocol):
         else:
             self._allowed(module, name)
         try:
-            target = getattr(importlib.import_module(module), name)
+            target = _resolved(module, name)
             if code == jsonplus.EXT_CONSTRUCTOR_SINGLE_ARG:
                 return target(tup[2])
             if code == jsonplus.EXT_CONSTRUCTOR_POS_ARGS:
@@ -243,12 +249,27 @@ class StrictSerializer(SerializerProtocol):
         raise CorruptRecord(f"stored value has unknown extension code {code}")
 
 
+def _resolved(module: str, name: str) -> Any:
+    """The object `name` of module `module` (allowlisted by the caller), importing the
+    module only if it is not loaded: a checkpoint of a long chat rebuilds hundreds of
+    messages of a few classes. (Looked up each time: a class redefined, as in a
+    notebook, is the new one.)"""
+    loaded = sys.modules.get(module)
+    return getattr(importlib.import_module(module) if loaded is None else loaded, name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _computed_fields(model: Any) -> frozenset[str]:
+    return frozenset(model.model_computed_fields)
+
+
 def _model_from_dump(model: Any, dump: dict[str, Any]) -> Any:
     """A Pydantic model, validated, from LangGraph's `model_dump()` of it: fields by
     name (whatever the aliases), and the computed fields the dump also holds left out."""
-    computed = model.model_computed_fields
-    fields = {k: v for k, v in dump.items() if k not in computed}
-    return model.model_validate(fields, by_name=True)
+    computed = _computed_fields(model)
+    if computed:
+        dump = {k: v for k, v in dump.items() if k not in computed}
+    return model.model_validate(dump, by_name=True)
 
 
 def _is_pickle(type_: str) -> bool:

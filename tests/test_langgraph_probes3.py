@@ -215,30 +215,36 @@ def test_the_quick_test_of_a_key_says_what_strict_validation_says(value: Any) ->
 
 
 @pytest.mark.parametrize(
-    "output",
+    ("output", "outcome"),
     [
-        [AIMessage(content="a", id="1")],
-        AIMessage(content="a"),
-        [HumanMessage(content="h"), AIMessageChunk(content="c")],
-        [("user", "hi")],
-        {"role": "user", "content": "hi"},
-        "hi",
-        [RemoveMessage(id="1")],
-        [AIMessage.model_construct(content=5)],
-        [],
+        ([AIMessage(content="a", id="1")], "quick"),
+        (AIMessage(content="a"), "quick"),
+        ([HumanMessage(content="h"), AIMessageChunk(content="c")], "quick"),
+        ([], "quick"),
+        ([("user", "hi")], "full"),
+        ({"role": "user", "content": "hi"}, "full"),
+        ("hi", "full"),
+        ([RemoveMessage(id="1")], "full"),
+        ([AIMessage.model_construct(content=5)], "refused"),
+        (AIMessage.model_construct(content="a", tool_calls=5), "refused"),
     ],
     ids=repr,
 )
-def test_the_quick_test_of_a_messages_key_passes_only_messages_as_they_stand(output: Any) -> None:
-    """An `add_messages` key's quick test passes a write of message instances of the
-    key's type (a list of them, or one), as the full check of what the reducer makes
-    of them would; a write the reducer converts (a tuple, a dict, a string) or that
-    removes a message gets the full check, which takes it."""
+def test_the_quick_test_of_a_messages_key_passes_only_messages_as_they_stand(
+    output: Any, outcome: str
+) -> None:
+    """An `add_messages` key's quick test passes a write of valid message instances of
+    the key's type (a list of them, or one); a write the reducer converts (a tuple, a
+    dict, a string) or that removes a message gets the full check, which takes it; a
+    message built without validation, whose fields are not a message's, is refused."""
     check, quick = quick_tests_of(MessagesState)
-    messages = output if isinstance(output, list) else [output]
-    instances = all(isinstance(m, (AIMessage, HumanMessage, AIMessageChunk)) for m in messages)
-    assert quick["messages"](output) is instances
-    check.writes([("messages", output)], run_id="t")  # the full check takes each
+    assert quick["messages"](output) is (outcome == "quick")
+    if outcome == "refused":
+        with pytest.raises(CheckpointInvalid) as err:
+            check.writes([("messages", output)], run_id="t")
+        assert err.value.field is not None and err.value.field.startswith("messages[0]")
+    else:
+        check.writes([("messages", output)], run_id="t")
 
 
 class Latest(TypedDict, total=False):
@@ -265,6 +271,57 @@ def test_a_write_the_keys_discriminator_cannot_place_is_refused(
     snapshot = graph.get_state(cfg)
     assert snapshot.next == ("n",)
     assert snapshot.values == {"last": AIMessage(content="x", id="1")}
+
+
+@pytest.mark.parametrize("durability", ["sync", "exit"])
+@pytest.mark.parametrize("how", ["changed", "constructed"])
+def test_a_chats_messages_are_checked_one_by_one_and_a_changed_one_again(
+    store_url: str, durability: str, how: str
+) -> None:
+    """A chat's messages are checked message by message, and one that passed is not
+    validated again while its plain form is as it was; a message changed in place
+    since (no validation on assignment) is, and a node's message built without
+    validation is checked too, before it is stored as the node's write: either is
+    refused naming it, and nothing invalid is stored."""
+    saver = RemitSaver(store_url)
+    graph, cfg = one_reply(saver, how), config()
+    graph.invoke({"messages": [HumanMessage(content="hi", id="h1")]}, cfg, durability=durability)
+    before = graph.get_state(cfg).values["messages"]
+    assert [m.content for m in before] == ["hi", "reply 1"]
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke(
+            {"messages": [HumanMessage(content="bad", id="h2")]}, cfg, durability=durability
+        )
+    # (The changed message is the state's first; the built one, the write's first.)
+    assert err.value.field is not None and err.value.field.startswith("messages[0].")
+    stored = saver.get_tuple(cfg)  # readable: nothing invalid was stored, pending or not
+    assert stored is not None
+    pending = [v for _, ch, v in stored.pending_writes or () if ch == "messages"]
+    kept = stored.checkpoint["channel_values"]["messages"] + [
+        m for v in pending for m in (v if isinstance(v, list) else [v])
+    ]
+    assert kept[:2] == before and all(isinstance(m.content, str) for m in kept)
+
+
+def one_reply(saver: RemitSaver, how: str) -> Any:
+    """A chat graph whose node replies; to a message "bad" it either changes the first
+    message in place into something no message is, or replies with a message built
+    without validation."""
+
+    def reply(state: MessagesState) -> dict[str, Any]:
+        turn = sum(1 for m in state["messages"] if isinstance(m, HumanMessage))
+        if state["messages"][-1].content != "bad":
+            return {"messages": [AIMessage(content=f"reply {turn}", id=f"a{turn}")]}
+        if how == "changed":
+            state["messages"][0].content = 5  # no validation on assignment
+            return {"messages": [AIMessage(content="ok", id="a2")]}
+        return {"messages": [AIMessage.model_construct(content=5, id="a2", type="ai")]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("reply", reply)
+    builder.add_edge(START, "reply")
+    builder.add_edge("reply", END)
+    return builder.compile(checkpointer=saver)
 
 
 class Bare(BaseModel):
