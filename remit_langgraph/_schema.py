@@ -343,7 +343,7 @@ class StateCheck:
                 ch in appends
                 and type(v) is list
                 and _holds_as_is(appends[ch], v)
-                and (ch not in self._items or self._items[ch].holds(v))
+                and (ch in self._plain_reducers or (ch in self._items and self._items[ch].holds(v)))
             ):
                 continue  # (the empty list plus `v` is `v`; a key's lists join alike)
             elif ch in self._reducers:

@@ -247,6 +247,33 @@ def test_the_quick_test_of_a_messages_key_passes_only_messages_as_they_stand(
         check.writes([("messages", output)], run_id="t")
 
 
+class Inner(BaseModel):
+    x: int = 0
+
+
+class Capped(TypedDict, total=False):
+    few: Annotated[list[Inner], Field(max_length=3), operator.add]
+    many: Annotated[list[Inner], operator.add]
+
+
+@pytest.mark.parametrize("key", ["few", "many"])
+def test_a_list_of_models_built_without_validation_is_refused_with_or_without_a_cap(
+    key: str,
+) -> None:
+    """An appended model built without validation passes strict validation as it
+    stands; its plain form does not, whether the list's items are checked one by one
+    (`many`) or the list is checked whole, its cap included (`few`)."""
+    check, quick = quick_tests_of(Capped)
+    bad = [Inner.model_construct(x="no")]
+    assert key not in quick or quick[key](bad) is False
+    with pytest.raises(CheckpointInvalid) as err:
+        check.writes([(key, bad)], run_id="t")
+    assert err.value.field is not None and err.value.field.startswith(f"{key}")
+    check.writes([(key, [Inner(x=1)])], run_id="t")
+    with pytest.raises(CheckpointInvalid):
+        check.values({key: [Inner(x=1)] * (4 if key == "few" else 1) + bad}, run_id="t")
+
+
 class Latest(TypedDict, total=False):
     last: AnyMessage
 
