@@ -301,6 +301,7 @@ class ClaimHandle:
         self.lost = False
         self._stopped = False
         self._released = False
+        self._release_soon = False
         self._renewing = threading.Lock()
         if heartbeat:
             _keeper.add(self)
@@ -318,16 +319,20 @@ class ClaimHandle:
         with self._renewing:
             if self._stopped:
                 return False
-            try:
-                self.claim = self._remit.store.renew_claim(
-                    self.claim, now=self._remit.clock(), lease=self.lease
-                )
-            except Fenced:
-                self.lost = True
-                return False
-            except Exception:  # a passing store error: try again next beat
+            if not self._release_soon:
+                try:
+                    self.claim = self._remit.store.renew_claim(
+                        self.claim, now=self._remit.clock(), lease=self.lease
+                    )
+                except Fenced:
+                    self.lost = True
+                    return False
+                except Exception:  # a passing store error: try again next beat
+                    return True
                 return True
-            return True
+        with contextlib.suppress(Exception):  # (if it fails, the lease runs out: L1)
+            self.release()
+        return False
 
     @property
     def released(self) -> bool:
@@ -353,6 +358,12 @@ class ClaimHandle:
         except BaseException:
             self._released = False  # not given up: a later call may try again
             raise
+
+    def release_soon(self) -> None:
+        """Have the lease keeper release the claim at its next beat instead of renewing
+        it. Takes no lock and makes no round trip: safe in a finalizer, which runs
+        wherever the garbage collector does."""
+        self._release_soon = True
 
     def _given_up(self) -> None:
         """The claim was given up with a commit: stop renewing, release no more."""

@@ -28,6 +28,7 @@ storage with schema checks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import functools
@@ -283,8 +284,13 @@ class Runs:
         #: check without looking for the graph in the caller's frames.
         self._checks: dict[int, tuple[Any, StateCheck | None]] = {}
         self._lock = threading.Lock()
-        #: The runs this process has open, by id: see `owner`.
+        #: The runs this process has open, by id: see `owner`. Each change and copy
+        #: is one dict operation, atomic without a lock: a dropped loop's finalizer
+        #: (`attach`) changes it wherever the garbage collector runs, lock held or not.
         self._open: dict[int, Run] = {}
+        #: The claims of dropped loops' runs (`_dropped`), released at the next run
+        #: start here, if the lease keeper has not released them first.
+        self._dropped: collections.deque[ClaimHandle] = collections.deque()
 
     # -- finding LangGraph in the call stack -------------------------------------------
     def calling_loop(self, frame: FrameType | None) -> LoopCall | None:
@@ -358,8 +364,7 @@ class Runs:
         run = self.active(thread)
         if run is not None:
             return run
-        with self._lock:
-            runs = list(self._open.values())
+        runs = list(self._open.values())
         return next(
             (
                 r
@@ -374,6 +379,7 @@ class Runs:
         self, call: LoopCall, config: RunnableConfig
     ) -> tuple[Run | None, CheckpointTuple | None]:
         """Open a run for `call.loop`: claim, fork rule, resume values. Returns (run, tuple)."""
+        self._release_dropped()
         loop = call.loop
         conf = config.get("configurable") or {}
         thread = str(conf["thread_id"])
@@ -459,6 +465,16 @@ class Runs:
             handle.release()
             raise
         return run, found
+
+    def _release_dropped(self) -> None:
+        """Release the claims of dropped loops' runs (see `attach`)."""
+        while True:
+            try:
+                claim = self._dropped.popleft()
+            except IndexError:
+                return
+            with contextlib.suppress(Exception):  # (if it fails, the lease runs out: L1)
+                claim.release()
 
     def _where(
         self, thread: str, checkpoint_id: str | None, token: str | None
@@ -819,15 +835,17 @@ class Runs:
         token = _current.set(run)
         release = run.claim.release  # a second call is a no-op
         _check_outputs(loop, run)
-        with self._lock:
-            self._open[id(run)] = run
-
-        def forget() -> None:
-            with self._lock:
-                self._open.pop(id(run), None)
+        opened = self._open
+        opened[id(run)] = run
+        # A loop whose __enter__ fails never unwinds its stack: when it is dropped, the
+        # run is forgotten and its claim released by the next run start here or by the
+        # lease keeper (`_dropped`). A finalizer runs wherever the garbage collector
+        # does, maybe in a thread holding a lock: it takes none, makes no round trip.
+        dropped = weakref.finalize(loop, _dropped, opened, id(run), self._dropped, run.claim)
 
         def reset() -> None:
-            forget()
+            dropped.detach()
+            opened.pop(id(run), None)
             try:
                 _current.reset(token)
             except ValueError:  # exited from another context
@@ -850,8 +868,6 @@ class Runs:
                 release()
 
             loop.stack.callback(sync_finish)
-        # A loop whose __enter__ fails never unwinds its stack: release when it is dropped.
-        weakref.finalize(loop, lambda: (forget(), release()))
 
     # -- the writes a run makes ------------------------------------------------------
     def before_put(
@@ -970,6 +986,16 @@ class Runs:
         return check.upgrade(
             values, record.schema_version, run_id=record.run_id, checkpoint_id=record.checkpoint_id
         )
+
+
+def _dropped(
+    opened: dict[int, Run], key: int, claims: collections.deque[ClaimHandle], claim: ClaimHandle
+) -> None:
+    """A dropped loop's run: forgotten, its claim released by the next run start or
+    the lease keeper, whichever comes first (each step is atomic, and takes no lock)."""
+    opened.pop(key, None)
+    claims.append(claim)
+    claim.release_soon()
 
 
 def _schema_types(graph: Pregel[Any, Any, Any, Any], builder: Any) -> list[Any]:
