@@ -450,6 +450,8 @@ class Runs:
                 ):
                     record, writes = self._fork_point(loop, run, record, writes, token)
             found = None if record is None else self.saver._tuple(record, writes)
+            if found is not None and call.check is not None and self.saver.serde.validates_models:
+                call.check.loaded(found.checkpoint["channel_values"])
             if found is not None and run.resume_spent and found.pending_writes:
                 found = found._replace(
                     pending_writes=[

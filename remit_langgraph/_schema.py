@@ -322,6 +322,15 @@ class StateCheck:
         if self._whole is not None and self._required <= state.keys():
             self._whole.validate(dict(state), **ids)
 
+    def loaded(self, values: Mapping[str, Any]) -> None:
+        """Note the items of list keys of models (a chat's messages) among `values`,
+        a checkpoint's values just rebuilt by a serializer that validates each model
+        it rebuilds: `_Items.trust`."""
+        for key, items in self._items.items():
+            value = values.get(key)
+            if type(value) is list:
+                items.trust(value)
+
     def quick_tests(self) -> tuple[Mapping[str, Callable[[Any], bool]], frozenset[str]]:
         """The cheap way to say a node's writes hold as they stand, key by key: a
         test per key (a write to a plain key is of its type, a list appended to a
@@ -561,23 +570,44 @@ class _Items:
         except (ValidationError, TypeError):
             return False
 
+    def trust(self, items: list[Any]) -> None:
+        """Remember `items`, just rebuilt from a stored checkpoint by validating their
+        plain form (`StrictSerializer.validates_models`), with their plain form as it is
+        now: the second pass of `check` would repeat that validation. The first (the
+        item against the key's item type) is still made at each check, and an item
+        changed since (its plain form is not as it was) is checked in full."""
+        adapter = self._adapter
+        for item in items:
+            if not isinstance(item, BaseModel):
+                continue  # (a dataclass is rebuilt by its constructor, unvalidated)
+            try:
+                plain = adapter.dump_python(item, round_trip=True, by_alias=False, warnings=False)
+            except Exception:  # noqa: BLE001 (not remembered: `check` says what is wrong)
+                continue
+            self._remember(item, plain)
+
     def _checked(self, item: Any) -> Any:
         """`item` validated (raises as Pydantic does), and remembered if it passed."""
-        adapter, passed = self._adapter, self._passed
+        adapter = self._adapter
         validated = adapter.validate_python(item)
         try:
             plain = adapter.dump_python(validated, round_trip=True, by_alias=False, warnings=False)
         except PydanticSerializationError:
             return validated  # no plain form: the first pass is all there is
-        seen = passed.get(id(item))
-        if seen is not None and seen[0] is item and seen[1] == plain:
+        if validated is not item:  # (a converted item is not what the state holds)
+            adapter.validate_python(plain, by_name=True)
             return validated
-        adapter.validate_python(plain, by_name=True)
-        if validated is item:  # (a converted item is not what the state holds)
-            if len(passed) >= self.KEPT:
-                passed.clear()
-            passed[id(item)] = (item, plain)
+        seen = self._passed.get(id(item))
+        if seen is None or seen[0] is not item or seen[1] != plain:
+            adapter.validate_python(plain, by_name=True)
+            self._remember(item, plain)
         return validated
+
+    def _remember(self, item: Any, plain: Any) -> None:
+        passed = self._passed
+        if len(passed) >= self.KEPT:
+            passed.clear()
+        passed[id(item)] = (item, plain)
 
 
 def _item_invalid(

@@ -68,6 +68,10 @@ def _key(item: tuple[str, ...] | type) -> tuple[str, ...]:
 class StrictSerializer(SerializerProtocol):
     """`dumps_typed` / `loads_typed` with a write-time allowlist and no pickle."""
 
+    #: Whether `loads_typed` rebuilds every Pydantic model by validating its stored
+    #: fields (a model it returns passed its class's validation).
+    validates_models = True
+
     def __init__(self, allowlist: Iterable[tuple[str, ...] | type] = ()) -> None:
         self.allowlist: frozenset[tuple[str, ...]] = (
             SAFE_MSGPACK_TYPES
@@ -281,6 +285,9 @@ class GuardedSerializer(StrictSerializer):
     """A serializer the user passed (`serde=`, e.g. LangGraph's `EncryptedSerializer`),
     held to the same rules: the allowlist at write time, and pickle never, neither
     stored nor loaded. The encoding itself is the user's serializer's."""
+
+    #: The user's serializer rebuilds models its own way.
+    validates_models = False
 
     def __init__(
         self, inner: SerializerProtocol, allowlist: Iterable[tuple[str, ...] | type] = ()

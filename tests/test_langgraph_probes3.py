@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import enum
 import operator
+import sys
 import typing
 import uuid
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from langchain_core.messages import (
     HumanMessage,
     RemoveMessage,
 )
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Command, RetryPolicy
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, field_validator
@@ -349,6 +351,77 @@ def one_reply(saver: RemitSaver, how: str) -> Any:
     builder.add_edge(START, "reply")
     builder.add_edge("reply", END)
     return builder.compile(checkpointer=saver)
+
+
+class Note(BaseModel):
+    text: str
+
+
+class ShortNote(BaseModel):
+    """`Note` as a later release declares it: its text is bounded."""
+
+    text: str = Field(max_length=5)
+
+
+class Notes(TypedDict):
+    notes: Annotated[list[Note], operator.add]
+
+
+class ShortNotes(TypedDict):
+    notes: Annotated[list[ShortNote], operator.add]
+
+
+def test_a_loaded_item_a_users_serializer_built_unvalidated_is_checked_in_full(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Items of a list key of models are taken as checked when loaded only from
+    Remit's own serializer, which validates each model it rebuilds. LangGraph's
+    serializer, passed as `serde=`, builds a model its class refuses without
+    validation: that item is checked in full at the next write, and refused."""
+    serde = JsonPlusSerializer(allowed_msgpack_modules=True)
+    cfg = config()
+    first = StateGraph(Notes)
+    first.add_node("n", lambda s: {"notes": [Note(text="seen")]})
+    first.add_edge(START, "n")
+    first.add_edge("n", END)
+    first.compile(checkpointer=RemitSaver(store_url, serde=serde)).invoke(
+        {"notes": [Note(text="a long note")]}, cfg, durability="sync"
+    )
+    # The next release bounds the text; the stored note no longer fits its class.
+    monkeypatch.setattr(sys.modules[__name__], "Note", ShortNote)
+    later = StateGraph(ShortNotes)
+    later.add_node("n", lambda s: {"notes": [ShortNote(text="ok")]})
+    later.add_edge(START, "n")
+    later.add_edge("n", END)
+    saver = RemitSaver(store_url, serde=serde)
+    graph = later.compile(checkpointer=saver)
+    loaded = saver.get_tuple(cfg)
+    assert loaded is not None
+    assert loaded.checkpoint["channel_values"]["notes"][0].text == "a long note"  # unvalidated
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke({"notes": [ShortNote(text="hi")]}, cfg, durability="sync")
+    assert err.value.field == "notes[0].text"
+    after = saver.get_tuple(cfg)  # what the refused write would have stored is not
+    assert after is not None
+    assert [n.text for n in after.checkpoint["channel_values"]["notes"]] == ["a long note", "seen"]
+
+
+class Humans(TypedDict):
+    said: list[HumanMessage]
+
+
+def test_a_loaded_item_is_still_checked_against_its_keys_item_type() -> None:
+    """An item taken as checked when loaded (its class validated it) is still checked
+    against the key's item type at each write: a reply in a list of questions is refused."""
+    check = StateCheck.of(Humans)
+    assert check is not None
+    values = {"said": [HumanMessage(content="hi", id="1"), AIMessage(content="x", id="2")]}
+    check.loaded(values)
+    with pytest.raises(CheckpointInvalid) as err:
+        check.values(values, run_id="t")
+    assert err.value.field is not None and err.value.field.startswith("said[1]")
+    check.loaded({"said": values["said"][:1]})
+    check.values({"said": values["said"][:1]}, run_id="t")  # (the question holds)
 
 
 class Bare(BaseModel):
