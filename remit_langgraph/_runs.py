@@ -417,7 +417,7 @@ class Runs:
                     pairs = given._update_as_tuples()
                 elif isinstance(given, Mapping):
                     pairs = list(given.items())
-                if pairs:
+                if pairs and not call.check.holds(pairs):
                     call.check.writes(
                         pairs,
                         run_id=thread,

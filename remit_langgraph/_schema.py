@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import operator
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any
 
 from langgraph._internal._typing import MISSING
@@ -322,6 +322,19 @@ class StateCheck:
         if self._whole is not None and self._required <= state.keys():
             self._whole.validate(dict(state), **ids)
 
+    def holds(self, writes: Iterable[tuple[str, Any]]) -> bool:
+        """Whether every write to a state key passes its key's quick test
+        (`quick_tests`): then `writes` would find nothing wrong. False says nothing."""
+        quick, fields = self._quick, self.fields
+        for ch, v in writes:
+            test = quick.get(ch)
+            if test is None:
+                if ch in fields:
+                    return False
+            elif not test(v):
+                return False
+        return True
+
     def loaded(self, values: Mapping[str, Any]) -> None:
         """Note the items of list keys of models (a chat's messages) among `values`,
         a checkpoint's values just rebuilt by a serializer that validates each model
@@ -549,7 +562,7 @@ class _Items:
 
     def __init__(self, item_type: Any) -> None:
         self._adapter: TypeAdapter[Any] = TypeAdapter(item_type)
-        self._passed: dict[int, tuple[Any, Any]] = {}
+        self._passed: dict[int, tuple[Any, Any, bool]] = {}
 
     def check(self, key: str, items: list[Any], ids: Mapping[str, Any]) -> None:
         """`CheckpointInvalid` naming the first item of `items` (the list at `key`) that
@@ -584,10 +597,15 @@ class _Items:
                 plain = adapter.dump_python(item, round_trip=True, by_alias=False, warnings=False)
             except Exception:  # noqa: BLE001 (not remembered: `check` says what is wrong)
                 continue
-            self._remember(item, plain)
+            self._remember(item, plain, whole=False)
 
     def _checked(self, item: Any) -> Any:
         """`item` validated (raises as Pydantic does), and remembered if it passed."""
+        seen = self._passed.get(id(item))
+        if seen is not None and seen[0] is item and seen[2] and _fields(item) == seen[1]:
+            # Checked here before, and its fields are its plain form as it was (a
+            # message's are plain data): the check would say the same.
+            return item
         adapter = self._adapter
         validated = adapter.validate_python(item)
         try:
@@ -597,17 +615,23 @@ class _Items:
         if validated is not item:  # (a converted item is not what the state holds)
             adapter.validate_python(plain, by_name=True)
             return validated
-        seen = self._passed.get(id(item))
         if seen is None or seen[0] is not item or seen[1] != plain:
             adapter.validate_python(plain, by_name=True)
-            self._remember(item, plain)
+        self._remember(item, plain, whole=True)
         return validated
 
-    def _remember(self, item: Any, plain: Any) -> None:
+    def _remember(self, item: Any, plain: Any, *, whole: bool) -> None:
+        """Remember that `item` had the plain form `plain` when it passed, the check
+        against this key's item type included (`whole`) or not (`trust`)."""
         passed = self._passed
         if len(passed) >= self.KEPT:
             passed.clear()
-        passed[id(item)] = (item, plain)
+        passed[id(item)] = (item, plain, whole)
+
+
+def _fields(item: Any) -> Any:
+    """An instance's fields as it holds them (a model's or a dataclass's `__dict__`)."""
+    return getattr(item, "__dict__", None)
 
 
 def _item_invalid(

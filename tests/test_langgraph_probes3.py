@@ -332,6 +332,39 @@ def test_a_chats_messages_are_checked_one_by_one_and_a_changed_one_again(
     assert kept[:2] == before and all(isinstance(m.content, str) for m in kept)
 
 
+@pytest.mark.parametrize("durability", ["sync", "exit"])
+def test_a_message_checked_in_this_run_then_changed_deep_inside_is_checked_again(
+    store_url: str, durability: str
+) -> None:
+    """A message that passed the check is not checked again while its fields are as
+    they were; one changed since, deep inside (a token count in its usage), is."""
+
+    def answer(state: MessagesState) -> dict[str, Any]:
+        usage = {"input_tokens": 1, "output_tokens": 2, "total_tokens": 3}
+        return {"messages": [AIMessage(content="answer", id="a1", usage_metadata=usage)]}
+
+    def tamper(state: MessagesState) -> dict[str, Any]:
+        state["messages"][-1].usage_metadata["input_tokens"] = "many"  # no validation
+        return {"messages": [AIMessage(content="done", id="a2")]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("answer", answer)
+    builder.add_node("tamper", tamper)
+    builder.add_edge(START, "answer")
+    builder.add_edge("answer", "tamper")
+    builder.add_edge("tamper", END)
+    saver, cfg = RemitSaver(store_url), config()
+    graph = builder.compile(checkpointer=saver)
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke({"messages": [HumanMessage(content="q", id="h1")]}, cfg, durability=durability)
+    field = err.value.field or ""  # (Pydantic names the union member: messages[1].ai.…)
+    assert field.startswith("messages[1].") and field.endswith(".usage_metadata.input_tokens")
+    stored = saver.get_tuple(cfg)
+    if stored is not None:  # (in "exit" durability nothing was stored)
+        kept = stored.checkpoint["channel_values"].get("messages", [])
+        assert all(m.id != "a2" for m in kept)
+
+
 def one_reply(saver: RemitSaver, how: str) -> Any:
     """A chat graph whose node replies; to a message "bad" it either changes the first
     message in place into something no message is, or replies with a message built
