@@ -449,9 +449,14 @@ class Runs:
                     not checkpoint_id or record.metadata.get("source") in ("update", "fork")
                 ):
                     record, writes = self._fork_point(loop, run, record, writes, token)
-            found = None if record is None else self.saver._tuple(record, writes)
-            if found is not None and call.check is not None and self.saver.serde.validates_models:
-                call.check.loaded(found.checkpoint["channel_values"])
+            found = None
+            if record is not None and call.check is not None and self.saver.serde.validates_models:
+                # The messages of a chat, just rebuilt, need no second check (`loaded`).
+                with self.saver.serde.noting() as noted:
+                    found = self.saver._tuple(record, writes)
+                call.check.loaded(found.checkpoint["channel_values"], noted)
+            elif record is not None:
+                found = self.saver._tuple(record, writes)
             if found is not None and run.resume_spent and found.pending_writes:
                 found = found._replace(
                     pending_writes=[

@@ -335,14 +335,15 @@ class StateCheck:
                 return False
         return True
 
-    def loaded(self, values: Mapping[str, Any]) -> None:
-        """Note the items of list keys of models (a chat's messages) among `values`,
-        a checkpoint's values just rebuilt by a serializer that validates each model
-        it rebuilds: `_Items.trust`."""
+    def loaded(self, values: Mapping[str, Any], noted: Mapping[int, tuple[Any, Any]]) -> None:
+        """Note the items of list keys of models (a chat's messages) among `values`, a
+        checkpoint's values just rebuilt: `noted` holds the models the serializer
+        validated as it rebuilt them, with the fields it rebuilt them from
+        (`StrictSerializer.noting`). See `_Items.trust`."""
         for key, items in self._items.items():
             value = values.get(key)
             if type(value) is list:
-                items.trust(value)
+                items.trust(value, noted)
 
     def quick_tests(self) -> tuple[Mapping[str, Callable[[Any], bool]], frozenset[str]]:
         """The cheap way to say a node's writes hold as they stand, key by key: a
@@ -568,12 +569,12 @@ class _Items:
         """`CheckpointInvalid` naming the first item of `items` (the list at `key`) that
         fails, and the field in it."""
         for i, item in enumerate(items):
-            where = f"{key}[{i}]"
             try:
                 validated = self._checked(item)
             except (ValidationError, TypeError) as exc:  # (`TypeError`: see `StateSchema`)
-                raise _item_invalid(exc, where, ids) from exc
-            _as_declared(item, validated, ids, where)
+                raise _item_invalid(exc, f"{key}[{i}]", ids) from exc
+            if validated is not item:
+                _as_declared(item, validated, ids, f"{key}[{i}]")
 
     def holds(self, items: list[Any]) -> bool:
         """Whether every item of `items` passes as it stands (False says nothing:
@@ -583,29 +584,38 @@ class _Items:
         except (ValidationError, TypeError):
             return False
 
-    def trust(self, items: list[Any]) -> None:
-        """Remember `items`, just rebuilt from a stored checkpoint by validating their
-        plain form (`StrictSerializer.validates_models`), with their plain form as it is
-        now: the second pass of `check` would repeat that validation. The first (the
-        item against the key's item type) is still made at each check, and an item
-        changed since (its plain form is not as it was) is checked in full."""
+    def trust(self, items: list[Any], noted: Mapping[int, tuple[Any, Any]]) -> None:
+        """Remember those of `items` that a serializer just rebuilt by validating their
+        stored fields (`noted`: see `StateCheck.loaded`), with those fields (or, where
+        none were noted, their plain form as it is now): the second pass of `check`
+        would repeat that validation. The first (the item against the key's item
+        type) is still made at the next check, and an item changed since is checked
+        in full."""
         adapter = self._adapter
         for item in items:
-            if not isinstance(item, BaseModel):
-                continue  # (a dataclass is rebuilt by its constructor, unvalidated)
-            try:
-                plain = adapter.dump_python(item, round_trip=True, by_alias=False, warnings=False)
-            except Exception:  # noqa: BLE001 (not remembered: `check` says what is wrong)
-                continue
-            self._remember(item, plain, whole=False)
+            entry = noted.get(id(item))
+            if entry is None or entry[0] is not item:
+                continue  # (not rebuilt by validation: a dataclass's constructor checks nothing)
+            fields = entry[1]
+            if fields is None:
+                try:
+                    fields = adapter.dump_python(
+                        item, round_trip=True, by_alias=False, warnings=False
+                    )
+                except Exception:  # noqa: BLE001 (not remembered: `check` says what is wrong)
+                    continue
+            self._remember(item, fields, whole=False)
 
     def _checked(self, item: Any) -> Any:
         """`item` validated (raises as Pydantic does), and remembered if it passed."""
         seen = self._passed.get(id(item))
-        if seen is not None and seen[0] is item and seen[2] and _fields(item) == seen[1]:
-            # Checked here before, and its fields are its plain form as it was (a
-            # message's are plain data): the check would say the same.
-            return item
+        if seen is not None and seen[0] is item and _fields(item) == seen[1]:
+            # Remembered, and its fields are as they were (a message's are plain data).
+            if seen[2]:
+                return item  # checked here in full: the check would say the same
+            if self._adapter.validate_python(item) is item:  # (its class checked the rest)
+                self._remember(item, seen[1], whole=True)
+                return item
         adapter = self._adapter
         validated = adapter.validate_python(item)
         try:

@@ -19,6 +19,7 @@ adds more.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -26,7 +27,7 @@ import importlib
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ormsgpack
@@ -53,6 +54,8 @@ _PLAIN = (str, int, float, bool, type(None), bytes, bytearray)
 _PLAIN_TYPES = frozenset(_PLAIN)
 #: The ext hook's refusal, kept per thread because msgpack re-raises it without a cause.
 _refusals = threading.local()
+#: Where this thread notes the models it rebuilds, within `StrictSerializer.noting`.
+_noted = threading.local()
 _CONTAINERS = (list, tuple, set, frozenset)
 #: Containers that hold nothing to refuse when empty (a message's `additional_kwargs`).
 _EMPTY_FINE = frozenset((dict, *_CONTAINERS))
@@ -176,6 +179,18 @@ class StrictSerializer(SerializerProtocol):
         return None
 
     # -- read --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def noting(self) -> Iterator[dict[int, tuple[Any, dict[str, Any] | None]]]:
+        """Within it, each Pydantic model this thread's `loads_typed` rebuilds (each
+        validated by its class as it is rebuilt) is noted by its id, with the fields
+        it was rebuilt from as stored (None where they hold extension types)."""
+        noted: dict[int, tuple[Any, dict[str, Any] | None]] = {}
+        _noted.into = noted
+        try:
+            yield noted
+        finally:
+            _noted.into = None
+
     def loads_typed(self, data: tuple[str, bytes]) -> Any:
         type_, body = data
         if type_ == "null":
@@ -237,7 +252,11 @@ class StrictSerializer(SerializerProtocol):
                     return jsonplus._send_from_args(tup[2])
                 return target(*tup[2])
             if code == jsonplus.EXT_PYDANTIC_V2 and isinstance(target, type(BaseModel)):
-                return _model_from_dump(target, tup[2])
+                model = _model_from_dump(target, tup[2])
+                noted = getattr(_noted, "into", None)
+                if noted is not None:
+                    noted[id(model)] = (model, _stored_fields(model, data))
+                return model
             if code in (
                 jsonplus.EXT_CONSTRUCTOR_KW_ARGS,
                 jsonplus.EXT_PYDANTIC_V1,
@@ -274,6 +293,20 @@ def _model_from_dump(model: Any, dump: dict[str, Any]) -> Any:
     if computed:
         dump = {k: v for k, v in dump.items() if k not in computed}
     return model.model_validate(dump, by_name=True)
+
+
+def _stored_fields(model: BaseModel, data: bytes) -> dict[str, Any] | None:
+    """The fields `model` was rebuilt from (`data`, its extension payload), decoded
+    afresh so that they share nothing with it, its computed fields left out; None
+    where they hold extension types (a nested model, a datetime)."""
+    try:
+        fields = ormsgpack.unpackb(data, option=_OPTIONS)[2]
+    except Exception:  # noqa: BLE001 (an extension type needs the hook)
+        return None
+    if not isinstance(fields, dict):
+        return None
+    computed = _computed_fields(model.__class__)
+    return {k: v for k, v in fields.items() if k not in computed} if computed else fields
 
 
 def _is_pickle(type_: str) -> bool:
