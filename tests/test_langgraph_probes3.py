@@ -365,6 +365,40 @@ def test_a_message_checked_in_this_run_then_changed_deep_inside_is_checked_again
         assert all(m.id != "a2" for m in kept)
 
 
+@pytest.mark.parametrize("durability", ["sync", "exit"])
+def test_a_loaded_message_changed_deep_inside_is_checked_again(
+    store_url: str, durability: str
+) -> None:
+    """A message loaded with the thread is taken as checked only while its fields are
+    those it was rebuilt from: one changed deep inside (a token count) is refused."""
+
+    def answer(state: MessagesState) -> dict[str, Any]:
+        if len(state["messages"]) == 1:
+            usage = {"input_tokens": 1, "output_tokens": 2, "total_tokens": 3}
+            return {"messages": [AIMessage(content="answer", id="a1", usage_metadata=usage)]}
+        state["messages"][1].usage_metadata["input_tokens"] = "many"  # no validation
+        return {"messages": [AIMessage(content="again", id="a2")]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("answer", answer)
+    builder.add_edge(START, "answer")
+    builder.add_edge("answer", END)
+    saver, cfg = RemitSaver(store_url), config()
+    graph = builder.compile(checkpointer=saver)
+    graph.invoke({"messages": [HumanMessage(content="q", id="h1")]}, cfg, durability=durability)
+    with pytest.raises(CheckpointInvalid) as err:
+        graph.invoke(
+            {"messages": [HumanMessage(content="q2", id="h2")]}, cfg, durability=durability
+        )
+    field = err.value.field or ""
+    assert field.startswith("messages[1].") and field.endswith(".usage_metadata.input_tokens")
+    stored = saver.get_tuple(cfg)
+    assert stored is not None
+    kept = stored.checkpoint["channel_values"]["messages"]
+    assert [m.id for m in kept if m.id == "a2"] == []
+    assert all(type(m.usage_metadata["input_tokens"]) is int for m in kept if m.id == "a1")
+
+
 def one_reply(saver: RemitSaver, how: str) -> Any:
     """A chat graph whose node replies; to a message "bad" it either changes the first
     message in place into something no message is, or replies with a message built
