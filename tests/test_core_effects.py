@@ -128,9 +128,7 @@ def test_an_effect_called_by_an_effect_is_keyed_under_it(remit: Remit, run_id: s
     assert [payload for _, payload in sink.calls] == ["A", "B", "C", "D"]
 
 
-def test_callers_of_one_occurrence_in_one_process_apply_it_once(
-    remit: Remit, run_id: str
-) -> None:
+def test_callers_of_one_occurrence_in_one_process_apply_it_once(remit: Remit, run_id: str) -> None:
     """The second caller waits for the first and gets its outcome: it does not take the
     first's intent, in flight, for one in doubt (reconcile would say "not yet")."""
     sink = Sink()

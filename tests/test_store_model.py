@@ -112,9 +112,7 @@ class StoreMachine(RuleBasedStateMachine):
     def stale(self, fence: FenceRef | None) -> bool:
         """Taken over (another fence) or given up (the holder changed)."""
         return fence is not None and (
-            self.row is None
-            or self.row.fence != fence.fence
-            or self.row.holder != fence.holder
+            self.row is None or self.row.fence != fence.fence or self.row.holder != fence.holder
         )
 
     def next_id(self) -> str:
