@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -323,3 +324,25 @@ def test_callers_of_one_effect_key_in_several_processes_apply_it_once(
     assert len(keys) == 1
     receipt = f"receipt-{keys[0][:8]}"
     assert receipt in outcomes and set(outcomes) <= {receipt, "in doubt"}
+
+
+def test_a_claim_handed_to_the_lease_keeper_is_released_at_its_next_beat(
+    store_url: str, run_id: str
+) -> None:
+    """`release_soon` (what a finalizer may call: no lock, no round trip) has the
+    lease keeper release the claim at its next beat, well before the lease runs out;
+    the holder's own release afterwards is free, and the run can be claimed again."""
+    remit = Remit(store_url, lease=0.9)
+    handle = remit.claim(run_id)
+    taken = remit.store.get_claim(run_id, "main")
+    assert taken is not None and taken.holder == handle.claim.holder
+    handle.release_soon()
+    deadline = time.monotonic() + 0.8  # (a beat is a third of the lease: 0.3 s)
+    while not handle.released and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert handle.released, "the lease keeper did not release the claim"
+    after = remit.store.get_claim(run_id, "main")
+    assert after is not None and after.holder == ""
+    assert remit.clock() < taken.expires_at  # released, not expired
+    handle.release()  # (a second release makes no round trip)
+    remit.claim(run_id, heartbeat=False).release()
