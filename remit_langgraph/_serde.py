@@ -185,11 +185,11 @@ class StrictSerializer(SerializerProtocol):
         validated by its class as it is rebuilt) is noted by its id, with the fields
         it was rebuilt from as stored (None where they hold extension types)."""
         noted: dict[int, tuple[Any, dict[str, Any] | None]] = {}
-        _noted.into = noted
+        outer, _noted.into = getattr(_noted, "into", None), noted
         try:
             yield noted
         finally:
-            _noted.into = None
+            _noted.into = outer
 
     def loads_typed(self, data: tuple[str, bytes]) -> Any:
         type_, body = data
