@@ -182,6 +182,9 @@ class StateCheck:
         #: Reducer keys that concatenate lists (`Annotated[list[T], operator.add]`):
         #: a list write that holds as it stands makes a value that holds.
         self._appends: dict[str, TypeAdapter[Any]] = {}
+        #: Reducer key -> a test that a value is of its type as it stands (strict
+        #: validation passes it, so lax validation would convert nothing in it).
+        self._strict: dict[str, Callable[[Any], bool]] = {}
         #: key -> a test that a write to it holds as it stands (`holds`).
         self._quick: dict[str, Callable[[Any], bool]] = {}
         self._channels: Mapping[str, Any] | None = None
@@ -231,6 +234,8 @@ class StateCheck:
         self._appends = {
             k: adapter for k, (ch, adapter) in self._reducers.items() if _appends_lists(ch, bare[k])
         }
+        strict = {k: _strict_validator(adapter) for k, (_, adapter) in self._reducers.items()}
+        self._strict = {k: test for k, test in strict.items() if test is not None}
         self._reduced = (
             StateSchema(TypedDict("ReducedWrites", bare, total=False))  # type: ignore[operator]
             if bare
@@ -365,7 +370,7 @@ class StateCheck:
             elif (
                 ch in appends
                 and type(v) is list
-                and _holds_as_is(appends[ch], v)
+                and self._holds_as_is(ch, v)
                 and (ch in self._plain_reducers or (ch in self._items and self._items[ch].holds(v)))
             ):
                 continue  # (the empty list plus `v` is `v`; a key's lists join alike)
@@ -381,11 +386,16 @@ class StateCheck:
             if items is not None and type(value) is list:
                 items.check(ch, value, ids)  # (each item deeply, as `StateSchema.validate`)
                 continue
-            if ch in self._plain_reducers and _holds_as_is(self._reducers[ch][1], value):
+            if ch in self._plain_reducers and self._holds_as_is(ch, value):
                 continue
             assert self._reduced is not None
             # Raises naming the field; a model in the value is checked by its plain form too.
             _as_declared({ch: value}, self._reduced.validate({ch: value}, **ids), ids)
+
+    def _holds_as_is(self, key: str, value: Any) -> bool:
+        """Whether `value` is of reducer key `key`'s type as it stands (False says nothing)."""
+        test = self._strict.get(key)
+        return test is not None and test(value)
 
     def _reduce(self, channel: str, values: list[Any], **ids: Any) -> Any:
         """What the reducer of `channel` makes of its empty value and `values`; MISSING
@@ -657,16 +667,6 @@ def _item_invalid(
     return CheckpointInvalid(
         f"state does not satisfy its schema at {path}: {msg}", field=path, **ids
     )
-
-
-def _holds_as_is(adapter: TypeAdapter[Any], value: Any) -> bool:
-    """Whether `value` passes `adapter` in strict mode: then it is of the type as it
-    stands, and lax validation would convert nothing in it."""
-    try:
-        adapter.validate_python(value, strict=True)
-    except (ValidationError, TypeError):  # (`TypeError`: see `StateSchema.validate`)
-        return False
-    return True
 
 
 def _converted(given: Any, kept: Any, path: str) -> tuple[str, Any, Any] | None:
