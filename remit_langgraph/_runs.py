@@ -680,7 +680,7 @@ class Runs:
         it edited. LangGraph re-runs the interrupted node from the edited state, and
         its `interrupt()` takes the value. A fork made by such an edit asks its
         base's question again, as its own (L3)."""
-        raised: dict[str, list[InterruptRecord]] = {}
+        raised: dict[str | None, list[InterruptRecord]] = {}
         for i in self.remit.interrupts(run.thread, branch=record.branch):
             raised.setdefault(i.checkpoint_id, []).append(i)
         at: CheckpointRecord | None = record

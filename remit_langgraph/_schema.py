@@ -90,7 +90,7 @@ def _required_fields(state_type: type) -> set[str]:
         return {name for name, f in state_type.model_fields.items() if f.is_required()}
     return {
         f.name
-        for f in dataclasses.fields(state_type)
+        for f in dataclasses.fields(typing.cast(Any, state_type))
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     }
 

@@ -11,6 +11,7 @@ schema, effect scopes) are in `_runs`.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import copy
 import random
@@ -256,7 +257,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             count += 1
             yield self._tuple(record)
 
-    def _fork_line(self, conf: Mapping[str, Any]) -> list[CheckpointRecord] | None:
+    def _fork_line(self, conf: Mapping[str, Any]) -> builtins.list[CheckpointRecord] | None:
         """The checkpoints of the branch `conf`'s fork token names, in `conf`'s
         namespace, newest first back to the first: None if no such branch."""
         token, thread, ns = conf.get("fork_token"), conf.get("thread_id"), conf.get("checkpoint_ns")
@@ -272,7 +273,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             return None
         by_id = {r.checkpoint_id: r for r in self.remit.history(thread, ns=ns, verify=False)}
         line = []
-        at = by_id.get(forked.head_id)
+        at = None if forked.head_id is None else by_id.get(forked.head_id)
         while at is not None:
             line.append(at)
             at = None if at.parent_id is None else by_id.get(at.parent_id)
@@ -425,7 +426,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         special = all(w.channel in WRITES_IDX_MAP for w in records)
         calls = None if run is None or ns != "" or not records else run.calls.get(task_id)
         with _writing(run):
-            if calls is not None and calls.counts:
+            if run is not None and calls is not None and calls.counts:
                 # The calls made before the task's first writes here (`_shared_effects`).
                 self.remit.put_writes([calls.write(records[0])], mode="first", fence=run.fence)
             self.remit.put_writes(

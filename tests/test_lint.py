@@ -1,4 +1,5 @@
-"""Lint and types as tests: `ruff check .` and `mypy --strict remit_core` must pass."""
+"""Lint and types as tests: `ruff check .`, `mypy --strict remit_core` and `mypy` of
+the shims must pass."""
 
 from __future__ import annotations
 
@@ -21,4 +22,10 @@ def test_ruff_check() -> None:
 
 def test_mypy_strict_core() -> None:
     result = _run(sys.executable, "-m", "mypy", "--strict", "remit_core")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_shims() -> None:
+    shims = ("remit_langgraph", "remit_llamaindex", "remit_crewai", "remit_pydantic_graph")
+    result = _run(sys.executable, "-m", "mypy", *(arg for shim in shims for arg in ("-p", shim)))
     assert result.returncode == 0, result.stdout + result.stderr
