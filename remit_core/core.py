@@ -87,7 +87,21 @@ def checked_id(name: str, value: object, *, empty: bool = False) -> str:
         raise ValueError(f"{name} must not be empty")
     if "\x00" in value:
         raise ValueError(f"{name} must not contain a NUL character: {value!r:.60}")
+    if not value.isascii() and not _encodable(value):
+        raise ValueError(
+            f"{name} must be valid Unicode text (it holds a lone surrogate, which no "
+            f"engine can store): {value!r:.60}"
+        )
     return value
+
+
+def _encodable(text: str) -> bool:
+    """Whether `text` has a UTF-8 form (no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_fence_run(fence: FenceRef | None, run_id: str) -> None:
@@ -172,6 +186,7 @@ def _plain_ids(
     fork_token: object,
 ) -> bool:
     """Whether a commit's ids all pass `checked_id` (the common case, in one test)."""
+    joined = f"{run_id}{checkpoint_id}{ns}{workflow_version}{parent_id}{fork_token}"
     return (
         type(run_id) is str
         and type(checkpoint_id) is str
@@ -182,7 +197,8 @@ def _plain_ids(
         and run_id != ""
         and checkpoint_id != ""
         and parent_id != ""
-        and "\x00" not in f"{run_id}{checkpoint_id}{ns}{workflow_version}{parent_id}{fork_token}"
+        and "\x00" not in joined
+        and (joined.isascii() or _encodable(joined))
     )
 
 

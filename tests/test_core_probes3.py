@@ -147,6 +147,11 @@ BAD_CALLS: dict[str, tuple[Call, str, type[Exception]]] = {
         TypeError,
     ),  # type: ignore[arg-type]
     "plan parent": (lambda r, run: r.plan(run, ""), "parent_id", ValueError),
+    # A lone surrogate has no UTF-8 form: no engine can store it.
+    "commit checkpoint surrogate": (_commit(checkpoint_id="c\ud800"), "checkpoint_id", ValueError),
+    "commit token surrogate": (_commit(fork_token="t\udfff"), "fork_token", ValueError),
+    "claim run surrogate": (lambda r, run: r.claim(run + "\udc80"), "run_id", ValueError),
+    "head branch surrogate": (lambda r, run: r.head(run, branch="m\ud800"), "branch", ValueError),
 }
 
 
