@@ -573,14 +573,18 @@ class RemitRuntime(BaseRuntimeDecorator):
 
         Running it continues the run. A checkpoint that is not its branch's head
         is continued only with `fork_token` (one token, one branch, from any
-        process); without one the run refuses with `ForkWithoutIntent`.
+        process); without one the run refuses with `ForkWithoutIntent`. A fork's
+        run id ("<run>@fork-...") names its branch: a checkpoint given with it is
+        continued on that branch (a new fork's head is its base, stored on the
+        branch it was forked from), never on another.
         """
         key_run, branch = split_run_id(run_id)
         if checkpoint_id is None:
             record = self._head(run_id)
         else:
             record = self._checkpoint(key_run, checkpoint_id)
-            branch = record.branch
+            if branch == MAIN_BRANCH:
+                branch = record.branch
         ctx = snap.decode(record.state, run_id=record.run_id, checkpoint_id=record.checkpoint_id)
         handle = {
             "store_type": snap.HANDLE_TYPE,
@@ -617,16 +621,16 @@ class RemitRuntime(BaseRuntimeDecorator):
         return self._state(workflow, record, ctx, self.get_serializer(workflow))
 
     def result(self, run_id: str) -> Any:
-        """The result of a completed run (what awaiting its handler returned)."""
+        """The result of a completed run (what awaiting its handler returned: a plain
+        `StopEvent`'s `result`, or the event itself when a subclass of it ended the run)."""
         record = self._head(run_id)
+        ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
         if record.metadata.get("status") != snap.COMPLETED:
             raise UnknownRecord(
-                f"run has not completed (status {record.metadata.get('status')!r})",
-                run_id=record.run_id,
-                checkpoint_id=record.checkpoint_id,
+                f"run has not completed (status {record.metadata.get('status')!r})", **ids
             )
-        stop = JsonSerializer().deserialize(record.metadata["result"])
-        return getattr(stop, "result", stop)
+        stop = snap.stop_event(record.metadata.get("result"), JsonSerializer(), **ids)
+        return stop.result if type(stop) is StopEvent else stop
 
     def status(self, run_id: str) -> str:
         """The status its head records: running, waiting, completed, failed or cancelled."""
@@ -774,12 +778,18 @@ class RemitRuntime(BaseRuntimeDecorator):
         A run this process drives (a step in flight) is stopped here as
         `handler.cancel_run()` stops it, waiting up to `timeout` seconds, and its
         control loop commits the cancelled end under the run's own claim; a run
-        another live process drives is refused (`ResumeConflict`).
+        another live process drives is refused (`ResumeConflict`). Once the end is
+        committed, the parked copies of the run live in this process are stopped
+        too, writing nothing (their handlers end with `WorkflowCancelledByUser`
+        instead of waiting for ever for an answer the run can no longer take).
         Returns the head's checkpoint id; an ended run is left as it is."""
         session = self._driving(run_id)
         if session is not None:
             await self._stop(session, timeout)
-        return await asyncio.to_thread(self._cancel, run_id)
+        head = await asyncio.to_thread(self._cancel, run_id)
+        for parked in self._parked_copies(run_id):
+            await self._stop(parked, timeout)
+        return head
 
     def _driving(self, run_id: str) -> Session | None:
         """The session of this process that holds `run_id`'s claim, if one does."""
@@ -788,6 +798,20 @@ class RemitRuntime(BaseRuntimeDecorator):
                 if s.key == run_id and not s.done and s.claim is not None:
                     return s
         return None
+
+    def _parked_copies(self, run_id: str) -> list[Session]:
+        """The live copies of `run_id` in this process that hold no claim (parked)."""
+        with self._lock:
+            return [
+                s
+                for s in self._sessions.values()
+                if s.key == run_id
+                and not s.done
+                and s.claim is None
+                and s.inner is not None
+                and s.loop is not None
+                and not s.loop.is_closed()
+            ]
 
     @staticmethod
     async def _stop(session: Session, timeout: float) -> None:
