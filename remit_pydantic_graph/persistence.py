@@ -647,11 +647,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return
         ran, duration = resumer.ran
         try:
-            if isinstance(snapshot, NodeSnapshot) and self._stored(snapshot.id):
-                # A node object that runs again (a node returning itself) is a new snapshot,
-                # as with pydantic-graph's default persistence: it gets a new id.
-                snapshot.node.set_snapshot_id(generate_snapshot_id(snapshot.node.get_node_id()))
-                snapshot.id = snapshot.node.get_snapshot_id()
+            if self._stored(snapshot.id):
+                # An object returned again is a new snapshot, as with pydantic-graph's default
+                # persistence: a node returning itself, or a shared `End` (a module constant)
+                # that a fork returns after its main line did. It gets a new id.
+                node = snapshot.node
+                kind = node.get_node_id() if isinstance(node, BaseNode) else "end"
+                node.set_snapshot_id(generate_snapshot_id(kind))
+                snapshot.id = node.get_snapshot_id()
             try:
                 body = self._encode(snapshot)
             except CheckpointInvalid:
@@ -924,14 +927,19 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._follow_token(resumer)
         paused = self._paused_head(pause_id)
         self._check_successor(paused.top, node)
-        snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
-        if self._stored(snapshot.id):
+        taken = self.remit.checkpoint(self.run_id, node.get_snapshot_id())
+        if taken is not None and self._on_line(taken):
             raise ResumeConflict(
-                f"this answer (snapshot {snapshot.id}) was taken already: the same node sent "
-                "again is not a new answer. The value was not stored",
+                f"this answer (snapshot {taken.checkpoint_id}) was taken already: the same node "
+                "sent again is not a new answer. The value was not stored",
                 run_id=self.run_id,
                 checkpoint_id=paused.top.id,
             )
+        if taken is not None:
+            # Another line's answer (main's, given again to a fork of its pause): each
+            # branch has its own pauses (L3), so here it is a new answer, with a new id.
+            node.set_snapshot_id(generate_snapshot_id(node.get_node_id()))
+        snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
         body = self._encode(snapshot)
         pause_id = paused.top.id
         self.remit.open_interrupts(
@@ -960,6 +968,20 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             run_id=self.run_id,
             checkpoint_id=pause_id,
         )
+
+    def _on_line(self, record: CheckpointRecord) -> bool:
+        """Whether `record` is on this instance's line: its branch's own, or a snapshot of
+        the shared history up to its fork's base."""
+        if record.branch == self.branch:
+            return True
+        line = self.remit.branch(self.run_id, branch=self.branch)
+        cursor = None if line is None else line.base_id
+        while cursor is not None:
+            if cursor == record.checkpoint_id:
+                return True
+            parent = self.remit.checkpoint(self.run_id, cursor)
+            cursor = None if parent is None else parent.parent_id
+        return False
 
     def _acquire_within(self, resumer: _Resumer, seconds: float, *, heartbeat: bool) -> None:
         """`_acquire`, retried while another holder has the claim, for up to `seconds`."""
