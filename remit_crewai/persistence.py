@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from crewai.flow.async_feedback.types import PendingFeedbackContext
 from crewai.flow.human_feedback import HumanFeedbackResult
 from crewai.flow.persistence.base import FlowPersistence
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from remit_core import codec, policy
 from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_id
@@ -280,8 +280,9 @@ class RemitFlowPersistence(FlowPersistence):
 
         Continuing from a checkpoint that is not a head needs `fork_token`
         (`ForkWithoutIntent` otherwise); the same token always gives the same
-        forked id. The fork of a paused checkpoint waits for its own feedback.
-        Run it with `kickoff(inputs={"id": forked})` or `from_pending(forked)`.
+        forked id. The fork of a paused checkpoint (or of an edit made while the
+        flow was paused) waits for its own feedback. Run it with
+        `kickoff(inputs={"id": forked})` or `from_pending(forked)`.
         """
         run_id, branch = locate(flow_id)
         remit = self.remit
@@ -294,10 +295,17 @@ class RemitFlowPersistence(FlowPersistence):
         if fork_token is None:
             return flow_id_of(run_id, remit.plan(run_id, checkpoint_id).branch)
         created = remit.fork(run_id, checkpoint_id, fork_token)
-        body = decode(base.state, run_id=run_id, checkpoint_id=checkpoint_id)
+        paused_at, body = base, decode(base.state, run_id=run_id, checkpoint_id=checkpoint_id)
+        while body.kind == "edit" and paused_at.parent_id is not None:
+            # An edit of a paused flow leaves it paused: the fork waits for that feedback too.
+            parent = remit.checkpoint(run_id, paused_at.parent_id)
+            if parent is None:
+                break
+            paused_at = parent
+            body = decode(parent.state, run_id=run_id, checkpoint_id=parent.checkpoint_id)
         if body.kind == "pause":
             interrupt_id = f"{body.method}#{body.ledger.occurrence(body.method)}"
-            paused = remit.interrupt(run_id, interrupt_id, branch=base.branch)
+            paused = remit.interrupt(run_id, interrupt_id, branch=paused_at.branch)
             if paused is not None:
                 remit.open_interrupts(
                     run_id,
@@ -386,7 +394,10 @@ class RemitFlowPersistence(FlowPersistence):
                     )
             if session.state_type is not None:
                 _check_fields(session.state_type, changes, flow_id)
-            merged = {**session.state, **changes, "id": flow_id}
+            state = session.state
+            if session.state_type is not None:
+                state = _by_field_name(session.state_type, state)
+            merged = {**state, **changes, "id": flow_id}
             plain = self._plain_state(session, merged)
             self._commit(session, plain, "", "edit", session.ledger)
 
@@ -552,6 +563,8 @@ class RemitFlowPersistence(FlowPersistence):
         if isinstance(state_data, BaseModel):
             session.state_type = model  # recorded with the commit (see `edit_state`)
         if model is not None and isinstance(state_data, (BaseModel, dict)):
+            if isinstance(state_data, dict):
+                state_data = _as_model(model, state_data)
             plain = self._dump_model(_schema_of(model).validate(state_data, **ids), ids)
         elif isinstance(state_data, dict):
             plain = dict(state_data)
@@ -578,20 +591,41 @@ class RemitFlowPersistence(FlowPersistence):
 
     @staticmethod
     def _dump_model(state: BaseModel, ids: Mapping[str, Any]) -> dict[str, Any]:
-        """Python-mode fields when the codec reads them back as they are, else the JSON
-        form if it validates back to the same values, types included (a str Enum in an
-        `Any` field would come back a str); otherwise the state is refused."""
-        plain = state.model_dump(mode="python")
+        """The state as data its model reads back as the same values, types included (CrewAI
+        restores a state with its model's `model_validate`): its Python-mode fields when the
+        codec stores them exactly, else its JSON form (a str Enum in an `Any` field would
+        come back a str); keyed by field name, else by alias (a model that reads a field by
+        its alias only would drop it by name). Computed fields are left out: the model
+        computes them, and one that forbids extra fields would refuse them. Otherwise the
+        state is refused."""
+        model = type(state)
+        plain = state.model_dump(mode="python", round_trip=True)
         found = inexact(plain)
+        if found is None and not _renamed(model):
+            return plain  # stored exactly, keyed as the model reads it
+        modes = ("python", "json") if found is None else ("json",)
+        why, first_back = "it reads back as another value", None
+        for by_alias in (False, True):
+            for mode in modes:
+                # (PydanticSerializationError and ValidationError are ValueErrors.)
+                try:
+                    stored = state.model_dump(mode=mode, round_trip=True, by_alias=by_alias)
+                    back = model.model_validate(stored).model_dump(mode="python", round_trip=True)
+                except (TypeError, ValueError) as exc:
+                    why = f"it has no form that reads back ({exc})"
+                    continue
+                if same(back, plain):
+                    return stored
+                first_back = back if first_back is None else first_back
         if found is None:
-            return plain
-        try:
-            as_json = state.model_dump(mode="json")
-            if same(type(state).model_validate(as_json).model_dump(mode="python"), plain):
-                return as_json
-            why = "its JSON form reads back as another value"
-        except (TypeError, ValueError) as exc:  # PydanticSerializationError, ValidationError
-            why = f"it has no JSON form that reads back ({exc})"
+            path = _first_change(plain, first_back)
+            raise CheckpointInvalid(
+                f"state field {path} does not survive storage: its model reads it back as "
+                "another value by field name and by alias (a field read by another name "
+                "than it is written by?)",
+                field=path,
+                **ids,
+            )
         path, kind = found
         raise CheckpointInvalid(
             f"state field {path} holds a {type_name(kind)}, which does not survive storage: "
@@ -974,6 +1008,48 @@ def _as_json(value: Any) -> Any:
         return codec.loads(codec.dumps(value, exact=False))
     except TypeError:
         return str(value)
+
+
+def _as_model(model: type[BaseModel], data: Mapping[str, Any]) -> BaseModel | dict[str, Any]:
+    """A model state handed over as a dict (CrewAI's `model_dump()` for a pause or an
+    `ask()`, an edit merged into the head) as `model`: read by field name or alias, its
+    computed fields dropped. The dict itself if it does not validate, so that the
+    schema's validation names the field."""
+    fields = {k: v for k, v in data.items() if k not in model.model_computed_fields}
+    try:
+        return model.model_validate(fields, by_name=True)
+    except (ValidationError, TypeError):
+        return fields
+
+
+@functools.lru_cache(maxsize=256)
+def _renamed(model: type[BaseModel]) -> bool:
+    """Whether a field of `model` is read or written by another name than its own."""
+    return any(
+        name not in (None, field)
+        for field, info in model.model_fields.items()
+        for name in (info.alias, info.validation_alias, info.serialization_alias)
+    )
+
+
+def _by_field_name(model: type[BaseModel], state: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored state of `model` keyed by field name (`_dump_model` keys it by alias when
+    the model reads a field by its alias only), so that an edit by field name replaces
+    the stored value instead of losing to it."""
+    names = {
+        f.serialization_alias: name
+        for name, f in model.model_fields.items()
+        if f.serialization_alias is not None and f.serialization_alias != name
+    }
+    return {names.get(k, k): v for k, v in state.items()}
+
+
+def _first_change(plain: Mapping[str, Any], back: Mapping[str, Any] | None) -> str:
+    """The first field of `plain` that `back` (its model's reading of it) lost or changed."""
+    for key, value in plain.items():
+        if back is None or key not in back or not same(value, back[key]):
+            return str(key)
+    return "<root>"
 
 
 def _name(model: type[BaseModel]) -> str:
