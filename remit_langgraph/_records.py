@@ -37,6 +37,9 @@ _BODY_OPTIONS = (
 )
 #: The Remit run whose step writes index LangGraph run ids -> threads.
 RUN_INDEX = "remit-langgraph:run-index"
+#: The Remit run whose step writes mark each deletion of a thread (thread -> marks):
+#: a thread id used again after `delete_thread` keys its effects apart (`Run.life`).
+THREAD_LIVES = "remit-langgraph:thread-lives"
 
 
 def pack(typed: tuple[str, bytes]) -> bytes:

@@ -81,6 +81,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.schema import StateSchema
+from remit_langgraph._records import THREAD_LIVES
 from remit_langgraph._schema import StateCheck, plain_record_types
 from remit_langgraph._serde import StrictSerializer
 from remit_langgraph._shared_effects import CALLS, Made, TaskCalls
@@ -143,6 +144,8 @@ class Run:
     calls: dict[str, TaskCalls] = field(default_factory=dict)
     #: The calls earlier branches made for the tasks of its first step, by "step/place".
     shared: dict[str, Made] = field(default_factory=dict)
+    #: The thread's life (see `life`), read at the first effect.
+    _life: str | None = None
 
     def is_last_put(self, frame: FrameType | None, metadata: Any, ns: str) -> bool:
         """Whether a put called from `frame` is the last write of this run: the
@@ -174,6 +177,16 @@ class Run:
             return part
         meta = task.config.get("metadata") or {}
         return f"{name}@{meta.get('langgraph_step')}@{meta.get('langgraph_path')}"
+
+    def life(self) -> str:
+        """The part of its effects' keys that tells this life of the thread from the
+        ones `delete_thread` ended: "" if it was never deleted (the keys are as they
+        always were), else the newest deletion's mark. The same on every replay,
+        recovery and takeover; a thread id used again gets keys no earlier life had."""
+        if self._life is None:
+            lives = self.remit.writes(THREAD_LIVES, self.thread)
+            self._life = max((f"~{w.task_id}" for w in lives), default="")
+        return self._life
 
     @property
     def fence(self) -> FenceRef:
@@ -1154,7 +1167,7 @@ def effect_scope() -> StepScope | None:
     ]
     step = meta["langgraph_step"]
     task, path = "|".join(parts), meta.get("langgraph_path")
-    step_key = f"{run.branch}/{task}/{step}/{path}"
+    step_key = f"{run.branch}{run.life()}/{task}/{step}/{path}"
     place = f"{task}/{path}"
     if len(parts) > 1:  # a subgraph's task: its calls are not shared with a fork
         return StepScope(run.remit, run.thread, step_key, run.fence)

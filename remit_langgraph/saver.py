@@ -14,6 +14,7 @@ import asyncio
 import builtins
 import contextlib
 import copy
+import dataclasses
 import random
 import sys
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
@@ -31,6 +32,7 @@ from langgraph.checkpoint.base import (
     get_serializable_checkpoint_metadata,
     writes_sort_key,
 )
+from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from remit_core import Remit, codec, connect, policy
@@ -438,9 +440,19 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     # -- whole threads ------------------------------------------------------------
     def delete_thread(self, thread_id: str) -> None:
-        """Delete every record of a thread (checkpoints, writes, interrupts, effects)."""
-        self.remit.delete_run(str(thread_id))
-        self._blobs.drop(str(thread_id))
+        """Delete every record of a thread (checkpoints, writes, interrupts, effects).
+
+        The thread id may be used again: the runs of its next life key their effects
+        apart from this one's (its ledger is gone, and a target that dedupes by
+        idempotency key would take a new call for an old one and drop it). The mark
+        of the new life is stored first: a delete that fails midway leaves no life
+        of the thread whose keys another had.
+        """
+        thread = str(thread_id)
+        mark = WriteRecord(rec.THREAD_LIVES, thread, str(uuid6()), 0, "life", b"")
+        self.remit.put_writes([mark], mode="first")
+        self.remit.delete_run(thread)
+        self._blobs.drop(thread)
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their writes) that LangGraph runs `run_ids` wrote.
@@ -461,8 +473,15 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy a thread's checkpoints, branches, channel values and writes to a new thread id."""
-        target = str(target_thread_id)
-        self.remit.copy_run(str(source_thread_id), target)
+        source, target = str(source_thread_id), str(target_thread_id)
+        self.remit.copy_run(source, target)
+        # The copy's effects are keyed as in its source's life (the ledger it copied).
+        lives = self.remit.writes(rec.THREAD_LIVES, source)
+        self.remit.delete_checkpoints(rec.THREAD_LIVES, "", [target])
+        if lives:
+            self.remit.put_writes(
+                [dataclasses.replace(w, checkpoint_id=target) for w in lives], mode="first"
+            )
         for r in self.remit.history(target, verify=False):
             self._index_run(target, r.metadata.get("run_id"))
 
