@@ -13,6 +13,9 @@ re-run of the same step execution names the same children; a retry is another
 execution and starts children of its own. The runtime then looks the id up: a
 child that ended answers at once with its stored result (`EndedRun`), one that
 did not continues from its head. A `run_id` the user passes is kept as it is.
+Children are counted with the step's effect calls (`StepExecution`): a step that
+runs again on a fork from its top finds the children it started before the fork's
+base as it finds those calls, under the ids of the branch that started them.
 
 The random draw is told apart from a user's id by recording it: the
 framework's draw function is wrapped once (`record_draws`) to note the id it
@@ -25,7 +28,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import workflows.context.context as framework_context
@@ -39,6 +42,7 @@ from workflows.runtime.types.plugin import (
 )
 from workflows.runtime.types.ticks import TickCancelRun, WorkflowTick
 
+from remit_core.effects import StepScope
 from remit_core.errors import RemitError, ResumeConflict
 from remit_llamaindex._state import RemitStateStore
 
@@ -55,17 +59,20 @@ class RunFailed(RemitError):
 
 @dataclass
 class StepExecution:
-    """One execution of a step of a Remit run: the children it starts, numbered."""
+    """One execution of a step of a Remit run: the children it starts, numbered by the
+    step's effect scope, so that they are counted with its effect calls. A step that
+    runs again on a fork of a checkpoint it was running or waiting at (`SharedScope`)
+    then finds the children it started before the fork's base under the ids of the
+    branch that started them: those belong to the prefix the fork shares, and their
+    effects are not applied again; its later children are the fork's own."""
 
     run_id: str
-    step_key: str
+    scope: StepScope
     retry: int
-    started: int = field(default=0)
 
     def next_child(self) -> str:
-        n, self.started = self.started, self.started + 1
-        attempt = f"/retry-{self.retry}" if self.retry else ""
-        return f"{self.run_id}/{self.step_key}{attempt}/workflow#{n}"
+        attempt = f"retry-{self.retry}/" if self.retry else ""
+        return f"{self.run_id}/{self.scope.next_key(f'{attempt}workflow')}"
 
 
 _execution: contextvars.ContextVar[StepExecution | None] = contextvars.ContextVar(
@@ -77,9 +84,9 @@ _drawn: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def step_execution(run_id: str, step_key: str, retry: int) -> Iterator[StepExecution]:
+def step_execution(run_id: str, scope: StepScope, retry: int) -> Iterator[StepExecution]:
     """The step execution a step body runs in (children it starts are named after it)."""
-    execution = StepExecution(run_id, step_key, retry)
+    execution = StepExecution(run_id, scope, retry)
     token = _execution.set(execution)
     try:
         yield execution

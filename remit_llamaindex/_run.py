@@ -121,9 +121,20 @@ async def _one(tick: WorkflowTick) -> AsyncIterator[WorkflowTick]:
     yield tick
 
 
+def check_is_event(event: object) -> None:
+    """Refuse with `TypeError` anything delivered to a run that is not an `Event`."""
+    if not isinstance(event, Event):
+        raise TypeError(
+            f"a delivered event must be a workflows Event, not {type(event).__name__}; "
+            "the event was not delivered"
+        )
+
+
 def validated_event(event: Event, serializer: JsonSerializer, **ids: Any) -> None:
     """Re-validate a delivered event against its own model (catches `model_construct`),
-    and refuse one the store would give back as another value (`unstorable_event`)."""
+    and refuse one the store would give back as another value (`unstorable_event`).
+    Anything but an `Event` is refused with `TypeError`."""
+    check_is_event(event)
     try:
         type(event).model_validate(event.model_dump())
     except ValidationError as exc:

@@ -93,6 +93,7 @@ from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import (
     Session,
     check_awaited,
+    check_is_event,
     checked_new_run_id,
     new_checkpoint_id,
     public_run_id,
@@ -183,14 +184,11 @@ class RemitRuntime(BaseRuntimeDecorator):
             session = self._sessions.get(get_current_run_id() or "")
             if session is None:
                 return await fn(state, step_name, event, workflow, bound_events, retry)
-            key = session.step_key(step_name, state.work_item_id)
             delivered = session.rerun_sends(
                 step_name, state.work_item_id, state.invocation_id, retry.retry_number
             )
-            with (
-                scoped(session.effect_scope(step_name, state.work_item_id)),
-                _child.step_execution(session.run_id, key, retry.retry_number),
-            ):
+            scope = session.effect_scope(step_name, state.work_item_id)
+            with scoped(scope), _child.step_execution(session.run_id, scope, retry.retry_number):
                 failpoints.hit("step.before")
                 output = await fn(state, step_name, event, workflow, bound_events, retry)
             # A send delivered before the crash is left out of the result too, or the
@@ -683,8 +681,10 @@ class RemitRuntime(BaseRuntimeDecorator):
         returned was answered already, when no waiter of the run waits for it
         and no step takes it (the framework would drop it: send an answer once
         its waiter exists), or when another resumer holds the run or moved it
-        on; `CheckpointInvalid` for an event that fails its own model.
+        on; `CheckpointInvalid` for an event that fails its own model; `TypeError` for
+        anything but an `Event`.
         """
+        check_is_event(event)
         session = self._session_of(handler)
         await session.deliver(
             TickAddEvent(event=event, step_id=StepId.root(step) if step else None)
@@ -700,6 +700,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         whose process died before it reached the step that waits for the event
         is continued with `recover` first; answer it once it waits.
         """
+        check_is_event(event)
         ctx = await asyncio.to_thread(self.context, workflow, run_id)
         # (Not running: running it would start the workflow over. Ended with a step in
         # flight, e.g. cancelled: running it would only answer with its outcome.)
