@@ -50,18 +50,38 @@ class Ledger:
     `feedback`: accepted human feedback, oldest first, one dict per consumed
     interrupt or answer given at once (interrupt, method, feedback, outcome,
     timestamp, output, metadata).
+    `joins`, `fired`, `running`: where CrewAI's joins stood when the flow last paused:
+    per listener, the triggers its `and_`/`or_` condition has seen; the `or_`
+    listeners that fired and completed; the methods still running then, each with
+    the occurrence it ran as (a sibling of the paused method may complete after the
+    pause was saved). A resume builds a new flow instance, which knows none of it: a
+    join waiting on the paused method would never fire, and an `or_` listener that
+    already ran would run again.
     """
 
     completed: tuple[str, ...] = ()
     counts: dict[str, int] = field(default_factory=dict)
     feedback: tuple[dict[str, Any], ...] = ()
     routes: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
+    joins: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    fired: tuple[str, ...] = ()
+    running: dict[str, int] = field(default_factory=dict)
 
     def completing(self, method: str) -> Ledger:
         counts = dict(self.counts)
         counts[method] = counts.get(method, 0) + 1
         completed = self.completed if method in self.completed else (*self.completed, method)
         return replace(self, completed=completed, counts=counts)
+
+    def pausing(
+        self, joins: dict[str, tuple[str, ...]], fired: tuple[str, ...], running: dict[str, int]
+    ) -> Ledger:
+        """Record where CrewAI's joins stood as the flow paused (kept until the next pause)."""
+        return replace(self, joins=joins, fired=fired, running=running)
+
+    def completed_since_pause(self) -> set[str]:
+        """Methods running when the flow paused whose occurrence completed afterwards."""
+        return {m for m, at in self.running.items() if self.occurrence(m) > at}
 
     def routing(self, method: str, route: str | None) -> Ledger:
         """Record the route router `method` took at the completion just recorded."""
@@ -146,6 +166,11 @@ def encode(body: Body) -> bytes:
             "counts": ledger.counts,
             "feedback": list(ledger.feedback),
             "routes": {m: list(taken) for m, taken in ledger.routes.items()},
+            **(
+                {} if not ledger.joins else {"joins": {k: list(v) for k, v in ledger.joins.items()}}
+            ),
+            **({} if not ledger.fired else {"fired": list(ledger.fired)}),
+            **({} if not ledger.running else {"running": ledger.running}),
             **({} if body.output is None else {"output": body.output}),
         }
     )
@@ -167,6 +192,12 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
                     str(m): tuple(None if r is None else str(r) for r in taken)
                     for m, taken in raw.get("routes", {}).items()
                 },
+                # Checkpoints written before joins were recorded have none.
+                joins={
+                    str(k): tuple(str(t) for t in seen) for k, seen in raw.get("joins", {}).items()
+                },
+                fired=tuple(str(m) for m in raw.get("fired", ())),
+                running={str(m): int(at) for m, at in raw.get("running", {}).items()},
             ),
             output=_bytes_or_none(raw.get("output")),
         )

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 from crewai.flow.async_feedback.types import PendingFeedbackContext
 from crewai.flow.human_feedback import HumanFeedbackResult
 from crewai.flow.persistence.base import FlowPersistence
+from crewai.flow.runtime import _condition_satisfied
+from crewai.flow.types import FlowMethodName, PendingListenerKey
 from pydantic import BaseModel, Field, ValidationError
 
 from remit_core import codec, policy
@@ -217,7 +219,11 @@ class RemitFlowPersistence(FlowPersistence):
         with self._writing(flow_uuid, release=True) as session, session.lock:
             plain = self._plain_state(session, state_data)
             method = str(context.method_name)
-            record = self._commit(session, plain, method, "pause", session.ledger)
+            flow = _flow_of(session)
+            ledger = session.ledger
+            if flow is not None:
+                ledger = ledger.pausing(*_joins_of(flow, session, method))
+            record = self._commit(session, plain, method, "pause", ledger)
             interrupt_id = f"{method}#{session.ledger.occurrence(method)}"
             self.remit.open_interrupts(
                 session.run_id,
@@ -744,6 +750,7 @@ class RemitFlowPersistence(FlowPersistence):
                 "the flow still waits for its feedback"
             )
         if held is not None:
+            _rejoin(flow, held.ledger)
             return
         loaded = self.load_pending_feedback(flow.flow_id)
         if loaded is None:
@@ -751,13 +758,15 @@ class RemitFlowPersistence(FlowPersistence):
                 "this flow waits for no feedback any more; nothing was resumed",
                 run_id=locate(flow.flow_id)[0],
             )
+        session = resumer_of(self.url, flow.flow_id)
         try:
             flow._initialize_state(loaded[0])
         except BaseException:
-            session = resumer_of(self.url, flow.flow_id)
             if session is not None:
                 self._release(session)
             raise
+        if session is not None:
+            _rejoin(flow, session.ledger)
 
     def _restore_into(self, flow: Flow[Any], session: Session) -> None:
         """Give a restarted flow its past: completed methods and accepted feedback.
@@ -781,17 +790,7 @@ class RemitFlowPersistence(FlowPersistence):
         session.keys_from = self._paused_on(session)
         waiting = {_interrupt_method(i.interrupt_id) for i in interrupts if i.status == "pending"}
         flow._completed_methods = {m for m in ledger.completed if m not in waiting}
-        history = [
-            HumanFeedbackResult(
-                output=f["output"],
-                feedback=f["feedback"],
-                outcome=f["outcome"],
-                timestamp=f["timestamp"],
-                method_name=f["method"],
-                metadata=f["metadata"],
-            )
-            for f in ledger.feedback
-        ]
+        history = _history(ledger)
         flow.human_feedback_history = history
         flow.last_human_feedback = history[-1] if history else None
 
@@ -983,6 +982,76 @@ def _feedback_entry(
         "output": output,
         "metadata": metadata or {},
     }
+
+
+def _flow_of(session: Session) -> Flow[Any] | None:
+    """The flow instance that drives `session`: its owner, else the kickoff's in this context."""
+    flow = None if session.owner is None else session.owner()
+    if flow is None:
+        ex = current_execution.get()
+        flow = None if ex is None else ex.flow()
+    return flow if flow is not None and flow.flow_id == session.flow_id else None
+
+
+def _joins_of(
+    flow: Flow[Any], session: Session, paused: str
+) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...], dict[str, int]]:
+    """Where CrewAI's joins of `flow` stand as `paused` pauses (`Ledger.joins`, `fired`,
+    `running`). An `or_` listener still running has not completed: not fired yet."""
+    running = {
+        m: session.ledger.occurrence(m) for m, n in session.running.items() if n and m != paused
+    }
+    joins = {str(k): tuple(sorted(seen)) for k, seen in list(flow._pending_events.items()) if seen}
+    with flow._or_listeners_lock:
+        fired = tuple(sorted(str(m) for m in flow._fired_or_listeners if m not in running))
+    return joins, fired, running
+
+
+def _leaves(condition: Any) -> set[str]:
+    """The triggers a CrewAI listen condition (a name, or `{"and"|"or": [...]}`) names."""
+    if isinstance(condition, str):
+        return {condition}
+    if isinstance(condition, dict):
+        return {t for branch in [*condition.values()][0] for t in _leaves(branch)}
+    return set()
+
+
+def _history(ledger: Ledger) -> list[HumanFeedbackResult]:
+    """The feedback the run accepted, as CrewAI keeps it (`human_feedback_history`)."""
+    return [
+        HumanFeedbackResult(
+            output=f["output"],
+            feedback=f["feedback"],
+            outcome=f["outcome"],
+            timestamp=f["timestamp"],
+            method_name=f["method"],
+            metadata=f["metadata"],
+        )
+        for f in ledger.feedback
+    ]
+
+
+def _rejoin(flow: Flow[Any], ledger: Ledger) -> None:
+    """Give a resumed flow what it had when it paused, before its listeners run (a restart
+    gets it from `_restore_into`): its joins, so that a join waiting on the paused method
+    fires and an `or_` listener that ran does not run again, and the feedback it was given
+    before (the resume adds its own). A method that was running beside the pause and
+    completed after it was saved counts as it would have in the paused process."""
+    late = ledger.completed_since_pause()
+    joins = {k: set(seen) for k, seen in ledger.joins.items()}
+    fired = set(ledger.fired)
+    for name, _, condition in flow._listener_methods():
+        if name in late and isinstance(condition, dict) and "or" in condition:
+            fired.add(str(name))
+        seen = joins.get(str(name), set()) | (late & _leaves(condition))
+        # A join still waiting; one these would complete fired in the paused process.
+        if seen and isinstance(condition, dict) and not _condition_satisfied(condition, seen):
+            joins[str(name)] = seen
+    for key, seen in joins.items():
+        flow._pending_events[PendingListenerKey(key)] = seen
+    with flow._or_listeners_lock:
+        flow._fired_or_listeners.update(FlowMethodName(m) for m in fired)
+    flow.human_feedback_history = _history(ledger)
 
 
 def _output_of(session: Session, method: str) -> bytes | None:
