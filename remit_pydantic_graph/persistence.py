@@ -34,21 +34,23 @@ through the store as processes do. It makes one call at a time: a call made
 while another is in progress (a node running included) gets `ResumeConflict`.
 Between two nodes it holds no claim: if another resumer runs its next node
 meanwhile, it gets `ResumeConflict` as a racing resumer does.
-Store calls are blocking; every async method runs them in a worker thread.
+Store calls are blocking; every async method runs them in a worker thread, to its
+end also when the task is cancelled (the cancellation comes once they are done).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio.to_thread
 import pydantic
@@ -132,6 +134,33 @@ class _Resumer:
     ran: tuple[_Head, float] | None = None
     started: _Head | None = None
     own_head: str | None = None
+
+
+_T = TypeVar("_T")
+
+
+async def _in_thread(call: Callable[..., _T], *args: Any) -> _T:
+    """`call(*args)` in a worker thread, run to its end even if the task is cancelled.
+
+    anyio keeps its own cancel scopes off a worker thread, not asyncio's
+    `Task.cancel()`: the awaiting task would get `CancelledError` at once and clean
+    up while the thread goes on, to take a claim (and heartbeat it) that no one
+    gives back, or to mark a node running that no one runs. So the cancellation is
+    let through only once the thread is done: the caller's cleanup then sees all it
+    took and wrote.
+    """
+    work = asyncio.ensure_future(anyio.to_thread.run_sync(call, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        while not work.done():
+            try:
+                await asyncio.wait((work,))
+            except asyncio.CancelledError:
+                continue  # cancelled again: the first cancellation is raised below
+        if not work.cancelled():
+            work.exception()  # retrieved: the cancellation is what the caller gets
+        raise
 
 
 def _check_versions(workflow_version: object, accept_versions: object) -> frozenset[str]:
@@ -278,8 +307,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 logs.setdefault(w.task_id[len("status:") :], []).append(w)
         return logs
 
-    def _read(self, checkpoint_id: str, base_id: str | None = None) -> _Stored:
-        """One snapshot, verified, version-checked and decoded, with its status."""
+    def _read(
+        self, checkpoint_id: str, base_id: str | None = None, line: str | None = None
+    ) -> _Stored:
+        """One snapshot, verified, version-checked and decoded, with its status on branch
+        `line` (default: this instance's), whose fork's base is `base_id`."""
+        line = self.branch if line is None else line
         record = self.remit.checkpoint(self.run_id, checkpoint_id)
         if record is None:
             raise UnknownRecord(
@@ -310,8 +343,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             snapshot.node.set_snapshot_id(snapshot.id)
             logs = self._status_log(checkpoint_id)
             # A branch's own log decides; a fork's base starts fresh on the fork.
-            own = record.branch == self.branch or checkpoint_id == base_id
-            log = logs.get(self.branch) or ([] if own else logs.get(record.branch, []))
+            own = record.branch == line or checkpoint_id == base_id
+            log = logs.get(line) or ([] if own else logs.get(record.branch, []))
             if log:
                 last = max(log, key=lambda w: w.idx)
                 entry = codec.loads(last.value)
@@ -668,7 +701,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     async def snapshot_node(self, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]) -> None:
         snapshot = NodeSnapshot(state=state, node=_checked_node("snapshot_node", next_node))
         with self._turn() as resumer:
-            await anyio.to_thread.run_sync(self._advance, resumer, snapshot)
+            await _in_thread(self._advance, resumer, snapshot)
 
     async def snapshot_node_if_new(
         self, snapshot_id: str, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]
@@ -683,9 +716,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         snapshot = NodeSnapshot(state=state, node=node)
         with self._turn() as resumer:
             try:
-                await anyio.to_thread.run_sync(
-                    self._snapshot_if_new, resumer, snapshot_id, snapshot
-                )
+                await _in_thread(self._snapshot_if_new, resumer, snapshot_id, snapshot)
             except BaseException:
                 self._drop(resumer)  # cut short (cancelled): the node will not run now
                 raise
@@ -699,7 +730,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     async def snapshot_end(self, state: StateT, end: End[RunEndT]) -> None:
         snapshot = EndSnapshot(state=state, result=_checked_end(end))
         with self._turn() as resumer:
-            await anyio.to_thread.run_sync(self._advance, resumer, snapshot)
+            await _in_thread(self._advance, resumer, snapshot)
 
     @asynccontextmanager
     async def record_run(self, snapshot_id: str) -> AsyncIterator[None]:
@@ -713,7 +744,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         with self._turn() as resumer:
             resumer.started = None
             try:
-                head = await anyio.to_thread.run_sync(self._begin_run, resumer, snapshot_id)
+                head = await _in_thread(self._begin_run, resumer, snapshot_id)
             except BaseException:
                 if resumer.started is not None:  # cancelled while the node was being marked running
                     self._end_run(resumer, resumer.started, "created", None)
@@ -730,7 +761,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                     yield
             except Exception:
                 duration = perf_counter() - start
-                await anyio.to_thread.run_sync(self._end_run, resumer, head, "error", duration)
+                await _in_thread(self._end_run, resumer, head, "error", duration)
                 raise
             except BaseException:
                 # Cancelled: give the node back now, on this thread; it has no result.
@@ -738,7 +769,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 raise
             duration = perf_counter() - start
             try:
-                await anyio.to_thread.run_sync(self._finish_run, resumer, head, duration)
+                await _in_thread(self._finish_run, resumer, head, duration)
             except BaseException:
                 self._drop(resumer)  # no next snapshot will follow: let another resumer rerun it
                 raise
@@ -817,7 +848,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         own backends answer a second call)."""
         with self._turn() as resumer:
             try:
-                return await anyio.to_thread.run_sync(self._load_next, resumer)
+                return await _in_thread(self._load_next, resumer)
             except BaseException:
                 self._drop(resumer)  # cut short (cancelled): the node stays free to load
                 raise
@@ -849,18 +880,29 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         return snapshot
 
     async def load_all(self) -> list[Snapshot[StateT, RunEndT]]:
-        return await anyio.to_thread.run_sync(self._load_all)
+        return await _in_thread(self._load_all)
 
     def _load_all(self) -> list[Snapshot[StateT, RunEndT]]:
-        """This branch's line of snapshots, oldest first (a fork includes its shared prefix)."""
+        """This branch's line of snapshots, oldest first (a fork includes its shared prefix).
+
+        Each snapshot has its status on the branch whose line it is on here: a fork's
+        own snapshots and its base the fork's, the snapshots before the base those of
+        the branch the base was made on (a fork of a fork reaches its first fork's
+        base through that fork, which ran it)."""
         self._types()
         self._follow_token(None)
         branch = self.remit.branch(self.run_id, branch=self.branch)
         out: list[Snapshot[StateT, RunEndT]] = []
-        cursor = None if branch is None else branch.head_id
+        if branch is None:
+            return out
+        cursor, line, base_id = branch.head_id, branch.branch, branch.base_id
         while cursor is not None:
-            stored = self._read(cursor, branch.base_id if branch is not None else None)
+            stored = self._read(cursor, base_id, line)
             out.append(stored.snapshot)
+            if cursor == base_id:
+                line = stored.record.branch
+                made_on = self.remit.branch(self.run_id, branch=line)
+                base_id = None if made_on is None else made_on.base_id
             cursor = stored.record.parent_id
         out.reverse()
         return out
@@ -892,7 +934,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if pause_id is not None:
             checked_id("pause_id", pause_id)
         with self._turn() as resumer:
-            return await anyio.to_thread.run_sync(self._resume, resumer, node, pause_id)
+            return await _in_thread(self._resume, resumer, node, pause_id)
 
     def _check_answer(self, node: object) -> None:
         """`TypeError` / `ValueError` for an answer that cannot be a node of this graph."""
@@ -1109,7 +1151,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     async def paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
         """The head snapshot if the run is paused and free to resume, else None."""
-        return await anyio.to_thread.run_sync(self._paused)
+        return await _in_thread(self._paused)
 
     def _paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
         self._types()
@@ -1135,7 +1177,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         raises `ResumeConflict` and keeps its answer.
         """
         with self._turn() as resumer:
-            return await anyio.to_thread.run_sync(self._update_state, resumer, state)
+            return await _in_thread(self._update_state, resumer, state)
 
     def _update_state(self, resumer: _Resumer, state: StateT) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
@@ -1177,7 +1219,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """
         checked_id("snapshot_id", snapshot_id)
         checked_id("fork_token", fork_token)
-        await anyio.to_thread.run_sync(self._fork_readable, snapshot_id, fork_token)
+        await _in_thread(self._fork_readable, snapshot_id, fork_token)
         other: RemitStatePersistence[StateT, RunEndT] = RemitStatePersistence(
             self.remit,
             self.run_id,
