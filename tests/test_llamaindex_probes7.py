@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 import pytest
+from test_llamaindex_probes6 import Ask
 from workflows import Context, Workflow, step
 from workflows.events import HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
 
@@ -94,15 +95,6 @@ def test_a_fork_at_a_wait_shares_the_child_its_step_started_before_waiting(
     asyncio.run(go())
     assert sorted(amount for _, amount in APPLIED) == [1, 1, 100], APPLIED
     assert len({key for key, _ in APPLIED}) == 3
-
-
-class Ask(Workflow):
-    @step
-    async def ask(self, ctx: Context, ev: StartEvent) -> StopEvent:
-        answer = await ctx.wait_for_event(
-            HumanResponseEvent, waiter_event=InputRequiredEvent(prefix="who?"), timeout=None
-        )
-        return StopEvent(result=answer.response)
 
 
 @pytest.mark.parametrize("value", ["ada", None, {"response": "ada"}])
