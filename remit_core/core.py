@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from remit_core import codec, failpoints, policy
-from remit_core.errors import Fenced, ForkWithoutIntent, HeadMoved, UnknownRecord
+from remit_core.errors import Fenced, ForkWithoutIntent, HeadMoved, ResumeConflict, UnknownRecord
 from remit_core.records import (
     MAIN_BRANCH,
     BlobRecord,
@@ -36,6 +36,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores import Store, open_store
+from remit_core.stores.base import stale_fence
 
 DEFAULT_LEASE = 30.0
 #: The plan of a run's first checkpoint, tried before any other.
@@ -162,7 +163,9 @@ def _checked_write(w: WriteRecord) -> None:
         and w.run_id != ""
         and w.checkpoint_id != ""
         and -_INT_LIMIT <= w.idx < _INT_LIMIT
-        and "\x00" not in f"{w.run_id}{w.checkpoint_id}{w.task_id}{w.channel}{w.ns}{w.task_path}"
+        and "\x00"
+        not in (ids := f"{w.run_id}{w.checkpoint_id}{w.task_id}{w.channel}{w.ns}{w.task_path}")
+        and (ids.isascii() or _encodable(ids))
     ):
         return  # the common case, in one test
     if not isinstance(w, WriteRecord):
@@ -517,7 +520,8 @@ class Remit:
             _checked_count("schema_version", schema_version, high=_INT_LIMIT - 1)
         if blobs and not (
             all(type(k) is str and type(v) is bytes for k, v in blobs.items())
-            and "\x00" not in "".join(blobs)
+            and "\x00" not in (keys := "".join(blobs))
+            and (keys.isascii() or _encodable(keys))
         ):
             for key, value in blobs.items():
                 checked_id("blob key", key, empty=True)
@@ -544,6 +548,17 @@ class Remit:
             )
         )
         if plan.fork is not None:
+            # The store encodes the metadata with the checkpoint; refused there, it
+            # would leave this branch behind: encode it before creating anything.
+            codec.dumps(dict(metadata or {}), exact=False)
+            if fence is not None:
+                # The branch is made before the commit's fenced write: a holder whose
+                # claim was taken over must not leave one behind (L2).
+                held = self.store.get_claim(fence.run_id, fence.scope)
+                if not policy.fence_is_current(held, fence.fence, fence.holder):
+                    raise stale_fence(
+                        fence, *((None, None) if held is None else (held.fence, held.holder))
+                    )
             created = self.store.create_branch(plan.fork)
             if created.head_id != parent_id:
                 raise HeadMoved(
@@ -902,9 +917,21 @@ class Remit:
         _check_ns(ns)
         lease = self.lease if lease is None else checked_lease(lease)
         holder = f"{self.holder}/{next(_holder_serial)}"
-        claim, record, writes = self.store.acquire_claim_at_head(
-            run_id, branch, holder, now=self.clock(), lease=lease, ns=ns
-        )
+        try:
+            claim, record, writes = self.store.acquire_claim_at_head(
+                run_id, branch, holder, now=self.clock(), lease=lease, ns=ns
+            )
+        except ResumeConflict:
+            raise
+        except Exception:
+            # The take may have held and the store then failed to decode the head or
+            # its writes (metadata, a record's header): give the claim up, or nobody
+            # could resume the run until its lease ran out.
+            with contextlib.suppress(Exception):
+                taken = self.store.get_claim(run_id, branch)
+                if taken is not None and taken.holder == holder:
+                    self.store.release_claim(taken)
+            raise
         failpoints.hit("claim.after_acquire")
         handle = ClaimHandle(self, claim, lease, heartbeat)
         try:

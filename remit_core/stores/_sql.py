@@ -207,6 +207,12 @@ def _ckpt(row: Sequence[Any]) -> CheckpointRecord:
             run_id=row[0],
             checkpoint_id=row[1],
         ) from exc
+    if type(metadata) is not dict:  # (a commit stores a dict; anything else was altered)
+        raise CorruptRecord(
+            f"stored checkpoint metadata is not a mapping but a {type(metadata).__name__}",
+            run_id=row[0],
+            checkpoint_id=row[1],
+        )
     return CheckpointRecord(
         run_id=row[0],
         checkpoint_id=row[1],

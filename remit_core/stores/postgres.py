@@ -339,6 +339,13 @@ class PostgresStore(SqlStore):
                 parts.fragment,
             )
         )
+        try:
+            # libpq parses the URL here, as the first connection would: an option it
+            # does not know is refused now, like the other engines' (values are
+            # checked by the server or at connect).
+            psycopg.pq.Conninfo.parse(self._conninfo.encode())
+        except psycopg.Error as exc:
+            raise ValueError(f"bad PostgreSQL URL {url!r}: {str(exc).strip()}") from None
         self._pool: _Pool | None = None
         self._pid = -1
         self._lock = threading.Lock()

@@ -49,6 +49,7 @@ import re
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from redis import Redis
 from redis.connection import ConnectionPool
@@ -92,6 +93,9 @@ MIGRATIONS: dict[int, str] = {
 RUN_KEYS = ("ck", "ix", "br", "bt", "bl", "wr", "wx", "in", "cl", "ef")
 RUNS_KEY = "remit:runs"
 MIGRATIONS_KEY = "remit:migrations"
+
+#: redis-py options the store sets itself (replies as bytes, text as UTF-8).
+_OWN_OPTIONS = frozenset({"decode_responses", "encoding", "encoding_errors"})
 
 _SEP = "\x00"
 _TAG_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
@@ -157,6 +161,15 @@ def _unpack(raw: bytes, **ids: Any) -> tuple[list[Any], bytes]:
     if not newline or not isinstance(header, list):
         raise CorruptRecord("stored Redis record has a malformed header", **ids)
     return header, payload
+
+
+def _is_write_header(header: list[Any]) -> bool:
+    """Whether a step write's header is (ns, checkpoint id, task id, idx, channel, task path)."""
+    return (
+        len(header) == 6
+        and type(header[3]) is int
+        and all(type(header[i]) is str for i in (0, 1, 2, 4, 5))
+    )
 
 
 def _columns(rows: dict[bytes, bytes]) -> dict[bytes, dict[str, bytes]]:
@@ -276,6 +289,17 @@ class RedisStore(Store):
     # -- connection ----------------------------------------------------------
     def _connect(self) -> tuple[ConnectionPool, Redis, int]:
         """A pool and client for this process; nothing is sent until the first command."""
+        options = url_options(self.url)
+        own = sorted(set(options) & _OWN_OPTIONS)
+        if own:
+            raise ValueError(
+                f"Redis URL option {own[0]!r} in {self.url!r} is Remit's own: the store reads "
+                "replies as bytes and ids as UTF-8; leave it out"
+            )
+        db = urlsplit(self.url).path.strip("/")
+        if db and not (db.isascii() and db.isdigit()) and "db" not in options:
+            # redis-py would ignore it and use database 0.
+            raise ValueError(f"Redis URL {self.url!r} names database {db!r}, not a number")
         try:
             pool = ConnectionPool.from_url(self.url, decode_responses=False)
         except ValueError as exc:
@@ -283,7 +307,7 @@ class RedisStore(Store):
         # redis-py hands an option it does not know to each new connection, which
         # would fail only at the first command.
         known = _parameters(type(pool)) | _parameters(pool.connection_class)
-        unknown = sorted(set(url_options(self.url)) - known)
+        unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(
                 f"unknown Redis URL option {unknown[0]!r} in {self.url!r} (the options are "
@@ -428,6 +452,8 @@ class RedisStore(Store):
         header, state = _unpack(raw, run_id=run_id, checkpoint_id=checkpoint_id)
         try:
             cid, branch, parent, ns, seq, meta, schema_version, wf_version, created = header
+            if type(meta) is not dict:  # (a commit stores a dict; anything else was altered)
+                raise TypeError(f"its metadata is not a mapping but a {type(meta).__name__}")
             return CheckpointRecord(
                 run_id=run_id,
                 checkpoint_id=cid,
@@ -621,6 +647,14 @@ class RedisStore(Store):
             if raw is None:
                 continue
             header, value = _unpack(raw, run_id=run_id, checkpoint_id=checkpoint_id)
+            if not _is_write_header(header):
+                # (Its fields are under the value's checksum as its identity only: an
+                # idx stored as "0" would pass it.)
+                raise CorruptRecord(
+                    "stored Redis step write has a malformed header",
+                    run_id=run_id,
+                    checkpoint_id=checkpoint_id,
+                )
             w_ns, cid, task_id, idx, channel, task_path = header
             if after_idx is None or idx > after_idx:
                 writes.append(
