@@ -13,7 +13,9 @@ reduced tick becomes a Remit checkpoint under the run's leased, fenced claim
 (`remit_llamaindex._run`). A context snapshot (`ctx.to_dict()`) of a Remit run
 carries a handle to its checkpoint instead of the state values, so restoring
 it continues the same run; restoring a checkpoint that is no longer the head
-is a fork and needs a fork token (`context(..., fork_token=...)`).
+is a fork and needs a fork token (`context(..., fork_token=...)`). Running a
+context of a run that has ended starts a new run, under its own id, with the
+ended run's state (the framework's contexts carry state across runs so).
 
 A workflow a step starts without a `run_id` is a child run named after that
 step execution (`remit_llamaindex._child`): when the step runs again after a
@@ -223,7 +225,8 @@ class RemitRuntime(BaseRuntimeDecorator):
         drawn = _child.was_drawn(run_id)
         child = None
         found: Session | _child.EndedRun
-        if serialized_state is not None and snap.is_handle(serialized_state):
+        if start_event is None and snap.is_handle(serialized_state):
+            assert serialized_state is not None
             found = self._restored(workflow, serialized_state, json_ser)
         elif drawn and (child := _child.next_child_id()) is not None:
             found = self._child_session(workflow, child, init_state, serialized_state, json_ser)
@@ -289,14 +292,39 @@ class RemitRuntime(BaseRuntimeDecorator):
         serialized_state: dict[str, Any] | None,
         serializer: JsonSerializer,
     ) -> Session:
-        """The session of a run with no checkpoint yet."""
-        if serialized_state:
+        """The session of a run with no checkpoint yet. A context of a Remit run that
+        is not running (it ended) carries its state into the new run, as the
+        framework's contexts do across runs (`_carried_state`)."""
+        if snap.is_handle(serialized_state):
+            assert serialized_state is not None
+            state = self._carried_state(workflow, serialized_state, serializer)
+        elif serialized_state:
+            # A seed's fields are checked first: decoding it would raise pydantic's own
+            # error, not one naming the field (P4; nothing is stored yet).
+            fields = snap.state_fields(serialized_state)
+            schema = self._schema(workflow)
+            if schema is not None and fields is not None:
+                schema.validate(fields, run_id=run_id)
             state = decode_seed_state(serialized_state, serializer)
         else:
             state = infer_state_type(workflow)()
         return self._session(
             workflow, serializer, run_id, MAIN_BRANCH, None, None, init_state, state
         )
+
+    def _carried_state(
+        self, workflow: Workflow, handle: dict[str, Any], serializer: JsonSerializer
+    ) -> BaseModel:
+        """The state at the checkpoint a context's handle names: what a run started
+        with the context of an ended run begins with (its own run, under its own id;
+        the ended run is only read). A context taken before the run's first
+        checkpoint names none: the new run begins with a fresh state."""
+        checkpoint_id = handle.get("checkpoint_id")
+        if checkpoint_id is None:
+            return infer_state_type(workflow)()
+        record = self._checkpoint(handle["run_id"], checkpoint_id)
+        ctx = snap.decode(record.state, run_id=record.run_id, checkpoint_id=record.checkpoint_id)
+        return self._state(workflow, record, ctx, serializer)
 
     def _child_session(
         self,
@@ -580,6 +608,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         if checkpoint_id is None:
             record = self._head(run_id)
         else:
+            self._branch(run_id)  # a fork's branch the store does not hold is unknown
             record = self._checkpoint(key_run, checkpoint_id)
             if branch == MAIN_BRANCH:
                 branch = record.branch
@@ -641,7 +670,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         The same token from any process names the same branch; continue it with
         `recover`, `respond` or `context` like any run.
         """
-        key_run, _ = split_run_id(run_id)
+        key_run = self._branch(run_id).run_id  # (`UnknownRecord` for a branch not held)
         self._checkpoint(key_run, checkpoint_id)
         branch = self.remit.fork(key_run, checkpoint_id, fork_token)
         return public_run_id(key_run, branch.branch)
@@ -681,11 +710,17 @@ class RemitRuntime(BaseRuntimeDecorator):
         returned was answered already, when no waiter of the run waits for it
         and no step takes it (the framework would drop it: send an answer once
         its waiter exists), or when another resumer holds the run or moved it
-        on; `CheckpointInvalid` for an event that fails its own model; `TypeError` for
-        anything but an `Event`.
+        on, or when the run has ended (as `respond` refuses it); `CheckpointInvalid`
+        for an event that fails its own model; `TypeError` for anything but an `Event`.
         """
         check_is_event(event)
-        session = self._session_of(handler)
+        try:
+            session = self._session_of(handler)
+        except UnknownRecord:
+            ended = await asyncio.to_thread(self._ended_refusal, handler.run_id, event)
+            if ended is not None:
+                raise ended from None
+            raise
         await session.deliver(
             TickAddEvent(event=event, step_id=StepId.root(step) if step else None)
         )
@@ -754,6 +789,15 @@ class RemitRuntime(BaseRuntimeDecorator):
             run_id=run_id,
             checkpoint_id=record.checkpoint_id,
         )
+
+    def _ended_refusal(self, run_id: str, event: Event) -> ResumeConflict | None:
+        """The refusal of `event` for a stored run that has ended (`_ended`), or None
+        when the store holds no such run or it has not ended."""
+        try:
+            status = self.status(run_id)
+        except UnknownRecord:
+            return None
+        return self._ended(run_id, event) if status in snap.TERMINAL else None
 
     def _consumed_refusal(
         self, run_id: str, record: CheckpointRecord, event: Event, why: str

@@ -209,6 +209,11 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         await self._guarded(run_id, write)
 
     async def delete(self, query: HandlerQuery) -> int:
+        """Delete the handlers `query` matches; as in the server's own durable stores, a
+        query with no filter at all deletes nothing (it is not "delete everything")."""
+        filters = (query.handler_id_in, query.run_id_in, query.workflow_name_in, query.status_in)
+        if all(f is None for f in filters) and query.is_idle is None:
+            return 0
         doomed = await self.query(query)
 
         def tombstone() -> None:
