@@ -90,7 +90,11 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         try:
             body = self.adapter.dump_json(snapshot, warnings="error")
         except PydanticSerializationError as exc:
-            path, problem = self._unserializable(snapshot) or ((), _problem(str(exc)))
+            path, problem = (
+                self._unserializable(snapshot)
+                or self._unreadable(snapshot)
+                or ((), _problem(str(exc)))
+            )
             raise Unfit(_dotted(path), f"does not fit the graph's types: {problem}") from exc
         refused = self._read_back(snapshot, body)
         if refused is None:
@@ -151,6 +155,22 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         if len(parts) > 1 and parts[0] == "node" and parts[1] in self.node_ids:
             parts = parts[:1] + parts[2:]
         return parts
+
+    def _unreadable(self, snapshot: Snapshot[StateT, RunEndT]) -> tuple[_Path, str] | None:
+        """Where `snapshot`, written in spite of the serializer's warnings, fails to read
+        back. A TypedDict missing a required key serializes alone without a warning, so
+        `_unserializable` cannot find it; only the whole snapshot's serializer warns,
+        naming neither the key nor where the TypedDict is."""
+        try:
+            body = self.adapter.dump_json(snapshot, warnings=False)
+        except PydanticSerializationError:
+            return None
+        try:
+            self.adapter.validate_json(body)
+        except pydantic.ValidationError as exc:
+            error = exc.errors()[0]
+            return self._path_of(error.get("loc", ())), str(error.get("msg"))
+        return None
 
     def _unserializable(self, snapshot: Snapshot[StateT, RunEndT]) -> tuple[_Path, str] | None:
         """The first part of `snapshot` that fails to serialize, looked for field by field."""

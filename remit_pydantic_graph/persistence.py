@@ -176,7 +176,9 @@ def _check_versions(workflow_version: object, accept_versions: object) -> frozen
     versions = frozenset(accept_versions)
     if not all(isinstance(v, str) for v in versions):
         raise TypeError(f"accept_versions must hold str only, got {sorted(map(repr, versions))}")
-    return versions
+    # An instance reads what it writes: without its own version it would refuse the
+    # next snapshot of every run it continues, right after writing it.
+    return versions | {workflow_version}
 
 
 def _checked_node(call: str, next_node: object) -> BaseNode[Any, Any, Any]:
@@ -209,8 +211,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     again); the same token from any process names the same branch, and a
     run started with a token is the line it names. `lease` (seconds, above
     0) is how long a dead resumer's claim blocks the run. `workflow_version`
-    is recorded on every snapshot; a run written by a version outside
-    `accept_versions` (default: only this one) is refused.
+    is recorded on every snapshot; a run written by another version is refused
+    unless `accept_versions` lists it (this one is always accepted).
     Bad options raise `TypeError` / `ValueError` before the store is opened.
     """
 
@@ -967,49 +969,63 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     ) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
         self._follow_token(resumer)
-        paused = self._paused_head(pause_id)
-        self._check_successor(paused.top, node)
-        taken = self.remit.checkpoint(self.run_id, node.get_snapshot_id())
-        if taken is not None and self._on_line(taken):
-            raise ResumeConflict(
-                f"this answer (snapshot {taken.checkpoint_id}) was taken already: the same node "
-                "sent again is not a new answer. The value was not stored",
-                run_id=self.run_id,
-                checkpoint_id=paused.top.id,
-            )
-        if taken is not None:
-            # Another line's answer (main's, given again to a fork of its pause): each
-            # branch has its own pauses (L3), so here it is a new answer, with a new id.
-            node.set_snapshot_id(generate_snapshot_id(node.get_node_id()))
-        snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
-        body = self._encode(snapshot)
-        pause_id = paused.top.id
-        self.remit.open_interrupts(
-            self.run_id, {pause_id: None}, branch=self.branch, checkpoint_id=pause_id
-        )
-        # The one atomic step: of all resumers, exactly one gets past it. Losers never
-        # take the run's claim, so they cannot get in the way of the winner's run.
-        self.remit.consume(self.run_id, pause_id, body, branch=self.branch)
-        acquired = self._acquire_patiently(resumer)
-        if self._stored(snapshot.id):
-            return snapshot  # settled already, by the claim's holder
-        head = self._read_head()
-        if head is not None and head.top.id == pause_id and head.top.status in _ANSWERABLE:
-            if acquired:
-                # Committed and given back at once: the answer is the head now, so the
-                # run is no longer paused and a second answer is refused (P5).
-                self._commit(
-                    resumer, snapshot, body, head, release=True, via="resume", replaces=pause_id
+        while True:
+            paused = self._paused_head(pause_id)
+            self._check_successor(paused.top, node)
+            taken = self.remit.checkpoint(self.run_id, node.get_snapshot_id())
+            if taken is not None and self._on_line(taken):
+                raise ResumeConflict(
+                    f"this answer (snapshot {taken.checkpoint_id}) was taken already: the same "
+                    "node sent again is not a new answer. The value was not stored",
+                    run_id=self.run_id,
+                    checkpoint_id=paused.top.id,
                 )
-            # Else the claim's holder has not started the paused node: before it runs
-            # it, it finds the answer and commits it (`_load_next`, `_begin_run`).
-            return snapshot
-        raise HeadMoved(
-            "the run moved on from its pause (another process ran the paused node) while "
-            "the value was delivered; the value was recorded with the pause and is not used",
-            run_id=self.run_id,
-            checkpoint_id=pause_id,
-        )
+            if taken is not None:
+                # Another line's answer (main's, given again to a fork of its pause): each
+                # branch has its own pauses (L3), so here it is a new answer, with a new id.
+                node.set_snapshot_id(generate_snapshot_id(node.get_node_id()))
+            snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
+            body = self._encode(snapshot)
+            pause_id = paused.top.id
+            self.remit.open_interrupts(
+                self.run_id, {pause_id: None}, branch=self.branch, checkpoint_id=pause_id
+            )
+            # The one atomic step: of all resumers, exactly one gets past it. Losers never
+            # take the run's claim, so they cannot get in the way of the winner's run.
+            self.remit.consume(self.run_id, pause_id, body, branch=self.branch)
+            acquired = self._acquire_patiently(resumer)
+            if self._stored(snapshot.id):
+                return snapshot  # settled already, by the claim's holder
+            head = self._read_head()
+            if head is not None and head.top.id == pause_id and head.top.status in _ANSWERABLE:
+                if acquired:
+                    # Committed and given back at once: the answer is the head now, so the
+                    # run is no longer paused and a second answer is refused (P5).
+                    self._commit(
+                        resumer, snapshot, body, head, release=True, via="resume", replaces=pause_id
+                    )
+                # Else the claim's holder has not started the paused node: before it runs
+                # it, it finds the answer and commits it (`_load_next`, `_begin_run`).
+                return snapshot
+            if head is not None and head.top.id != pause_id and self._is_pause(head.top, pause_id):
+                # An operator's edit (`update_state`) came between the read and the consume:
+                # the same question with another state. The value taken with the old state
+                # is not used; it is answered again, at the edit, once (P5).
+                continue
+            if head is not None and self._answered_since(head.top.record, pause_id):
+                raise ResumeConflict(
+                    "another resumer's answer to this pause (given after an edit of it) was "
+                    "taken first; this value was recorded with the pause before the edit and "
+                    "is not used",
+                    run_id=self.run_id,
+                    checkpoint_id=pause_id,
+                )
+            raise HeadMoved(
+                "the run moved on from its pause (another process ran the paused node) while "
+                "the value was delivered; the value was recorded with the pause and is not used",
+                run_id=self.run_id,
+                checkpoint_id=pause_id,
+            )
 
     def _on_line(self, record: CheckpointRecord) -> bool:
         """Whether `record` is on this instance's line: its branch's own, or a snapshot of
@@ -1045,16 +1061,16 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return False
         return True
 
-    def _paused_head(self, pause_id: str | None = None) -> _Head:
-        """The head if the run is paused (at `pause_id`, if given): a node not started, not
-        holding an answer, unclaimed."""
+    def _paused_head(self, pause_id: str | None = None, what: str = "the answer") -> _Head:
+        """The head if the run is paused (at `pause_id`, if given, for `what`): a node not
+        started, not holding an answer, unclaimed."""
         head = self._read_head()
         if head is None:
             raise UnknownRecord("the run has no snapshots to resume", run_id=self.run_id)
         ids = {"run_id": self.run_id, "checkpoint_id": head.top.id}
         if pause_id is not None and not self._is_pause(head.top, pause_id):
             raise ResumeConflict(
-                f"the answer is for pause {pause_id}, but the run is at {head.top.describe()}: "
+                f"{what} is for pause {pause_id}, but the run is at {head.top.describe()}: "
                 "that pause was answered already, or is not this run's. The value was not stored",
                 **ids,
             )
@@ -1091,6 +1107,16 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 return False
             record = self.remit.checkpoint(self.run_id, record.parent_id)
         return record is not None
+
+    def _answered_since(self, record: CheckpointRecord, pause_id: str) -> bool:
+        """Whether the line from pause `pause_id` to `record` holds an answer (`resume`)."""
+        cursor: CheckpointRecord | None = record
+        answered = False
+        while cursor is not None and cursor.checkpoint_id != pause_id:
+            answered = answered or cursor.metadata.get("via") == "resume"
+            parent = cursor.parent_id
+            cursor = None if parent is None else self.remit.checkpoint(self.run_id, parent)
+        return answered and cursor is not None
 
     def _check_successor(self, paused: _Stored, node: BaseNode[StateT, Any, RunEndT]) -> None:
         pause = paused.snapshot.node
@@ -1167,7 +1193,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         assert isinstance(snapshot, NodeSnapshot)
         return snapshot
 
-    async def update_state(self, state: StateT) -> NodeSnapshot[StateT, RunEndT]:
+    async def update_state(
+        self, state: StateT, *, pause_id: str | None = None
+    ) -> NodeSnapshot[StateT, RunEndT]:
         """Replace the state of a paused run (an operator's edit), validated first (P4).
 
         Commits the paused node again with `state` as the new head; the old
@@ -1175,17 +1203,29 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         name it by the id it had before the edit (`resume(node, pause_id=...)`).
         `CheckpointInvalid` leaves the run as it was; a pause answered already
         raises `ResumeConflict` and keeps its answer.
-        """
-        with self._turn() as resumer:
-            return await _in_thread(self._update_state, resumer, state)
 
-    def _update_state(self, resumer: _Resumer, state: StateT) -> NodeSnapshot[StateT, RunEndT]:
+        An edit is for one pause, as an answer is: `pause_id` (the id `paused()`
+        gave, also before earlier edits) names it, and the edit is refused with
+        `ResumeConflict` unless the run is still paused there. A state read at a
+        pause is then never written over a later node after the pause was answered
+        and the run moved on (a driver between two nodes holds no claim). Without
+        it, the edit is for the node the run is at when it arrives.
+        """
+        if pause_id is not None:
+            checked_id("pause_id", pause_id)
+        with self._turn() as resumer:
+            return await _in_thread(self._update_state, resumer, state, pause_id)
+
+    def _update_state(
+        self, resumer: _Resumer, state: StateT, pause_id: str | None
+    ) -> NodeSnapshot[StateT, RunEndT]:
         self._types()
         self._follow_token(resumer)
-        self._paused_head()  # refuse from a read first: a refused edit never takes the claim
+        # Refuse from a read first: a refused edit never takes the claim.
+        self._paused_head(pause_id, "the edit")
         self._acquire(resumer, heartbeat=False)
         try:
-            paused = self._paused_head()
+            paused = self._paused_head(pause_id, "the edit")
             if self._settle_resume(resumer, paused) is not paused:
                 raise ResumeConflict(
                     "the pause was answered before this edit (the answer is the run's head "
