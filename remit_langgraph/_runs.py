@@ -46,6 +46,7 @@ from langgraph._internal._constants import (
     CONFIG_KEY_RESUME_MAP,
     CONFIG_KEY_SEND,
     ERROR,
+    NS_END,
     NULL_TASK_ID,
 )
 from langgraph._internal._serde import build_serde_allowlist
@@ -407,7 +408,8 @@ class Runs:
                 thread, branch, lease=self.saver.lease
             )
         else:
-            record, branch = self._where(thread, checkpoint_id, token)
+            resume = isinstance(loop.input, Command) and loop.input.resume is not None
+            record, branch = self._where(thread, checkpoint_id, token, resume=resume)
             if record is None and loop.input is None:
                 return None, None  # nothing to run; LangGraph reports the empty input
             if checkpoint_id and record is not None and record.branch == branch:
@@ -497,9 +499,10 @@ class Runs:
                 claim.release()
 
     def _where(
-        self, thread: str, checkpoint_id: str | None, token: str | None
+        self, thread: str, checkpoint_id: str | None, token: str | None, *, resume: bool = False
     ) -> tuple[CheckpointRecord | None, str]:
-        """The checkpoint a run continues from and the branch it writes to."""
+        """The checkpoint a run continues from and the branch it writes to (`resume`: the
+        run brings a resume value)."""
         if not checkpoint_id and not token:
             return self.remit.head(thread), MAIN_BRANCH
         branches = self.remit.branches(thread, ns="")
@@ -525,6 +528,8 @@ class Runs:
             )
             if heads:
                 return record, heads[0].branch
+            if resume:
+                raise self._moved_past(thread, record)
             raise ForkWithoutIntent(
                 "continuing from a checkpoint that is not the head of its branch is a fork; "
                 'pass config["configurable"]["fork_token"] to create one named branch',
@@ -538,6 +543,24 @@ class Runs:
                 checkpoint_id=checkpoint_id,
             )
         return record, self.fork(thread, checkpoint_id, token)
+
+    def _moved_past(self, thread: str, record: CheckpointRecord) -> ResumeConflict:
+        """The refusal of a resume value addressed to a checkpoint its branch has moved
+        past (a config read while paused, used again): its pause was answered, or the
+        run went on. A resume value makes no fork (a fork asks its questions again)."""
+        answered = [
+            i.interrupt_id
+            for i in self.remit.interrupts(thread, branch=record.branch)
+            if i.checkpoint_id == record.checkpoint_id and i.status == "consumed"
+        ]
+        what = "its interrupt was already consumed" if answered else "the run has moved past it"
+        return ResumeConflict(
+            f"this checkpoint is no longer the head of its branch: {what}; the value was "
+            "not stored (read the thread's state again for what it asks now)",
+            run_id=thread,
+            checkpoint_id=record.checkpoint_id,
+            interrupt_id=answered[0] if answered else None,
+        )
 
     def fork(self, thread: str, checkpoint_id: str, token: str) -> str:
         """A token with an explicit checkpoint is the intent to fork, from a head too:
@@ -558,21 +581,47 @@ class Runs:
         the token forked the thread: a subgraph with a namespace of its own
         (`checkpointer=True`) keeps its line across the parent's runs, and a fork
         of the parent must not continue (or answer) the other branch's line. The
-        new branch starts where `ns` stood when the fork's base was written (its
-        newest checkpoint before it), or empty. None: not a fork of this thread,
-        or `ns` has no checkpoint that could be shared."""
+        new branch starts where `ns` stood on the base's branch when the base was
+        written (`_stood`), or empty. None: not a fork of this thread,
+        or `ns` names a task (`name:task_id`), whose line no other branch shares:
+        the fork's own tasks have ids of its own checkpoints, so their lines are
+        their namespaces' main lines, found with or without the token."""
+        if NS_END in ns:
+            return None
         forked = self.remit.fork_branch(thread, token, ns=ns)
         if forked is not None:
             return forked
         top = self.remit.fork_branch(thread, token)
         if top is None or top.base_id is None:
             return None
+        # A namespace first used by the fork gets its empty branch too: main's first
+        # use of it later must not continue the fork's line.
+        return self.remit.fork(thread, self._stood(thread, ns, top), token, ns=ns)
+
+    def _stood(self, thread: str, ns: str, fork: BranchRecord) -> str | None:
+        """The checkpoint of namespace `ns` that the line of `fork`'s base branch stood
+        at when the base was written; None: empty. Checkpoint ids are time-ordered,
+        and each top-level branch keeps its line of `ns` on the branch of that name
+        (a fork's starts where its own base branch's stood): another branch's newer
+        checkpoints of `ns` are not its past."""
         line = self.remit.history(thread, ns=ns, verify=False)
-        if not line:
-            return None
-        # Checkpoint ids are time-ordered: those of `ns` before the base are its past.
-        base = next((r.checkpoint_id for r in line if r.checkpoint_id < top.base_id), None)
-        return self.remit.fork(thread, base, token, ns=ns)
+        lines = {b.branch: b for b in self.remit.branches(thread, ns=ns)}
+        before = fork.base_id
+        while before is not None:
+            base = self.remit.checkpoint(thread, before)
+            if base is None:
+                return None
+            own = lines.get(base.branch)
+            if own is not None:
+                mine = (r.checkpoint_id for r in line if r.branch == own.branch)
+                return next((c for c in mine if c < before), own.base_id)
+            if base.branch == MAIN_BRANCH:
+                return None
+            before = next(
+                (b.base_id for b in self.remit.branches(thread, ns="") if b.branch == base.branch),
+                None,
+            )
+        return None
 
     def _fork_point(
         self,
