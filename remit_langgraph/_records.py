@@ -40,6 +40,17 @@ RUN_INDEX = "remit-langgraph:run-index"
 #: The Remit run whose step writes mark each deletion of a thread (thread -> marks):
 #: a thread id used again after `delete_thread` keys its effects apart (`Run.life`).
 THREAD_LIVES = "remit-langgraph:thread-lives"
+#: Runs of the saver's own: no thread may have their ids.
+_RESERVED = frozenset({RUN_INDEX, THREAD_LIVES})
+
+
+def thread_id(value: Any, what: str = "thread_id") -> str:
+    """A thread id as stored (`str` of it); the ids of the saver's own runs are refused:
+    a thread with one would read, or `delete_thread` wipe, the saver's records."""
+    thread = str(value)
+    if thread in _RESERVED:
+        raise ValueError(f"{what} {thread!r} is reserved for Remit's own records; use another id")
+    return thread
 
 
 def pack(typed: tuple[str, bytes]) -> bytes:

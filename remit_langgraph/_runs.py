@@ -82,7 +82,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.schema import StateSchema
-from remit_langgraph._records import THREAD_LIVES
+from remit_langgraph._records import THREAD_LIVES, thread_id
 from remit_langgraph._schema import StateCheck, plain_record_types
 from remit_langgraph._serde import StrictSerializer
 from remit_langgraph._shared_effects import CALLS, Made, TaskCalls
@@ -396,7 +396,7 @@ class Runs:
         self._release_dropped()
         loop = call.loop
         conf = config.get("configurable") or {}
-        thread = str(conf["thread_id"])
+        thread = thread_id(conf["thread_id"])
         token = conf.get("fork_token")
         checkpoint_id = conf.get("checkpoint_id")
         writes = None

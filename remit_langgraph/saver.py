@@ -63,7 +63,7 @@ def _thread(config: RunnableConfig) -> str:
     thread_id = _conf(config).get("thread_id")
     if thread_id is None:
         raise RemitError("config has no configurable.thread_id: Remit stores runs by thread")
-    return str(thread_id)
+    return rec.thread_id(thread_id)
 
 
 class RemitSaver(BaseCheckpointSaver[str]):
@@ -226,7 +226,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         fork's first run, finds where its line stood at the fork's base).
         """
         conf = _conf(config)
-        thread = conf.get("thread_id")
+        thread = None if conf.get("thread_id") is None else rec.thread_id(conf["thread_id"])
         ns = None if conf.get("checkpoint_ns") is None else _ns(config)
         before_id = _conf(before).get("checkpoint_id")
         line = self._fork_line(conf)
@@ -234,7 +234,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             records = [r for r in line if before_id is None or r.checkpoint_id < before_id]
         else:
             records = self.remit.history(
-                None if thread is None else str(thread),
+                thread,
                 ns=ns,
                 before_id=before_id,
                 limit=None if filter or thread is None else limit,
@@ -448,7 +448,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         of the new life is stored first: a delete that fails midway leaves no life
         of the thread whose keys another had.
         """
-        thread = str(thread_id)
+        thread = rec.thread_id(thread_id)
         mark = WriteRecord(rec.THREAD_LIVES, thread, str(uuid6()), 0, "life", b"")
         self.remit.put_writes([mark], mode="first")
         self.remit.delete_run(thread)
@@ -473,7 +473,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy a thread's checkpoints, branches, channel values and writes to a new thread id."""
-        source, target = str(source_thread_id), str(target_thread_id)
+        source = rec.thread_id(source_thread_id, "source_thread_id")
+        target = rec.thread_id(target_thread_id, "target_thread_id")
         self.remit.copy_run(source, target)
         # The copy's effects are keyed as in its source's life (the ledger it copied).
         lives = self.remit.writes(rec.THREAD_LIVES, source)
@@ -514,7 +515,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             for thread in thread_ids:
                 self.delete_thread(thread)
         elif strategy == "keep_latest":
-            self.remit.prune([str(t) for t in thread_ids], keep_last=1)
+            self.remit.prune([rec.thread_id(t) for t in thread_ids], keep_last=1)
         else:
             raise ValueError(f"unknown prune strategy {strategy!r}: use 'keep_latest' or 'delete'")
 

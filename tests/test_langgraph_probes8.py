@@ -219,3 +219,30 @@ def test_a_second_resume_with_the_paused_snapshots_config_is_a_resume_conflict(
     for t in threads:
         t.join(60)
     assert sorted(outcomes) == ["ResumeConflict"] * 3 + ["ok"]
+
+
+@pytest.mark.parametrize("reserved", ["remit-langgraph:run-index", "remit-langgraph:thread-lives"])
+def test_the_saver_s_own_run_ids_are_refused_as_thread_ids(store_url: str, reserved: str) -> None:
+    """A thread named like the saver's own records would read them, and its
+    `delete_thread` would wipe them (`delete_for_runs` would then find no run)."""
+    saver = RemitSaver(store_url)
+    entered: list[str] = []
+    graph = asks_then_calls(saver, entered, None)
+    thread, lg_run = f"lg-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex}"
+    graph.invoke({"log": []}, {"configurable": {"thread_id": thread, "run_id": lg_run}})
+    calls = [
+        lambda: graph.invoke({"log": []}, config(reserved)),
+        lambda: graph.get_state(config(reserved)),
+        lambda: list(saver.list(config(reserved))),
+        lambda: saver.delete_thread(reserved),
+        lambda: saver.copy_thread(thread, reserved),
+        lambda: saver.copy_thread(reserved, thread),
+        lambda: saver.prune([reserved]),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="reserved"):
+            call()
+    assert entered == []
+    # The saver's records are intact: the run index still finds the thread's run.
+    saver.delete_for_runs([lg_run])
+    assert saver.get_tuple(config(thread)) is None
