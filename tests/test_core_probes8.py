@@ -332,3 +332,17 @@ def test_a_zombies_fenced_fork_commit_leaves_no_branch(store_url: str, run_id: s
     )
     assert fork.branch == taker.fork_branch(run_id, "zombie").branch != MAIN_BRANCH  # type: ignore[union-attr]
     handle.release()
+
+
+def test_an_id_too_long_for_a_postgres_index_is_a_value_error_and_stores_nothing() -> None:
+    """An id past what a PostgreSQL index entry holds was StoreUnavailable ("store
+    failed"), as if the server were down; it is bad input, and nothing is stored."""
+    remit = Remit(PG_URL)
+    run_id = f"run-{uuid.uuid4().hex}"
+    long_id = os.urandom(1500).hex()  # (an index entry compresses repeated text)
+    with pytest.raises(ValueError, match="too long") as err:
+        remit.commit(run_id=run_id, checkpoint_id=long_id, parent_id=None, state=b"s")
+    assert "remit_checkpoints" in str(err.value)
+    assert remit.history(run_id) == []
+    remit.commit(run_id=run_id, checkpoint_id="c1", parent_id=None, state=b"s")
+    assert [r.checkpoint_id for r in remit.history(run_id)] == ["c1"]

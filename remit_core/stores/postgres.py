@@ -227,6 +227,16 @@ ORDER BY w.task_id, w.idx
 """
 
 
+def _too_large(exc: psycopg.errors.ProgramLimitExceeded) -> ValueError:
+    """The refusal of a row PostgreSQL cannot hold: an id (run, checkpoint, blob
+    key, fork token, ...) past what an index entry takes (2704 bytes for all the
+    ids of one key together). The transaction rolled back: nothing was stored."""
+    return ValueError(
+        "an id is too long for the PostgreSQL store (the ids of one record must fit "
+        f"in an index entry of 2704 bytes); nothing was stored: {exc.diag.message_primary}"
+    )
+
+
 class _Pool:
     """At most `size` autocommit connections, each with its cursor, reused last
     in, first out. A statement's checkout and return cost two lock round trips
@@ -376,6 +386,8 @@ class PostgresStore(SqlStore):
         try:
             with self._connection() as (conn, cur), conn.transaction():
                 yield _PgTxn(cur)
+        except psycopg.errors.ProgramLimitExceeded as exc:
+            raise _too_large(exc) from None
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
 
@@ -385,6 +397,8 @@ class PostgresStore(SqlStore):
         try:
             with self._connection() as (_, cur):
                 yield _PgTxn(cur)
+        except psycopg.errors.ProgramLimitExceeded as exc:
+            raise _too_large(exc) from None
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
 
