@@ -17,6 +17,9 @@ they act only on flows whose persistence is one:
   timeout, a cancelled task, Ctrl-C), whose claim would then be renewed for
   as long as the process lives: the wrappers `install` puts on
   `kickoff_async` and `resume_async` end such a run as a failed one.
+- A method `@persist`ed to another store is saved to the flow's own too (the
+  wrapper `install` puts on CrewAI's per-method save), so that its completion
+  is in the ledger a restart replays.
 
 A flow awaited inside another's async step runs its hooks in that step's
 context, so each hook puts back what it replaced (the outer step's scope,
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crewai.flow import runtime
+from crewai.flow.persistence.decorators import PersistenceDecorator
 from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
 
 from remit_core.effects import StepScope, bind_step_scope, current_scope
@@ -64,6 +68,7 @@ def install() -> None:
         _resume.install()
         _end_when_cancelled("kickoff_async")
         _end_when_cancelled("resume_async")
+        _complete_on_own_store()
         _installed = True
 
 
@@ -86,6 +91,34 @@ def _end_when_cancelled(name: str) -> None:
             raise
 
     setattr(engine, name, ending)
+
+
+def _complete_on_own_store() -> None:
+    """Wrap CrewAI's per-method save so that a method `@persist`ed to another store than
+    its flow's Remit-backed persistence is saved to the flow's too: its completion goes
+    in the ledger a restart replays, else the restart would run it again."""
+    engine = runtime.Flow
+    save = engine._persist_method_completion
+
+    @functools.wraps(save)
+    def persist_method_completion(self: Any, method_name: Any) -> None:
+        save(self, method_name)
+        own = self.persistence
+        if isinstance(own, RemitFlowPersistence) and _saved_elsewhere(self, method_name):
+            PersistenceDecorator.persist_state(self, method_name, own)
+
+    engine._persist_method_completion = persist_method_completion  # type: ignore[method-assign]
+
+
+def _saved_elsewhere(flow: Any, method_name: Any) -> bool:
+    """Whether CrewAI saved `method_name` of `flow` to a store other than its flow's own."""
+    if flow._instance_persistence:
+        return False  # a persistence given to the flow saves every method
+    definition = flow._definition.methods[str(method_name)].persist or flow._definition.persist
+    if definition is None or not definition.enabled:
+        return False
+    backend = flow._persist_backend_for(definition)
+    return not (isinstance(backend, RemitFlowPersistence) and backend._stores_for(flow))
 
 
 @dataclass

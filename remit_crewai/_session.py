@@ -119,6 +119,8 @@ class Session:
     #: The JSON Schemas its checkpoints record (`state_schema`, `feedback_schema`).
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     closed: bool = False
+    #: A `resume` of the flow runs under this session (a second one at once is refused).
+    resuming: bool = False
     pid: int = field(default_factory=os.getpid)
     lock: threading.RLock = field(default_factory=threading.RLock)
 

@@ -375,14 +375,16 @@ class RemitFlowPersistence(FlowPersistence):
         nothing is written if it fails. The edit completes no method. A flow
         whose state is a model needs `state_type` (`TypeError` without it):
         Remit records the model's name, never imports it. A flow with no checkpoint
-        is `UnknownRecord`: an edit never makes a flow.
+        is `UnknownRecord`: an edit never makes a flow. While a kickoff or resume holds
+        the flow, in this process or another, the edit is `ResumeConflict`: the run's
+        next save would overwrite it.
         """
         if not isinstance(changes, Mapping):
             raise TypeError(
                 f"changes must be a mapping of field to value, got {type(changes).__name__}; "
                 "nothing was written"
             )
-        with self._writing(flow_id) as session, session.lock:
+        with self._writing(flow_id, alone=True) as session, session.lock:
             if session.head is None:
                 raise UnknownRecord(
                     "flow has no checkpoint to edit; nothing was written", run_id=session.run_id
@@ -451,7 +453,9 @@ class RemitFlowPersistence(FlowPersistence):
         )
 
     @contextlib.contextmanager
-    def _writing(self, flow_id: str, *, release: bool = False) -> Iterator[Session]:
+    def _writing(
+        self, flow_id: str, *, release: bool = False, alone: bool = False
+    ) -> Iterator[Session]:
         """The session a save of `flow_id` goes through (`release`: given up after it).
 
         Inside the kickoff that drives `flow_id`, that kickoff's session, which
@@ -459,8 +463,10 @@ class RemitFlowPersistence(FlowPersistence):
         flow persisted per method, a save for another flow made inside a step)
         claims, writes and releases, taking turns with this process's other such
         saves of `flow_id`, so that parallel steps do not refuse each other.
+        `alone`: never through a running session (an edit that a running step's
+        next save would overwrite is refused, as from another process).
         """
-        session = self._driving(flow_id)
+        session = None if alone else self._driving(flow_id)
         if session is not None:
             try:
                 yield session
@@ -487,12 +493,18 @@ class RemitFlowPersistence(FlowPersistence):
             if ex is None or ex.over:
                 return None  # no kickoff, or one that ended (a save left in its thread)
             flow = ex.flow()
-            if flow is None or flow.flow_id != flow_id:
-                return None
+            if flow is None or flow.flow_id != flow_id or not self._stores_for(flow):
+                return None  # (a method persisted to another store saves outside the run)
             session = self._open(flow_id, heartbeat=True)
             session.owner = ex.flow
             sessions.add(session)
             return session
+
+    def _stores_for(self, flow: Flow[Any]) -> bool:
+        """Whether this persistence writes to the store of `flow`'s own persistence, whose
+        run the hooks drive (any instance on its URL shares its sessions)."""
+        own = flow.persistence
+        return isinstance(own, RemitFlowPersistence) and own.url == self.url
 
     def _session_of(self, flow_id: str, flow: Flow[Any] | None) -> Session | None:
         """This process's session for `flow_id` that `flow` runs under (None: the flow
@@ -738,10 +750,21 @@ class RemitFlowPersistence(FlowPersistence):
         feedback (and gave its claim back), so that the retry consumes the pause once.
 
         A resume whose `from_pending` claim is still held (in this context, or one the
-        flow took over from another thread) goes on under that claim.
+        flow took over from another thread) goes on under that claim; a second resume
+        while one runs under it gets `ResumeConflict` (P5: one resumer consumes the pause).
         """
         held = self._session_of(flow.flow_id, flow)
         held = None if held is None or held.closed else held
+        if held is not None:
+            with held.lock:
+                if held.resuming:
+                    raise ResumeConflict(
+                        "a resume of this flow is already running under its claim; this one "
+                        "ran nothing",
+                        run_id=held.run_id,
+                        interrupt_id=None if held.pending is None else held.pending.interrupt_id,
+                    )
+                held.resuming = isinstance(feedback, str)
         if not isinstance(feedback, str):
             if held is not None and self._owns(held, flow):
                 self._release(held)
@@ -766,6 +789,7 @@ class RemitFlowPersistence(FlowPersistence):
                 self._release(session)
             raise
         if session is not None:
+            session.resuming = True
             _rejoin(flow, session.ledger)
 
     def _restore_into(self, flow: Flow[Any], session: Session) -> None:
