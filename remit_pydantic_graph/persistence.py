@@ -12,8 +12,8 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
   snapshot is committed (its `success`, stored when `record_run` exits, is
   not enough); a cancelled node is given back.
 - P2: a node's body runs under `remit_core.step_scope` keyed by its snapshot
-  id (and, on a fork, by the fork's branch), so `remit_core.effect` functions
-  inside it apply once.
+  id (a node an operator's edit committed again: the edited node's; on a fork,
+  also by the fork's branch), so `remit_core.effect` functions inside it apply once.
 - P3: starting a new node on a run that already has a head, or running a
   snapshot that is not the head, is a fork and needs `fork_token`. A token
   that starts a run names that run's line; no node starts after an `End`.
@@ -587,8 +587,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         ids = {"run_id": self.run_id, "checkpoint_id": head.top.id}
         if self.fork_token is None:
             self._refuse_stale(resumer, head)
-            raise self._refuse_fork(head.top.id, self._start_reason(head))
         if not head.top.is_node:
+            # Neither a token nor iter_from_persistence() goes on after an End: say what does.
             whose = (
                 f"the run has ended on branch {self.branch!r}"
                 if line is None
@@ -596,12 +596,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
             raise ForkWithoutIntent(
                 f"{whose} ({head.top.id}): a node started after its End would run that line "
-                "again and give it a second End. Read its result with load_all(); to run one "
-                "of its nodes again, fork that node's snapshot with a new token (await "
-                "persistence.fork(snapshot_id, token)) and continue the fork with "
-                "iter_from_persistence()",
+                "again and give it a second End. Read its result with load_all() (its last "
+                "snapshot is the End); to run one of its nodes again, fork that node's "
+                "snapshot with a new token (await persistence.fork(snapshot_id, token)) and "
+                "continue the fork with iter_from_persistence()",
                 **ids,
             )
+        if self.fork_token is None:
+            raise self._refuse_fork(head.top.id, self._start_reason(head))
         if line is not None and head.top.id != line.base_id:
             raise ForkWithoutIntent(
                 f"fork token {self.fork_token!r} names branch {self.branch!r}, which has run "
@@ -736,7 +738,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     @asynccontextmanager
     async def record_run(self, snapshot_id: str) -> AsyncIterator[None]:
-        """Run the head node under the claim and `step_scope` (effects keyed by its id).
+        """Run the head node under the claim and `step_scope` (effects keyed by its id, or
+        by the id of the node an operator's edit committed again: `_effects_id`).
 
         `running` is stored as the body starts, `success` or `error` with the
         duration as it ends, as pydantic-graph documents. The node is done once
@@ -746,7 +749,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         with self._turn() as resumer:
             resumer.started = None
             try:
-                head = await _in_thread(self._begin_run, resumer, snapshot_id)
+                head, effects_id = await _in_thread(self._begin_run, resumer, snapshot_id)
             except BaseException:
                 if resumer.started is not None:  # cancelled while the node was being marked running
                     self._end_run(resumer, resumer.started, "created", None)
@@ -756,7 +759,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             # A node run on a fork is the fork's own work, also the one at the fork's base
             # (main may be running it still, or the fork may run it with another state):
             # its effects are keyed under the fork's branch.
-            step = snapshot_id if self.branch == MAIN_BRANCH else f"{self.branch}/{snapshot_id}"
+            step = effects_id if self.branch == MAIN_BRANCH else f"{self.branch}/{effects_id}"
             start = perf_counter()
             try:
                 with step_scope(self.remit, self.run_id, step, fence=claim.fence):
@@ -797,7 +800,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             f"{'none' if head is None else head.top.id}) and running it again"
         )
 
-    def _begin_run(self, resumer: _Resumer, snapshot_id: str) -> _Head:
+    def _begin_run(self, resumer: _Resumer, snapshot_id: str) -> tuple[_Head, str]:
+        """Mark the head node running under the claim: the head, and the id its effects
+        are keyed by."""
         try:
             why = self._run_reason(resumer, snapshot_id, self._read_head())
             if why is not None and self.fork_token is None:
@@ -822,10 +827,24 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             self._set_status(resumer, head.top, "running")
             self._refuse_answered(resumer, head, before)
             resumer.started = head
+            effects_id = self._effects_id(head.top)
         except BaseException:
             self._drop(resumer)
             raise
-        return head
+        return head, effects_id
+
+    def _effects_id(self, stored: _Stored) -> str:
+        """The snapshot id a node's effects are keyed by: its own, or, for a node that an
+        operator's edit (`update_state`) committed again, the id of the node edited. A
+        node that raised after an effect, then was edited, applies that effect once (P2):
+        the edit changes the state, not which node runs."""
+        record = stored.record
+        while record.metadata.get("via") == "update" and record.parent_id is not None:
+            edited = self.remit.checkpoint(self.run_id, record.parent_id)
+            if edited is None:
+                break
+            record = edited
+        return record.checkpoint_id
 
     def _finish_run(self, resumer: _Resumer, head: _Head, duration: float) -> None:
         """Store `success`; keep the claim (no heartbeat) for the next snapshot's commit."""
@@ -1063,37 +1082,42 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _paused_head(self, pause_id: str | None = None, what: str = "the answer") -> _Head:
         """The head if the run is paused (at `pause_id`, if given, for `what`): a node not
-        started, not holding an answer, unclaimed."""
+        started, not holding an answer, unclaimed. A refusal says that `what` (the answer,
+        the edit) was not stored."""
+        lost = "the value was not stored" if what == "the answer" else f"{what} was not stored"
         head = self._read_head()
         if head is None:
-            raise UnknownRecord("the run has no snapshots to resume", run_id=self.run_id)
+            raise UnknownRecord(
+                f"the run has no snapshots (no run has this id); {lost}", run_id=self.run_id
+            )
         ids = {"run_id": self.run_id, "checkpoint_id": head.top.id}
         if pause_id is not None and not self._is_pause(head.top, pause_id):
             raise ResumeConflict(
                 f"{what} is for pause {pause_id}, but the run is at {head.top.describe()}: "
-                "that pause was answered already, or is not this run's. The value was not stored",
+                f"that pause was answered already, or is not this run's; {lost}",
                 **ids,
             )
         if not head.top.is_node:
-            raise ResumeConflict("the run has ended; the value was not stored", **ids)
+            raise ResumeConflict(f"the run has ended; {lost}", **ids)
         if head.top.status not in _ANSWERABLE:
             raise ResumeConflict(
                 f"the run is not paused: its head node is {head.top.status} (being run, or "
                 "left by a process that died: iter_from_persistence() runs it again once that "
-                "process's lease has run out). The value was not stored",
+                f"process's lease has run out); {lost}",
                 **ids,
             )
         if head.top.record.metadata.get("via") == "resume":
             raise ResumeConflict(
-                "the run was already resumed (its head holds an earlier answer); the value "
-                "was not stored",
-                **ids,
+                f"the run was already resumed (its head holds an earlier answer); {lost}", **ids
             )
         claim = self.remit.store.get_claim(self.run_id, self.branch)
-        if policy.decide_claim(claim, self._holder(), self.remit.clock()) == "conflict":
+        now = self.remit.clock()
+        if claim is not None and policy.decide_claim(claim, self._holder(), now) == "conflict":
             raise ResumeConflict(
-                "another process holds the run (it is loading or running the paused node); "
-                "the value was not stored",
+                "another resumer holds the run: it is running the paused node, or it loaded "
+                "it (load_next(), as iter_from_persistence() does) and holds it until it runs "
+                "it, calls persistence.release(), or its lease runs out (in "
+                f"{max(claim.expires_at - now, 0.0):.1f} s); {lost}",
                 **ids,
             )
         return head
