@@ -145,7 +145,9 @@ class Body:
 
     `output`: what `method` returned, encoded, for a step whose output the codec
     stores exactly (None otherwise): a finished flow kicked off again runs nothing
-    and returns it, as its first kickoff did.
+    and returns it, as its first kickoff did. `prompt`: a pause's context as its
+    interrupt holds it, so that a pause whose process died before opening the
+    interrupt can open it later.
     """
 
     state: dict[str, Any]
@@ -153,6 +155,7 @@ class Body:
     kind: str
     ledger: Ledger
     output: bytes | None = None
+    prompt: bytes | None = None
 
 
 def encode(body: Body) -> bytes:
@@ -172,6 +175,7 @@ def encode(body: Body) -> bytes:
             **({} if not ledger.fired else {"fired": list(ledger.fired)}),
             **({} if not ledger.running else {"running": ledger.running}),
             **({} if body.output is None else {"output": body.output}),
+            **({} if body.prompt is None else {"prompt": body.prompt}),
         }
     )
 
@@ -200,6 +204,7 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
                 running={str(m): int(at) for m, at in raw.get("running", {}).items()},
             ),
             output=_bytes_or_none(raw.get("output")),
+            prompt=_bytes_or_none(raw.get("prompt")),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptRecord(
@@ -211,5 +216,7 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
 
 def _bytes_or_none(value: Any) -> bytes | None:
     if value is not None and not isinstance(value, bytes):
-        raise TypeError(f"a step's output is stored as bytes, not {type(value).__name__}")
+        raise TypeError(
+            f"an output or a pause's context is stored as bytes, not {type(value).__name__}"
+        )
     return value

@@ -179,7 +179,11 @@ class RemitFlowPersistence(FlowPersistence):
                     ledger = ledger.routing(method_name, session.routes.pop(method_name))
                 if method_name in session.answered:
                     ledger = ledger.noting(session.answered.pop(method_name))
-            output = _output_of(session, method_name) if kind == "step" else None
+            output = None
+            if kind == "step":
+                output = _output_of(session, method_name)
+            elif kind == "feedback":
+                output = _resumed_output(session)
             self._commit(session, plain, method_name, kind, ledger, output)
             if kind == "step":
                 session.end_occurrence(method_name)
@@ -223,12 +227,15 @@ class RemitFlowPersistence(FlowPersistence):
             ledger = session.ledger
             if flow is not None:
                 ledger = ledger.pausing(*_joins_of(flow, session, method))
-            record = self._commit(session, plain, method, "pause", ledger)
+            # JSON as CrewAI makes it (a str Enum output is its str), as its own backend.
+            prompt = codec.dumps(context.to_dict(), exact=False)
+            # The checkpoint keeps the prompt too: if this process dies before the
+            # interrupt is open, `load_pending_feedback` opens it (`_unopened_pause`).
+            record = self._commit(session, plain, method, "pause", ledger, prompt=prompt)
             interrupt_id = f"{method}#{session.ledger.occurrence(method)}"
             self.remit.open_interrupts(
                 session.run_id,
-                # JSON as CrewAI makes it (a str Enum output is its str), as its own backend.
-                {interrupt_id: codec.dumps(context.to_dict(), exact=False)},
+                {interrupt_id: prompt},
                 branch=session.branch,
                 checkpoint_id=record.checkpoint_id,
                 fence=session.fence,
@@ -248,6 +255,8 @@ class RemitFlowPersistence(FlowPersistence):
         try:
             interrupts = self.remit.interrupts(run_id, branch=branch)
             pending = [i for i in interrupts if i.status == "pending"]
+            if not pending:
+                pending = self._unopened_pause(session, interrupts)
             if not pending:
                 consumed = [i for i in interrupts if i.status == "consumed"]
                 if consumed:
@@ -269,6 +278,36 @@ class RemitFlowPersistence(FlowPersistence):
         context = PendingFeedbackContext.from_dict(codec.loads(session.pending.prompt))
         context.flow_id = flow_uuid
         return {**session.state, "id": flow_uuid}, context
+
+    def _unopened_pause(
+        self, session: Session, interrupts: list[InterruptRecord]
+    ) -> list[InterruptRecord]:
+        """The interrupt of the pause the head records (through edits made on it), opened
+        now if the process that saved the pause died (or lost the store) before opening
+        it; none if the head is no pause or its interrupt exists (pending or consumed)."""
+        checkpoint_id = session.head
+        while checkpoint_id is not None:
+            record = self.remit.checkpoint(session.run_id, checkpoint_id)
+            if record is None:
+                return []
+            body = decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
+            if body.kind != "edit":
+                break
+            checkpoint_id = record.parent_id
+        if checkpoint_id is None or body.kind != "pause" or body.prompt is None:
+            return []
+        interrupt_id = f"{body.method}#{body.ledger.occurrence(body.method)}"
+        if any(i.interrupt_id == interrupt_id for i in interrupts):
+            return []
+        self.remit.open_interrupts(
+            session.run_id,
+            {interrupt_id: body.prompt},
+            branch=session.branch,
+            checkpoint_id=checkpoint_id,
+            fence=session.fence,
+        )
+        opened = self.remit.interrupt(session.run_id, interrupt_id, branch=session.branch)
+        return [] if opened is None else [opened]
 
     def clear_pending_feedback(self, flow_uuid: str) -> None:
         """Nothing to do: the interrupt stays pending until the resumed run consumes it.
@@ -407,7 +446,8 @@ class RemitFlowPersistence(FlowPersistence):
                 state = _by_field_name(session.state_type, state)
             merged = {**state, **changes, "id": flow_id}
             plain = self._plain_state(session, merged)
-            self._commit(session, plain, "", "edit", session.ledger)
+            # A finished flow's restart still returns what its last step returned.
+            self._commit(session, plain, "", "edit", session.ledger, session.output)
 
     # -- sessions ------------------------------------------------------------
     def _accepted(self) -> set[str] | None:
@@ -661,6 +701,8 @@ class RemitFlowPersistence(FlowPersistence):
         kind: str,
         ledger: Ledger,
         output: bytes | None = None,
+        *,
+        prompt: bytes | None = None,
     ) -> CheckpointRecord:
         remit = self.remit
         for name in _SCHEMAS:
@@ -688,7 +730,7 @@ class RemitFlowPersistence(FlowPersistence):
             run_id=session.run_id,
             checkpoint_id=f"{plan.seq:012d}-{uuid.uuid4().hex[:12]}",
             parent_id=session.head,
-            state=encode(Body(plain, method, kind, ledger, output)),
+            state=encode(Body(plain, method, kind, ledger, output, prompt)),
             metadata={
                 "flow_id": session.flow_id,
                 "method": method,
@@ -988,8 +1030,29 @@ class RemitFlowPersistence(FlowPersistence):
         try:
             if completed and session.pending is not None:
                 self._accept(session, flow)
+            elif completed and session.replay is not None:
+                self._keep_inputs(session, flow)
         finally:
             self._release(session)
+
+    def _keep_inputs(self, session: Session, flow: Flow[Any]) -> None:
+        """A restart that ended with a state its head does not hold: the inputs of
+        `kickoff(inputs={"id": X, **more})`, which CrewAI merges into the restored state,
+        and no step saved after (a finished flow runs none). Committed as an edit, so
+        that the flow id loads the state the kickoff ended with, as with CrewAI's own
+        backend (which runs every step again and saves each)."""
+        ex = current_execution.get()
+        if ex is None or ex.flow() is not flow or not set(ex.inputs or ()) - {"id"}:
+            return  # no inputs but the id: the state is what the steps saved
+        with session.lock:
+            plain = self._plain_state(session, flow.state)
+            # (A fork's head still holds the id of the flow it was forked from.)
+            ended, kept = (
+                {k: v for k, v in s.items() if k != "id"} for s in (plain, session.state)
+            )
+            if ended.keys() == kept.keys() and all(same(ended[k], kept[k]) for k in ended):
+                return
+            self._commit(session, plain, "", "edit", session.ledger, session.output)
 
 
 def _feedback_entry(
@@ -1090,6 +1153,18 @@ def _output_of(session: Session, method: str) -> bytes | None:
             except (TypeError, ValueError, RecursionError):
                 return None
     return None
+
+
+def _resumed_output(session: Session) -> bytes | None:
+    """What the feedback method a resume completes returns, encoded: CrewAI adds it to the
+    flow's outputs only after this method's save. With `emit=` it is the method's output
+    as the pause context holds it (what `from_pending` gave the flow); without, the
+    feedback result, an object that is not kept."""
+    pending = session.pending
+    context = None if pending is None or pending.prompt is None else codec.loads(pending.prompt)
+    if not isinstance(context, dict) or not context.get("emit"):
+        return None
+    return codec.dumps(context.get("method_output"))
 
 
 def _as_json(value: Any) -> Any:
