@@ -31,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import copy
 import functools
 import threading
 import typing
@@ -305,6 +306,13 @@ class Runs:
         #: The claims of dropped loops' runs (`_dropped`), released at the next run
         #: start here, if the lease keeper has not released them first.
         self._dropped: collections.deque[ClaimHandle] = collections.deque()
+
+    def serving(self, saver: RemitSaver) -> Runs:
+        """These runs as seen by `saver`, a `with_allowlist` clone: the same open runs,
+        claims and checks, values encoded and decoded with the clone's serializer."""
+        view = copy.copy(self)
+        view.saver = saver
+        return view
 
     # -- finding LangGraph in the call stack -------------------------------------------
     def calling_loop(self, frame: FrameType | None) -> LoopCall | None:

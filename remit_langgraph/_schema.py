@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any
@@ -33,8 +35,16 @@ from langgraph.channels.binop import BinaryOperatorAggregate
 from langgraph.channels.last_value import LastValue, LastValueAfterFinish
 from langgraph.graph.message import add_messages
 from langgraph.types import Overwrite
-from pydantic import BaseModel, PydanticSchemaGenerationError, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    PlainValidator,
+    PydanticSchemaGenerationError,
+    TypeAdapter,
+    ValidationError,
+)
 from pydantic.fields import FieldInfo
+from pydantic.v1 import BaseModel as V1Model
+from pydantic.v1 import validate_model as v1_validate_model
 from pydantic_core import PydanticSerializationError
 from typing_extensions import TypedDict, is_typeddict
 
@@ -154,12 +164,48 @@ def plain_record_types(types: Any) -> set[type]:
 
 def _checkable(field_type: Any) -> Any:
     """`field_type`, or `Any` where Pydantic cannot check it (e.g. `numpy.ndarray`):
-    such a key is still stored through the serializer's allowlist, unchecked."""
+    such a key is still stored through the serializer's allowlist, unchecked. A
+    `pydantic.v1` model in it is checked by its own validation (`_v1_checked`)."""
+    field_type = _v1_checked(field_type)
     try:
         TypeAdapter(field_type)
     except PydanticSchemaGenerationError:
         return Any
     return field_type
+
+
+def _v1_checked(field_type: Any) -> Any:
+    """`field_type` with each `pydantic.v1` model in it checked as such: an instance of
+    it whose fields pass its validation. Pydantic 2 builds a schema of a v1 model
+    but calls its validator with arguments it does not take, refusing every value."""
+    if isinstance(field_type, type) and issubclass(field_type, V1Model):
+        return Annotated[Any, PlainValidator(functools.partial(_v1_valid, field_type))]
+    args = typing.get_args(field_type)
+    if not args:
+        return field_type
+    if typing.get_origin(field_type) is Annotated:
+        inner = _v1_checked(args[0])
+        annotated = (inner, *field_type.__metadata__)
+        return field_type if inner is args[0] else Annotated[annotated]
+    new = tuple(_v1_checked(a) for a in args)
+    if all(a is b for a, b in zip(new, args, strict=True)):
+        return field_type
+    if isinstance(field_type, types.GenericAlias):  # list[M], dict[str, M]
+        return types.GenericAlias(typing.get_origin(field_type), new)
+    if isinstance(field_type, types.UnionType):  # M | None
+        return typing.Union[new]  # noqa: UP007 (built from a tuple of types)
+    return field_type.copy_with(new)  # typing's generics: Optional[M], List[M]
+
+
+def _v1_valid(model: type[V1Model], value: Any) -> Any:
+    if not isinstance(value, model):
+        raise ValueError(f"expected an instance of {model.__qualname__}")
+    *_, error = v1_validate_model(model, value.dict(by_alias=True))
+    if error is not None:
+        raise ValueError(
+            "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        )
+    return value
 
 
 class StateCheck:

@@ -82,19 +82,26 @@ class StrictSerializer(SerializerProtocol):
             | frozenset(curated_core_allowlist())
             | frozenset(_key(i) for i in allowlist)
         )
+        #: The types of the graphs the saver met (`allow`), shared with its copies
+        #: (`with_allowlist`): a graph learned by one is known to all.
+        self._learned: set[tuple[str, ...]] = set()
 
     def with_allowlist(self, extra: Iterable[tuple[str, ...] | type]) -> StrictSerializer:
         """A copy that also allows `extra` ((module, name) pairs or classes)."""
         extra_keys = frozenset(_key(i) for i in extra)
-        if extra_keys <= self.allowlist:
+        if extra_keys <= self.allowlist | self._learned:
             return self
         clone = copy.copy(self)
         clone.allowlist = self.allowlist | extra_keys
         return clone
 
     def allow(self, extra: Iterable[tuple[str, ...] | type]) -> None:
-        """Also allow `extra` on this serializer (the types of a graph the saver met)."""
-        self.allowlist = self.allowlist | frozenset(_key(i) for i in extra)
+        """Also allow `extra` on this serializer and its copies (the types of a graph
+        the saver met)."""
+        self._learned.update(_key(i) for i in extra)
+
+    def _allows(self, key: tuple[str, str]) -> bool:
+        return key in self.allowlist or key in self._learned
 
     # -- write -------------------------------------------------------------------
     def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
@@ -157,7 +164,7 @@ class StrictSerializer(SerializerProtocol):
             items = enumerate(obj)
         elif isinstance(obj, (*_PLAIN, dict)) or isinstance(obj, BaseException):
             return None  # subclasses of plain types; errors are stored as their repr
-        elif (cls.__module__, cls.__name__) not in self.allowlist:
+        elif not self._allows((cls.__module__, cls.__name__)):
             return [], cls
         elif isinstance(obj, BaseModel):
             items = vars(obj).items()
@@ -216,7 +223,7 @@ class StrictSerializer(SerializerProtocol):
         )
 
     def _allowed(self, module: str, name: str) -> None:
-        if (module, name) not in self.allowlist:
+        if not self._allows((module, name)):
             raise CorruptRecord(
                 f"stored value has type {module}.{name}, which is not in the serializer "
                 "allowlist; add it with RemitSaver(..., allowlist=[...]) if it is trusted"

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import random
 import sys
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
@@ -37,8 +38,14 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from remit_core import Remit, codec, connect, policy
 from remit_core.core import checked_lease
-from remit_core.errors import CorruptRecord, RemitError, ResumeConflict
-from remit_core.records import MAIN_BRANCH, CheckpointRecord, WriteRecord
+from remit_core.errors import (
+    CorruptRecord,
+    ForkWithoutIntent,
+    HeadMoved,
+    RemitError,
+    ResumeConflict,
+)
+from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
 from remit_langgraph._runs import Run, Runs, above_saver, current_run
 from remit_langgraph._schema import StateCheck
@@ -177,9 +184,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
         Called by LangGraph's run loop at the start of a run, it also opens the
         run: claim, fork rule, resume values (see `_runs`).
         """
-        call = self._runs.calling_loop(sys._getframe(1))
+        frame = sys._getframe(1)
+        call = self._runs.calling_loop(frame)
         if call is None:
-            return self.read(config)
+            caller = above_saver(frame)
+            found = self._read_for(config, _snapshot_parent(caller))
+            _note_read(caller, config, found)
+            return found
         run, found = self._runs.start(call, config)
         if run is not None:
             self._runs.attach(call.loop, run)
@@ -187,13 +198,46 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     def read(self, config: RunnableConfig) -> CheckpointTuple | None:
         """`get_tuple` without the run-start hooks."""
-        record, writes = self._record(config)
-        return None if record is None else self._tuple(record, writes)
+        record, writes, line = self._record(config)
+        if record is None:
+            return None
+        found = self._tuple(record, writes)
+        if line is not None and line.ns:
+            # A subgraph's line on a fork: the token stays in the config, so an edit
+            # with it (`update_state`) goes to that line, at its base too.
+            found.config["configurable"]["fork_token"] = line.fork_token
+        return found
+
+    def _read_for(
+        self, config: RunnableConfig, parent: CheckpointTuple | None
+    ) -> CheckpointTuple | None:
+        """`read`, for a subgraph's state read while its `parent`'s snapshot is built
+        (`get_state(config, subgraphs=True)`): LangGraph names the subgraph's thread
+        and namespace only, and a parent read on a fork means the fork's line of a
+        subgraph with a line of its own (`checkpointer=True`), as its token would."""
+        conf = _conf(config)
+        if parent is None or conf.get("fork_token") or conf.get("checkpoint_id") or not _ns(config):
+            return self.read(config)
+        thread, at = _thread(config), _conf(parent.config)
+        if str(at.get("thread_id")) != thread or not at.get("checkpoint_id"):
+            return self.read(config)
+        ns = at.get("checkpoint_ns") or ""
+        record = self.remit.checkpoint(thread, at["checkpoint_id"], ns=ns)
+        if record is None or record.branch == MAIN_BRANCH:
+            return self.read(config)
+        token = next(
+            (b.fork_token for b in self.remit.branches(thread, ns=ns) if b.branch == record.branch),
+            None,
+        )
+        if token is None:
+            return self.read(config)
+        return self.read({**config, "configurable": {**conf, "fork_token": token}})
 
     def _record(
         self, config: RunnableConfig
-    ) -> tuple[CheckpointRecord | None, list[WriteRecord] | None]:
-        """The checkpoint `config` names, and its writes if they were read with it."""
+    ) -> tuple[CheckpointRecord | None, list[WriteRecord] | None, BranchRecord | None]:
+        """The checkpoint `config` names, its writes if they were read with it, and
+        the branch of its fork token that it is on (else None)."""
         conf = _conf(config)
         thread, ns = _thread(config), _ns(config)
         checkpoint_id = conf.get("checkpoint_id")
@@ -205,10 +249,14 @@ class RemitSaver(BaseCheckpointSaver[str]):
             forked = self._runs.fork_in(thread, ns, token)
         if forked is not None and (not checkpoint_id or checkpoint_id == forked.base_id):
             # A fork token names its branch: read its head, as a run with it continues there.
-            return self.remit.head(thread, ns=ns, branch=forked.branch), None
+            return self.remit.head(thread, ns=ns, branch=forked.branch), None, forked
         if checkpoint_id:
-            return self.remit.checkpoint_and_writes(thread, checkpoint_id, ns=ns)
-        return self.remit.head(thread, ns=ns), None
+            record, writes = self.remit.checkpoint_and_writes(thread, checkpoint_id, ns=ns)
+            on = (
+                forked if record is not None and forked and record.branch == forked.branch else None
+            )
+            return record, writes, on
+        return self.remit.head(thread, ns=ns), None, None
 
     def list(
         self,
@@ -300,7 +348,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
         run = self._runs.active(_thread(config))
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
-        return self._put(config, checkpoint, metadata, new_versions, caller, last, by_graph)
+        try:
+            return self._put(config, checkpoint, metadata, new_versions, caller, last, by_graph)
+        except ForkWithoutIntent as exc:
+            if _read_as_head(frame, config):
+                raise _head_moved(config) from exc
+            raise
 
     def _put(
         self,
@@ -546,13 +599,18 @@ class RemitSaver(BaseCheckpointSaver[str]):
             return self
         clone = copy.copy(self)
         clone.serde = serde
+        clone._runs = self._runs.serving(clone)
         return clone
 
     # -- async twins: the same code in a worker thread --------------------------------
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        call = self._runs.calling_loop(sys._getframe(1))
+        frame = sys._getframe(1)
+        call = self._runs.calling_loop(frame)
         if call is None:
-            return await asyncio.to_thread(self.read, config)
+            caller = above_saver(frame)
+            found = await asyncio.to_thread(self._read_for, config, _snapshot_parent(caller))
+            _note_read(caller, config, found)
+            return found
         starting = asyncio.ensure_future(asyncio.to_thread(self._runs.start, call, config))
         try:
             run, found = await asyncio.shield(starting)
@@ -589,9 +647,14 @@ class RemitSaver(BaseCheckpointSaver[str]):
         run = self._runs.active(_thread(config))
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
-        return await asyncio.to_thread(
-            self._put, config, checkpoint, metadata, new_versions, caller, last, by_graph
-        )
+        try:
+            return await asyncio.to_thread(
+                self._put, config, checkpoint, metadata, new_versions, caller, last, by_graph
+            )
+        except ForkWithoutIntent as exc:
+            if _read_as_head(frame, config):
+                raise _head_moved(config) from exc
+            raise
 
     async def aput_writes(
         self,
@@ -613,6 +676,63 @@ class RemitSaver(BaseCheckpointSaver[str]):
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+
+
+#: The head a saver call read last in this context, by the frame that called it:
+#: (id of that frame, thread, namespace, checkpoint id), or None if its config
+#: named a checkpoint. `update_state` reads the head, then commits after it.
+_head_read: contextvars.ContextVar[tuple[int, str, str, str] | None] = contextvars.ContextVar(
+    "remit_langgraph_head_read", default=None
+)
+
+
+def _note_read(
+    caller: FrameType | None, config: RunnableConfig, found: CheckpointTuple | None
+) -> None:
+    """Remember what `caller` read: a head, if its config named no checkpoint."""
+    read = None
+    if found is not None and caller is not None and not _conf(config).get("checkpoint_id"):
+        at = found.config["configurable"]
+        read = (id(caller), at["thread_id"], at["checkpoint_ns"], at["checkpoint_id"])
+    _head_read.set(read)
+
+
+def _read_as_head(caller: FrameType | None, config: RunnableConfig) -> bool:
+    """Whether the checkpoint a put continues is the head its caller read just
+    before, by a config that named no checkpoint (`update_state(config, ...)`):
+    a commit after it refused as a fork lost a race with another write."""
+    conf = _conf(config)
+    read = _head_read.get()
+    return (
+        read is not None
+        and caller is not None
+        and read == (id(caller), _thread(config), _ns(config), conf.get("checkpoint_id"))
+    )
+
+
+def _head_moved(config: RunnableConfig) -> HeadMoved:
+    return HeadMoved(
+        "another write moved the thread's head after this update read it (a concurrent "
+        "update_state or run); the update was not stored: read the state again and retry",
+        run_id=_thread(config),
+        checkpoint_id=_conf(config).get("checkpoint_id"),
+    )
+
+
+def _snapshot_parent(caller: FrameType | None) -> CheckpointTuple | None:
+    """The checkpoint a parent graph's state snapshot is built from, if `caller`
+    (a saver call's caller) is a subgraph's state read for that snapshot
+    (`get_state(config, subgraphs=True)`)."""
+    if caller is None or caller.f_code.co_name not in ("get_state", "aget_state"):
+        return None
+    parent = caller.f_back
+    if parent is None or parent.f_code.co_name not in (
+        "_prepare_state_snapshot",
+        "_aprepare_state_snapshot",
+    ):
+        return None
+    saved = parent.f_locals.get("saved")
+    return saved if isinstance(saved, CheckpointTuple) else None
 
 
 def _release_started(started: asyncio.Future[tuple[Run | None, Any]]) -> None:
