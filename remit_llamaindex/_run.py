@@ -55,7 +55,7 @@ from workflows.runtime.types.ticks import (
 from workflows.workflow import Workflow
 
 from remit_core import codec, failpoints
-from remit_core.core import ClaimHandle, Remit
+from remit_core.core import ClaimHandle, Remit, checked_id
 from remit_core.effects import SharedScope, StepScope
 from remit_core.errors import (
     CheckpointInvalid,
@@ -94,8 +94,8 @@ def public_run_id(run_id: str, branch: str) -> str:
 
 
 def split_run_id(key: str) -> tuple[str, str]:
-    """Inverse of `public_run_id`."""
-    run_id, sep, branch = key.rpartition("@")
+    """Inverse of `public_run_id` (a `key` that is no id is refused, naming `run_id`)."""
+    run_id, sep, branch = checked_id("run_id", key).rpartition("@")
     if sep and branch.startswith("fork-"):
         return run_id, branch
     return key, MAIN_BRANCH
@@ -259,7 +259,7 @@ class Session:
             for i, (left, tick) in snap.rearmed_timeouts(init_state, self.deadlines).items()
         }
         self.done = False
-        # The refusal of an event that this copy lost the run with (`_stop_lost`).
+        # The refusal of an event that this copy lost the run with (`stop_lost`).
         self.lost: ResumeConflict | None = None
         self.inner: ExternalRunAdapter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -677,7 +677,7 @@ class Session:
                     raise
             except ResumeConflict as exc:
                 if took:  # this parked copy lost the run to another resumer
-                    await self._stop_lost(exc)
+                    await self.stop_lost(exc)
                 raise
             assert self.inner is not None
             if isinstance(tick, TickAddEvent):
@@ -700,7 +700,7 @@ class Session:
                 checkpoint_id=self.head_id,
             ) from exc
 
-    async def _stop_lost(self, refusal: ResumeConflict) -> None:
+    async def stop_lost(self, refusal: ResumeConflict) -> None:
         """Stop this copy of the run, which lost it to another resumer, through its own
         control loop: its next tick raises `refusal` (`on_tick`), so the handler ends
         with it and nothing is stored; the stored run is the winner's."""

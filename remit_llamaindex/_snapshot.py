@@ -25,7 +25,7 @@ from workflows.runtime.types.ticks import TickStepResult, TickWaiterTimeout, Wor
 from workflows.workflow import Workflow
 
 from remit_core import codec
-from remit_core.errors import CorruptRecord, RemitError
+from remit_core.errors import CorruptRecord, RemitError, VersionMismatch
 from remit_core.records import CheckpointRecord
 
 #: Store-type tag of the state payload a Remit-backed context serializes to.
@@ -354,11 +354,43 @@ def check_metadata(record: CheckpointRecord) -> None:
 
 
 def broker_state(
-    ctx: dict[str, Any], workflow: Workflow, serializer: BaseSerializer
+    ctx: dict[str, Any], workflow: Workflow, serializer: BaseSerializer, **ids: Any
 ) -> BrokerState:
-    """The broker state a serialized context describes."""
+    """The broker state a serialized context describes, for `workflow`.
+
+    The framework drops, without a word, the work of a stored step the workflow
+    has no step for (another workflow, or another shape of it): its waiters and
+    queued events would be lost, so such a context is refused (`VersionMismatch`,
+    naming the steps). A stored step without work left is only history."""
     parsed = SerializedContext.from_dict_auto(ctx, serializer)
-    return BrokerState.from_serialized(parsed, workflow, serializer)
+    state = BrokerState.from_serialized(parsed, workflow, serializer)
+    known = {str(step_id) for step_id in state.workers}
+    missing = sorted(
+        name
+        for name, worker in parsed.workers.items()
+        if name not in known
+        and (
+            worker.queue
+            or worker.in_progress
+            or worker.collected_waiters
+            or any(worker.collected_events.values())
+            or worker.static_collect_events
+        )
+    )
+    missing += sorted(
+        {d.step_id for d in parsed.deliveries if d.step_id is not None and d.step_id not in known}
+        - set(missing)
+    )
+    if missing:
+        raise VersionMismatch(
+            f"the checkpoint holds work of step(s) {', '.join(map(repr, missing))} that "
+            f"workflow {type(workflow).__name__} has no step for (steps: "
+            f"{', '.join(sorted(known)) or 'none'}): it was written by another workflow, or "
+            "another shape of it; continue it with the workflow that wrote it (give each "
+            "shape its own RemitRuntime(workflow_version=...))",
+            **ids,
+        )
+    return state
 
 
 def stop_event(result: str | None, serializer: BaseSerializer, **ids: Any) -> StopEvent:

@@ -78,7 +78,7 @@ from workflows.runtime.types.ticks import TickAddEvent, WorkflowTick
 from workflows.workflow import Workflow
 
 from remit_core import codec, connect, failpoints, policy
-from remit_core.core import DEFAULT_LEASE, Remit
+from remit_core.core import DEFAULT_LEASE, Remit, checked_id
 from remit_core.effects import scoped
 from remit_core.errors import (
     CheckpointInvalid,
@@ -274,8 +274,23 @@ class RemitRuntime(BaseRuntimeDecorator):
         serialized_state: dict[str, Any] | None,
         serializer: JsonSerializer,
     ) -> Session:
-        """A new Remit run (a vanilla snapshot's state is imported, lineage unknown)."""
+        """A new Remit run (a vanilla snapshot's state is imported, lineage unknown).
+
+        A running context without a state (`ctx.to_dict(include_state=False)`) is
+        refused: a Remit run's identity is its state's handle, so it would go on as an
+        untracked copy of the run it was taken from (a second branch without a fork
+        token, as many as it is restored; its effects again)."""
         run_id = checked_new_run_id(run_id)
+        if init_state.is_running and not serialized_state:
+            raise ForkWithoutIntent(
+                "the context is of a running workflow but holds no state "
+                "(ctx.to_dict(include_state=False)), and a Remit run is named by its "
+                "state: continued, it would be an untracked copy of the run it was taken "
+                "from. Nothing was stored: restore a snapshot taken with its state "
+                "(ctx.to_dict()) or RemitRuntime.context(workflow, run_id); to continue it "
+                "as a new run, give it a state first (snapshot['state'], or ctx.store)",
+                run_id=run_id,
+            )
         if self.remit.branch(run_id) is not None:
             raise ForkWithoutIntent(
                 f"run {run_id!r} already exists; continue it from RemitRuntime.context(...) "
@@ -349,7 +364,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         """The handle of a run that has ended: its stored result, error and state."""
         ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
         ctx = snap.decode(record.state, **ids)
-        init = snap.broker_state(ctx, workflow, serializer)
+        init = snap.broker_state(ctx, workflow, serializer, **ids)
         state = self._state(workflow, record, ctx, serializer)
         handle = {"store_type": snap.HANDLE_TYPE, "branch": record.branch, **ids}
         store: RemitStateStore[Any] = RemitStateStore(
@@ -411,10 +426,9 @@ class RemitRuntime(BaseRuntimeDecorator):
         record = self._checkpoint(run_id, branch.head_id)
         if record.metadata.get("status") in snap.TERMINAL:
             return self._ended_run(workflow, record, serializer)
-        ctx, requirements, _ = snap.decode_body(
-            record.state, run_id=run_id, checkpoint_id=record.checkpoint_id
-        )
-        init = snap.broker_state(ctx, workflow, serializer)
+        ids = {"run_id": run_id, "checkpoint_id": record.checkpoint_id}
+        ctx, requirements, _ = snap.decode_body(record.state, **ids)
+        init = snap.broker_state(ctx, workflow, serializer, **ids)
         snap.restore_requirements(init, requirements)
         state = self._state(workflow, record, ctx, serializer)
         session = self._session(
@@ -604,6 +618,9 @@ class RemitRuntime(BaseRuntimeDecorator):
         continued on that branch (a new fork's head is its base, stored on the
         branch it was forked from), never on another.
         """
+        _check_workflow(workflow)
+        if fork_token is not None:
+            checked_id("fork_token", fork_token)
         key_run, branch = split_run_id(run_id)
         if checkpoint_id is None:
             record = self._head(run_id)
@@ -643,6 +660,7 @@ class RemitRuntime(BaseRuntimeDecorator):
 
     def get_state(self, workflow: Workflow, run_id: str) -> BaseModel:
         """The state at a run's head (`run_id` may name a fork: "<run>@<branch>")."""
+        _check_workflow(workflow)
         record = self._head(run_id)
         ctx = snap.decode(record.state, run_id=record.run_id, checkpoint_id=record.checkpoint_id)
         return self._state(workflow, record, ctx, self.get_serializer(workflow))
@@ -714,6 +732,11 @@ class RemitRuntime(BaseRuntimeDecorator):
         for an event that fails its own model; `TypeError` for anything but an `Event`.
         """
         check_is_event(event)
+        if not isinstance(handler, WorkflowHandler):
+            raise TypeError(
+                f"handler must be the WorkflowHandler of a run, not {type(handler).__name__}; "
+                "the event was not delivered"
+            )
         try:
             session = self._session_of(handler)
         except UnknownRecord:
@@ -734,8 +757,20 @@ class RemitRuntime(BaseRuntimeDecorator):
         wait for and no step of it takes (nothing runs, nothing is stored). A run
         whose process died before it reached the step that waits for the event
         is continued with `recover` first; answer it once it waits.
+
+        A run parked in this event loop by `workflow` itself (a server's other
+        request) is answered through that copy, so its handler goes on too, as the
+        returned one does. Otherwise the answer runs in a copy of its own, and the
+        copies of the run parked in this event loop, which can no longer take an
+        answer, end with `ResumeConflict` (they would wait for ever).
         """
         check_is_event(event)
+        head = await asyncio.to_thread(self._head, run_id)
+        parked = self._parked_copy(run_id, head.checkpoint_id)
+        if parked is not None and parked.workflow is workflow:
+            await parked.deliver(TickAddEvent(event=event))
+            inner = self._decorated.get_external_adapter(parked.inner_id)
+            return WorkflowHandler(workflow, _External(inner, parked))
         ctx = await asyncio.to_thread(self.context, workflow, run_id)
         # (Not running: running it would start the workflow over. Ended with a step in
         # flight, e.g. cancelled: running it would only answer with its outcome.)
@@ -757,6 +792,16 @@ class RemitRuntime(BaseRuntimeDecorator):
             session.abort()
             session.close()
             raise
+        taken = ResumeConflict(
+            "another resumer in this process answered the run (RemitRuntime.respond); this "
+            "copy of it can take no answer and stopped: await the handler respond returned",
+            run_id=run_id,
+            checkpoint_id=head.checkpoint_id,
+        )
+        loop = asyncio.get_running_loop()
+        for stale in self._parked_copies(run_id):
+            if stale is not session and stale.loop is loop and stale.head_id == head.checkpoint_id:
+                await stale.stop_lost(taken)
         return handler
 
     def _check_awaited(self, workflow: Workflow, run_id: str, event: Event) -> None:
@@ -768,7 +813,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         serializer = self.get_serializer(workflow)
         validated_event(event, serializer, **ids)
         ctx, requirements, _ = snap.decode_body(record.state, **ids)
-        state = snap.broker_state(ctx, workflow, serializer)
+        state = snap.broker_state(ctx, workflow, serializer, **ids)
         snap.restore_requirements(state, requirements)
         if snap.takes(state, event):
             return
@@ -920,6 +965,12 @@ class RemitRuntime(BaseRuntimeDecorator):
         the handler goes on from the edited head (edited behind its back, the
         handler would hold a stale copy whose answers are refused).
         """
+        _check_workflow(workflow)
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                "values must be a mapping of state field paths to values, not "
+                f"{type(values).__name__}; nothing was written"
+            )
         head = await asyncio.to_thread(self._head, run_id)
         session = self._parked_copy(run_id, head.checkpoint_id)
         if session is None:
@@ -969,6 +1020,12 @@ class RemitRuntime(BaseRuntimeDecorator):
                 fence=claim.fence,
             )
         return checkpoint_id
+
+
+def _check_workflow(workflow: object) -> None:
+    """Refuse with `TypeError` a `workflow` argument that is not a `Workflow`."""
+    if not isinstance(workflow, Workflow):
+        raise TypeError(f"workflow must be a Workflow, not {type(workflow).__name__}")
 
 
 def _edited(state: BaseModel, values: Mapping[str, Any], **ids: Any) -> BaseModel:
@@ -1055,13 +1112,15 @@ class _External(BaseExternalRunAdapterDecorator, SnapshottableAdapter, V2Runtime
         return self._session.key
 
     async def send_event(self, tick: WorkflowTick) -> None:
+        """Deliver through the gate. The framework sends fire-and-forget (a task nobody
+        awaits, or a cancel that ignores errors): a refusal is logged, not raised, or
+        asyncio would report it again as a task exception never retrieved."""
         try:
             await self._session.deliver(tick)
         except RemitError:
             if self._session.lost is not None:
-                return  # the handler ends with the refusal (`Session._stop_lost`)
+                return  # the handler ends with the refusal (`Session.stop_lost`)
             logger.error("event refused for run %s", self._session.key, exc_info=True)
-            raise
 
     def get_state_store(self, namespace: tuple[str, ...] = ()) -> StateStore[Any] | None:
         return None if namespace else self._session.store
