@@ -990,7 +990,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._follow_token(resumer)
         while True:
             paused = self._paused_head(pause_id)
-            self._check_successor(paused.top, node)
+            self._check_successor(paused.top, node, pause_id)
             taken = self.remit.checkpoint(self.run_id, node.get_snapshot_id())
             if taken is not None and self._on_line(taken):
                 raise ResumeConflict(
@@ -1142,7 +1142,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             cursor = None if parent is None else self.remit.checkpoint(self.run_id, parent)
         return answered and cursor is not None
 
-    def _check_successor(self, paused: _Stored, node: BaseNode[StateT, Any, RunEndT]) -> None:
+    def _check_successor(
+        self, paused: _Stored, node: BaseNode[StateT, Any, RunEndT], pause_id: str | None
+    ) -> None:
+        """`ValueError` for an answer the pause does not lead to; `ResumeConflict` if it
+        most likely came late, for a pause answered already. An answer that names the
+        pause (`pause_id`, checked to be the run's) is not late: it is a wrong answer."""
         pause = paused.snapshot.node
         assert isinstance(pause, BaseNode)
         edges = self._edges.get(pause.get_node_id())
@@ -1152,20 +1157,33 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             f"the run is paused at {pause.get_node_id()} (snapshot {paused.id}), which leads "
             f"only to {', '.join(sorted(edges[0])) or 'End'}: nothing was stored"
         )
-        if any(
-            i.status == "consumed" for i in self.remit.interrupts(self.run_id, branch=self.branch)
-        ):
-            # A pause of this run was answered: this answer most likely came late, after
-            # another resumer's answer moved the run on to a node it does not follow.
+        if pause_id is None and self._answered_pause_leads_to(node):
+            # A pause of this run that may lead to this answer was answered: it most likely
+            # came late, after another resumer's answer moved the run on to a node it does
+            # not follow.
             raise ResumeConflict(
-                f"resume() got {node.get_node_id()}, but {where}; a pause of this run was "
-                "answered already",
+                f"resume() got {node.get_node_id()}, but {where}; a pause of this run that "
+                "leads to it was answered already",
                 run_id=self.run_id,
                 checkpoint_id=paused.id,
             )
         raise ValueError(
             f"resume() got {node.get_node_id()}, but {where}, and the run is still paused"
         )
+
+    def _answered_pause_leads_to(self, node: BaseNode[StateT, Any, RunEndT]) -> bool:
+        """Whether a pause of this line answered already may lead to `node` (a loop that
+        pauses again at the same node has answered pauses that do not)."""
+        for pause in self.remit.interrupts(self.run_id, branch=self.branch):
+            if pause.status != "consumed" or pause.checkpoint_id is None:
+                continue
+            asked = self._read(pause.checkpoint_id).snapshot
+            if not isinstance(asked, NodeSnapshot):
+                continue
+            edges = self._edges.get(asked.node.get_node_id())
+            if edges is None or edges[1] or node.get_node_id() in edges[0]:
+                return True
+        return False
 
     def _refuse_answered(self, resumer: _Resumer, head: _Head, before: SnapshotStatus) -> None:
         """A paused node answered by `resume()` after this caller loaded it (and before
