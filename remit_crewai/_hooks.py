@@ -45,7 +45,7 @@ from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
 from remit_core.effects import StepScope, bind_step_scope, current_scope
 from remit_core.errors import RemitError
 from remit_crewai import _replay, _resume
-from remit_crewai._session import Execution, current_execution, current_fork_token
+from remit_crewai._session import Execution, current_execution, current_fork_token, started_as
 from remit_crewai.persistence import RemitFlowPersistence
 
 _installed = False
@@ -198,11 +198,14 @@ def _on_pre_step(ctx: Any) -> None:
         raise aborting(
             RemitError(f"Remit could not prepare step {ctx.step_name!r}: {exc!r}")
         ) from exc
+    method = str(ctx.step_name)
+    occurrence = session.start_occurrence(method)
+    started_as(session.flow_id, method, occurrence)
     bind_step_scope(
         _MethodScope(
             backend.remit,
             session.run_id,
-            session.step_key(str(ctx.step_name)),
+            session.step_key(method, occurrence),
             session.fence,
             flow=weakref.ref(ctx.flow),
             outer=current_scope(),

@@ -12,7 +12,9 @@ the human feedback the run accepted. A restarted flow replays the ledger
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
+from itertools import chain, count
 from typing import Any
 
 from remit_core import codec
@@ -44,7 +46,11 @@ class Ledger:
     """The run's past as of one checkpoint.
 
     `completed`: methods that completed at least once. `counts`: completions
-    per method; the next execution of `m` is occurrence `counts[m]`.
+    per method; the next execution of `m` is occurrence `counts[m]`, unless runs
+    of `m` at once completed out of order: `gaps[m]` are the occurrences below the
+    highest one completed that have not completed (still in flight when the flow
+    was saved, or lost with its process), and the next execution is the lowest,
+    so that it keeps its effect keys.
     `routes`: per router, the route (outcome label) it took at each of its
     completions, None where it took none or the route was not recorded.
     `feedback`: accepted human feedback, oldest first, one dict per consumed
@@ -66,12 +72,31 @@ class Ledger:
     joins: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fired: tuple[str, ...] = ()
     running: dict[str, int] = field(default_factory=dict)
+    gaps: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
-    def completing(self, method: str) -> Ledger:
+    def completing(self, method: str, occurrence: int | None = None) -> Ledger:
+        """Record a completion of `method`: of `occurrence` (the next free one if None)."""
         counts = dict(self.counts)
         counts[method] = counts.get(method, 0) + 1
         completed = self.completed if method in self.completed else (*self.completed, method)
-        return replace(self, completed=completed, counts=counts)
+        gaps = self.gaps.get(method, ())
+        top = self.occurrence(method) + len(gaps)  # one past the highest completed
+        if occurrence is None or (occurrence < top and occurrence not in gaps):
+            occurrence = self.free(method)  # (one that completed already: the next free)
+        gaps = tuple(g for g in gaps if g != occurrence) + tuple(range(top, occurrence))
+        others = {m: g for m, g in self.gaps.items() if m != method}
+        return replace(
+            self,
+            completed=completed,
+            counts=counts,
+            gaps={**others, method: gaps} if gaps else others,
+        )
+
+    def free(self, method: str, taken: Collection[int] = ()) -> int:
+        """The lowest occurrence of `method` that has not completed and is not in `taken`
+        (those running now)."""
+        top = self.occurrence(method) + len(self.gaps.get(method, ()))
+        return next(n for n in chain(self.gaps.get(method, ()), count(top)) if n not in taken)
 
     def pausing(
         self, joins: dict[str, tuple[str, ...]], fired: tuple[str, ...], running: dict[str, int]
@@ -174,6 +199,7 @@ def encode(body: Body) -> bytes:
             ),
             **({} if not ledger.fired else {"fired": list(ledger.fired)}),
             **({} if not ledger.running else {"running": ledger.running}),
+            **({} if not ledger.gaps else {"gaps": {m: list(g) for m, g in ledger.gaps.items()}}),
             **({} if body.output is None else {"output": body.output}),
             **({} if body.prompt is None else {"prompt": body.prompt}),
         }
@@ -202,6 +228,9 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
                 },
                 fired=tuple(str(m) for m in raw.get("fired", ())),
                 running={str(m): int(at) for m, at in raw.get("running", {}).items()},
+                gaps={
+                    str(m): tuple(int(n) for n in gaps) for m, gaps in raw.get("gaps", {}).items()
+                },
             ),
             output=_bytes_or_none(raw.get("output")),
             prompt=_bytes_or_none(raw.get("prompt")),

@@ -111,7 +111,7 @@ class Session:
     answered: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Occurrences of each method started in this process and not completed yet: two
     #: runs of one method at once (two routes to one listener) are two occurrences.
-    running: dict[str, int] = field(default_factory=dict)
+    running: dict[str, list[int]] = field(default_factory=dict)
     replay: Replay | None = None
     #: Occurrences (`method#n`) whose effects are keyed under the branch they first ran
     #: on: the pause a fork was made from, run again to pause again (`_paused_on`).
@@ -125,27 +125,51 @@ class Session:
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def start_occurrence(self, method: str) -> int:
-        """The occurrence a run of `method` starting now is: completed ones, then those
-        still running here."""
+        """The occurrence a run of `method` starting now is: the lowest that has not
+        completed and is not running here."""
         with self.lock:
-            running = self.running.get(method, 0)
-            self.running[method] = running + 1
-            return self.ledger.occurrence(method) + running
+            running = self.running.setdefault(method, [])
+            occurrence = self.ledger.free(method, running)
+            running.append(occurrence)
+            return occurrence
 
-    def step_key(self, method: str) -> str:
-        """The effect scope of a run of `method` starting now: branch, method, occurrence."""
-        occurrence = f"{method}#{self.start_occurrence(method)}"
-        return f"{self.keys_from.get(occurrence, self.branch)}/{occurrence}"
+    def step_key(self, method: str, occurrence: int) -> str:
+        """The effect scope of `occurrence` of `method`: branch, method, occurrence."""
+        name = f"{method}#{occurrence}"
+        return f"{self.keys_from.get(name, self.branch)}/{name}"
 
-    def end_occurrence(self, method: str) -> None:
-        """A run of `method` completed (its completion is in the ledger now)."""
+    def end_occurrence(self, method: str, occurrence: int | None = None) -> None:
+        """A run of `method` (`occurrence`, else its lowest running) completed (its
+        completion is in the ledger now)."""
         with self.lock:
-            if self.running.get(method, 0) > 0:
-                self.running[method] -= 1
+            running = self.running.get(method, [])
+            if occurrence in running:
+                running.remove(occurrence)
+            elif running:
+                running.remove(min(running))
 
     @property
     def fence(self) -> FenceRef:
         return self.handle.fence
+
+
+#: The occurrence the step of each method begun in this context runs as, as (flow id,
+#: method, occurrence), for the save that completes it (runs of one method at once may
+#: complete out of order).
+current_occurrences: contextvars.ContextVar[tuple[tuple[str, str, int], ...]] = (
+    contextvars.ContextVar("remit_crewai_occurrences", default=())
+)
+
+
+def started_as(flow_id: str, method: str, occurrence: int) -> None:
+    """Note that the step of `method` of `flow_id` begun in this context is `occurrence`."""
+    kept = tuple(o for o in current_occurrences.get() if o[:2] != (flow_id, method))
+    current_occurrences.set((*kept, (flow_id, method, occurrence)))
+
+
+def occurrence_of(flow_id: str, method: str) -> int | None:
+    """The occurrence the step of `method` of `flow_id` begun in this context runs as."""
+    return next((n for f, m, n in current_occurrences.get() if (f, m) == (flow_id, method)), None)
 
 
 #: Sessions `load_pending_feedback` opened in this context, newest last, for the resumes

@@ -63,6 +63,7 @@ from remit_crewai._session import (
     Session,
     add_resumer,
     current_execution,
+    occurrence_of,
     resumer_of,
     sessions,
 )
@@ -174,7 +175,8 @@ class RemitFlowPersistence(FlowPersistence):
                 # The feedback method completes when its feedback is consumed.
                 kind, ledger = "feedback", session.ledger
             else:
-                kind, ledger = "step", session.ledger.completing(method_name)
+                occurrence = occurrence_of(session.flow_id, method_name)
+                kind, ledger = "step", session.ledger.completing(method_name, occurrence)
                 if method_name in session.routes:
                     ledger = ledger.routing(method_name, session.routes.pop(method_name))
                 if method_name in session.answered:
@@ -186,7 +188,7 @@ class RemitFlowPersistence(FlowPersistence):
                 output = _resumed_output(session)
             self._commit(session, plain, method_name, kind, ledger, output)
             if kind == "step":
-                session.end_occurrence(method_name)
+                session.end_occurrence(method_name, occurrence)
 
     def load_state(self, flow_uuid: str) -> dict[str, Any] | None:
         """The flow's head state; inside a kickoff, the restart or fork it begins.
