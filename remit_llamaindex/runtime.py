@@ -696,6 +696,9 @@ class RemitRuntime(BaseRuntimeDecorator):
     def recover(self, workflow: Workflow, run_id: str) -> WorkflowHandler | None:
         """Continue a run after its process died; None if it waits for an event or ended.
 
+        `ResumeConflict` when another resumer holds the run, or took it over
+        between this call's read of the head and its claim.
+
         A resume value that was accepted (its interrupt consumed) but not yet
         delivered when the process died is delivered now, without asking again.
         """
@@ -712,7 +715,15 @@ class RemitRuntime(BaseRuntimeDecorator):
             }
             if not waiting & accepted:
                 return None
-        return workflow.run(ctx=self.context(workflow, run_id))
+        try:
+            return workflow.run(ctx=self.context(workflow, run_id))
+        except ForkWithoutIntent as exc:
+            # The head this recovery read moved on before its claim: another
+            # resumer took the run over, and this one lost the race.
+            raise ResumeConflict(
+                "another resumer continued the run while this one recovered it; nothing ran",
+                run_id=run_id,
+            ) from exc
 
     async def send_event(
         self, handler: WorkflowHandler, event: Event, step: str | None = None
