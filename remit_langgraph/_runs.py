@@ -216,9 +216,25 @@ class Run:
             self._settled.wait_for(lambda: self.inflight == 0, timeout=timeout)
         self.ensure_live()
 
+    def lapsed(self) -> bool:
+        """Whether the claim is known lost. Its lease running out unrenewed means this
+        process was paused past it (a zombie) or cut off from the store: then the
+        store is asked (one read) before anything more runs, since the heartbeat may
+        not have beaten since, and a refused write still in flight tells nothing yet
+        (L2). A live lease costs a clock read."""
+        handle = self.claim
+        if handle.lost or handle.given_up or handle.claim.expires_at > self.remit.clock():
+            return handle.lost
+        held = handle.claim
+        if not policy.fence_is_current(
+            self.remit.store.get_claim(held.run_id, held.scope), held.fence, held.holder
+        ):
+            handle.lost = True
+        return handle.lost
+
     def ensure_live(self) -> None:
-        """Raise if a write was refused, or the heartbeat found the claim taken over (L2)."""
-        if self.failed is None and self.claim.lost:
+        """Raise if a write was refused, or the claim was taken over (L2)."""
+        if self.failed is None and self.lapsed():
             self.fail(
                 Fenced(
                     "another resumer took this run over after its lease ran out; this "
@@ -408,13 +424,17 @@ class Runs:
         token = conf.get("fork_token")
         checkpoint_id = conf.get("checkpoint_id")
         writes = None
-        if not checkpoint_id and not token and loop.input is not None:
+        if not checkpoint_id and not token:
             # The common start: main's head and its writes, read with the claim (one
-            # round trip).
+            # round trip). A head read before the claim could be one that a racing
+            # resumer, claiming first, has moved past and released since.
             branch = MAIN_BRANCH
             handle, record, writes = self.remit.claim_at_head(
                 thread, branch, lease=self.saver.lease
             )
+            if record is None and loop.input is None:
+                handle.release()
+                return None, None  # nothing to run; LangGraph reports the empty input
         else:
             resume = isinstance(loop.input, Command) and loop.input.resume is not None
             record, branch = self._where(thread, checkpoint_id, token, resume=resume)
@@ -1229,13 +1249,37 @@ def effect_scope() -> StepScope | None:
     if len(parts) > 1:  # a subgraph's task: its calls are not shared with a fork
         return StepScope(run.remit, run.thread, step_key, run.fence)
     task_id = str(conf.get("checkpoint_ns", "")).partition(":")[2]
+    calls = _task_calls(run, task_id, step, place, step_key)
+    return SharedScope(
+        run.remit, run.thread, step_key, run.fence, counts=calls.counts, shared=calls.shared
+    )
+
+
+def _task_calls(run: Run, task_id: str, step: Any, place: str, step_key: str) -> TaskCalls:
+    """The effect calls of the run's top-level task `task_id` (made at its first call)."""
     calls = run.calls.get(task_id)
     if calls is None:
         shared = run.shared.get(f"{step}/{place}", [])
         calls = run.calls.setdefault(task_id, TaskCalls(place, step_key, shared=shared))
-    return SharedScope(
-        run.remit, run.thread, step_key, run.fence, counts=calls.counts, shared=calls.shared
-    )
+    return calls
+
+
+def calls_at_pause(run: Run, task_id: str) -> TaskCalls | None:
+    """The effect calls of a top-level task of the run that stores its pause: its
+    first writes on the checkpoint, though it writes again there once answered.
+    Recorded even when it made none, so that a fork of the pause shares only the
+    calls made before it, not those its answered run makes (`_shared_effects`)."""
+    loop = None if run.loop is None else run.loop()
+    task = None if loop is None else loop.tasks.get(task_id)
+    if task is None:
+        return run.calls.get(task_id)
+    meta = task.config.get("metadata") or {}
+    if "langgraph_step" not in meta:
+        return run.calls.get(task_id)
+    step, path = meta["langgraph_step"], meta.get("langgraph_path")
+    place = f"{task.name}/{path}"
+    step_key = f"{run.branch}{run.life()}/{task.name}/{step}/{path}"
+    return _task_calls(run, task_id, step, place, step_key)
 
 
 register_scope_resolver(effect_scope)

@@ -35,6 +35,7 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.serde.base import SerializerProtocol
+from langgraph.checkpoint.serde.types import INTERRUPT
 
 from remit_core import Remit, codec, connect, policy
 from remit_core.core import checked_lease
@@ -47,7 +48,7 @@ from remit_core.errors import (
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
-from remit_langgraph._runs import Run, Runs, above_saver, current_run
+from remit_langgraph._runs import Run, Runs, above_saver, calls_at_pause, current_run
 from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import GuardedSerializer, StrictSerializer
 from remit_langgraph._shared_effects import CALLS
@@ -480,8 +481,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
         ]
         special = all(w.channel in WRITES_IDX_MAP for w in records)
         calls = None if run is None or ns != "" or not records else run.calls.get(task_id)
+        # A pause is stored with its calls even if it made none (`calls_at_pause`).
+        pause = ns == "" and any(w.channel == INTERRUPT for w in records)
+        if run is not None and pause and calls is None:
+            calls = calls_at_pause(run, task_id)
         with _writing(run):
-            if run is not None and calls is not None and calls.counts:
+            if run is not None and calls is not None and (calls.counts or pause):
                 # The calls made before the task's first writes here (`_shared_effects`).
                 self.remit.put_writes([calls.write(records[0])], mode="first", fence=run.fence)
             self.remit.put_writes(
@@ -580,7 +585,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         stops here instead of running on.
         """
         run = current_run()
-        if run is not None and (run.failed is not None or run.claim.lost):
+        if run is not None and (run.failed is not None or run.lapsed()):
             run.ensure_live()  # raises
         if current is None:
             n = 1
