@@ -446,7 +446,12 @@ class Runs:
                 # there: re-run the head's finished tasks and start a fork checkpoint,
                 # moving the steps (and so the effect keys) of what runs next.
                 loop._addressed = False
-            handle = self.remit.claim(thread, branch, lease=self.saver.lease)
+            if record is not None and record.branch == branch:
+                handle, record, writes = self._claim_head(
+                    thread, branch, record, by_id=bool(checkpoint_id and not token), resume=resume
+                )
+            else:
+                handle = self.remit.claim(thread, branch, lease=self.saver.lease)
         run = Run(self.remit, thread, branch, handle, call.check, loop=weakref.ref(loop))
         owed = None
         try:
@@ -571,6 +576,28 @@ class Runs:
                 checkpoint_id=checkpoint_id,
             )
         return record, self.fork(thread, checkpoint_id, token)
+
+    def _claim_head(
+        self, thread: str, branch: str, read: CheckpointRecord, *, by_id: bool, resume: bool
+    ) -> tuple[ClaimHandle, CheckpointRecord, list[WriteRecord]]:
+        """The claim of `branch` and its head, read with it: a head read before the claim
+        could be one that a racing resumer, claiming first, has moved past and released
+        since. A branch named by its token goes on from where it stands now; a head
+        named by its id (`by_id`) that moved is refused, as if named after the move."""
+        handle, head, writes = self.remit.claim_at_head(thread, branch, lease=self.saver.lease)
+        if head is not None and head.checkpoint_id == read.checkpoint_id:
+            return handle, head, writes
+        if head is not None and not by_id:
+            return handle, head, writes
+        handle.release()
+        if resume:
+            raise self._moved_past(thread, read)
+        raise ResumeConflict(
+            "another run moved this branch on (or removed its head) while this one "
+            "started; nothing ran (read the thread's state again)",
+            run_id=thread,
+            checkpoint_id=read.checkpoint_id,
+        )
 
     def _moved_past(self, thread: str, record: CheckpointRecord) -> ResumeConflict:
         """The refusal of a resume value addressed to a checkpoint its branch has moved

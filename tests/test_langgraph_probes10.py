@@ -348,3 +348,51 @@ def test_a_continuation_that_loses_the_race_to_a_finished_one_runs_nothing(
     assert raced and raced[0]["log"] == ["a", "b"]
     assert out["log"] == ["a", "b"]
     assert entered == ["a", "b"]
+
+
+@pytest.mark.parametrize("durability", DURABILITIES)
+def test_a_forks_continuation_that_loses_the_race_to_a_finished_one_runs_nothing(
+    url: str, durability: str
+) -> None:
+    """As above, on a fork named by its token: the fork's head read before the claim
+    may be one that a racing run, claiming first, has moved past and released."""
+    import threading
+
+    entered: list[str] = []
+    saver = RemitSaver(url, lease=LEASE)
+    builder = StateGraph(Steps)
+    for name in ("a", "b"):
+        builder.add_node(name, lambda s, n=name: entered.append(n) or {"log": [n]})
+    builder.add_edge(START, "a")
+    builder.add_edge("a", "b")
+    builder.add_edge("b", END)
+    graph = builder.compile(checkpointer=saver, interrupt_before=["b"])
+    cfg = config()
+    graph.invoke({"log": []}, cfg, durability="sync")  # (a history to fork from)
+    start = next(s for s in graph.get_state_history(cfg) if s.next == ("a",)).config
+    fork = {"configurable": {**start["configurable"], "fork_token": "again"}}
+    graph.invoke(None, fork, durability="sync")  # the fork pauses before b too
+    by_token = config(cfg["configurable"]["thread_id"], "again")
+    me = threading.get_ident()
+    raced: list[Any] = []
+
+    def other_first(method: Callable[..., Any]) -> Callable[..., Any]:
+        def claim(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == me and not raced:
+                other = threading.Thread(
+                    target=lambda: raced.append(graph.invoke(None, by_token, durability=durability))
+                )
+                other.start()
+                other.join(30)
+            return method(*args, **kwargs)
+
+        return claim
+
+    remit = saver.remit
+    remit.claim = other_first(remit.claim)  # type: ignore[method-assign]
+    remit.claim_at_head = other_first(remit.claim_at_head)  # type: ignore[method-assign]
+    out = graph.invoke(None, by_token, durability=durability)
+    assert raced and raced[0]["log"] == ["a", "b"]
+    assert out["log"] == ["a", "b"]
+    assert entered == ["a", "a", "b"]  # main's a, the fork's a, the winner's b
+    assert graph.get_state(cfg).next == ("b",)  # main still paused
