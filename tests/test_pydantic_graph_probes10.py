@@ -511,7 +511,9 @@ def test_a_parent_killed_while_its_children_run_at_once_recovers_each_once(
 
     done = in_child(recover)
     assert done.ok and done.value == "9 items", done.summary()
-    assert world.entered()["fan"] == 2 and world.entered()["pack"] == 3
+    # A child's `pack` with no durable write yet may run again (P1): the children run
+    # at once, so any of the three may have entered it before the kill.
+    assert world.entered()["fan"] == 2 and 3 <= world.entered()["pack"] <= 6
     assert world.sink.counts() == {"seal": 3}
 
 
