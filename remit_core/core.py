@@ -36,7 +36,6 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores import Store, open_store
-from remit_core.stores.base import stale_fence
 
 DEFAULT_LEASE = 30.0
 #: The plan of a run's first checkpoint, tried before any other.
@@ -551,15 +550,10 @@ class Remit:
             # The store encodes the metadata with the checkpoint; refused there, it
             # would leave this branch behind: encode it before creating anything.
             codec.dumps(dict(metadata or {}), exact=False)
-            if fence is not None:
-                # The branch is made before the commit's fenced write: a holder whose
-                # claim was taken over must not leave one behind (L2).
-                held = self.store.get_claim(fence.run_id, fence.scope)
-                if not policy.fence_is_current(held, fence.fence, fence.holder):
-                    raise stale_fence(
-                        fence, *((None, None) if held is None else (held.fence, held.holder))
-                    )
-            created = self.store.create_branch(plan.fork)
+            # The branch is made before the commit's fenced write: fenced too, a
+            # holder whose claim was taken over leaves none behind (L2).
+            failpoints.hit("fork.before_create")
+            created = self.store.create_branch(plan.fork, fence=fence)
             if created.head_id != parent_id:
                 raise HeadMoved(
                     f"fork token {fork_token!r} already continued past {parent_id!r}",

@@ -30,6 +30,7 @@ POINTS = frozenset(
         "interrupt.after_consume",
         "claim.in_acquire",
         "claim.after_acquire",
+        "fork.before_create",
         "fork.in_create",
         "effect.before_intent",
         "effect.after_intent",

@@ -8,7 +8,7 @@ write whose header was altered, read as `CorruptRecord` naming the run and the
 checkpoint; a claim taken by `claim_at_head` whose head fails to decode in the
 store is given up. URL options an engine cannot honour are refused at once,
 naming them, as a `ValueError` on every engine. A zombie's fenced fork commit
-leaves no branch.
+leaves no branch, however late it was stopped: the branch is made under the fence.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from remit_core import (
     Remit,
     ResumeConflict,
     WriteRecord,
+    failpoints,
     open_store,
 )
 
@@ -271,12 +272,18 @@ def test_redis_url_options_the_store_cannot_honour_are_refused_naming_them(
 # -- a zombie's fork ----------------------------------------------------------------
 
 
-def test_a_zombies_fenced_fork_commit_leaves_no_branch(store_url: str, run_id: str) -> None:
+@pytest.mark.parametrize("stopped", ["before its commit", "before its branch"])
+def test_a_zombies_fenced_fork_commit_leaves_no_branch(
+    store_url: str, run_id: str, stopped: str
+) -> None:
     """A holder SIGSTOPped past its lease, whose claim another resumer took over,
     commits a fork when it continues: the commit is `Fenced`, and (L2) nothing of it
     is written. The fork's branch, made before the commit's fenced write, stayed, and
-    bound the token to the zombie's base."""
-    Remit(store_url).commit(run_id=run_id, checkpoint_id="c0", parent_id=None, state=b"0")
+    bound the token to the zombie's base; then, stopped past its own checks just
+    before the branch was made, it still made it: the fence was read, not held."""
+    first = Remit(store_url)
+    first.commit(run_id=run_id, checkpoint_id="c0", parent_id=None, state=b"0")
+    first.commit(run_id=run_id, checkpoint_id="c1", parent_id="c0", state=b"1")
     report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the zombie: never returns into pytest
@@ -285,8 +292,10 @@ def test_a_zombies_fenced_fork_commit_leaves_no_branch(store_url: str, run_id: s
             os.close(report_r)
             remit = Remit(store_url, lease=0.5)
             handle = remit.claim(run_id)
-            os.write(report_w, b"claimed\n")
-            os.kill(os.getpid(), signal.SIGSTOP)
+            if stopped == "before its commit":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                failpoints.arm("fork.before_create", "stop")
             remit.commit(
                 run_id=run_id,
                 checkpoint_id="z1",
@@ -302,7 +311,8 @@ def test_a_zombies_fenced_fork_commit_leaves_no_branch(store_url: str, run_id: s
             os._exit(0)
     os.close(report_w)
     with os.fdopen(report_r) as report:
-        assert report.readline() == "claimed\n"
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
         taker = Remit(store_url)
         deadline = time.monotonic() + 30
         while True:  # the zombie's lease runs out: one other resumer takes the run over
@@ -313,7 +323,7 @@ def test_a_zombies_fenced_fork_commit_leaves_no_branch(store_url: str, run_id: s
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         taker.commit(
-            run_id=run_id, checkpoint_id="c1", parent_id="c0", state=b"1", fence=handle.fence
+            run_id=run_id, checkpoint_id="c2", parent_id="c1", state=b"2", fence=handle.fence
         )
         os.kill(pid, signal.SIGCONT)
         assert report.readline() == "Fenced\n"

@@ -184,29 +184,31 @@ redis.call("HSET", KEYS[1], m .. "\0q", ARGV[4])
 return 1
 """
 
-#: KEYS: branches, fork tokens, run index. ARGV: branch member, token field ("" for
-#: none), head id (opt), head seq, base id (opt), fork token (opt), created_at,
-#: escaped run id. Answers the member and columns (h, q, b, t, c) of the token's
-#: branch, or nil.
+#: KEYS: fence claims, branches, fork tokens, run index. ARGV: fence, branch member,
+#: token field ("" for none), head id (opt), head seq, base id (opt), fork token
+#: (opt), created_at, escaped run id. Answers the member and columns (h, q, b, t, c)
+#: of the token's branch, or nil.
 CREATE_BRANCH = (
     _PRELUDE
     + r"""
-local m, tf = ARGV[1], ARGV[2]
-if redis.call("HEXISTS", KEYS[1], m .. NUL .. "c") == 0
-    and (tf == "" or redis.call("HEXISTS", KEYS[2], tf) == 0) then
-  hset_opt(KEYS[1], m .. NUL .. "h", ARGV[3])
-  hset_opt(KEYS[1], m .. NUL .. "b", ARGV[5])
-  hset_opt(KEYS[1], m .. NUL .. "t", ARGV[6])
-  redis.call("HSET", KEYS[1], m .. NUL .. "q", ARGV[4], m .. NUL .. "c", ARGV[7])
-  if tf ~= "" then redis.call("HSET", KEYS[2], tf, m) end
-  redis.call("SADD", KEYS[3], ARGV[8])
+local err = fenced()
+if err then return err end
+local m, tf = ARGV[2], ARGV[3]
+if redis.call("HEXISTS", KEYS[2], m .. NUL .. "c") == 0
+    and (tf == "" or redis.call("HEXISTS", KEYS[3], tf) == 0) then
+  hset_opt(KEYS[2], m .. NUL .. "h", ARGV[4])
+  hset_opt(KEYS[2], m .. NUL .. "b", ARGV[6])
+  hset_opt(KEYS[2], m .. NUL .. "t", ARGV[7])
+  redis.call("HSET", KEYS[2], m .. NUL .. "q", ARGV[5], m .. NUL .. "c", ARGV[8])
+  if tf ~= "" then redis.call("HSET", KEYS[3], tf, m) end
+  redis.call("SADD", KEYS[4], ARGV[9])
 end
 if tf == "" then return nil end
-local owner = redis.call("HGET", KEYS[2], tf)
+local owner = redis.call("HGET", KEYS[3], tf)
 if not owner then return nil end
 local cols = {"h", "q", "b", "t", "c"}
 local out = {owner}
-for i, c in ipairs(cols) do out[i + 1] = redis.call("HGET", KEYS[1], owner .. NUL .. c) end
+for i, c in ipairs(cols) do out[i + 1] = redis.call("HGET", KEYS[2], owner .. NUL .. c) end
 return out
 """
 )

@@ -496,9 +496,10 @@ class SqlStore(Store):
             rows = txn.execute(sql + " ORDER BY created_at, branch", params).fetchall()
         return [_branch(r) for r in rows]
 
-    def create_branch(self, branch: BranchRecord) -> BranchRecord:
+    def create_branch(self, branch: BranchRecord, *, fence: FenceRef | None = None) -> BranchRecord:
         b = branch
         with self._txn() as txn:
+            self._check_fence(txn, fence)
             txn.execute(
                 f"INSERT INTO remit_branches ({_BRANCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT DO NOTHING",

@@ -141,11 +141,13 @@ class Store(ABC):
         """Every branch of a run (of one namespace, if given)."""
 
     @abstractmethod
-    def create_branch(self, branch: BranchRecord) -> BranchRecord:
+    def create_branch(self, branch: BranchRecord, *, fence: FenceRef | None = None) -> BranchRecord:
         """Insert a fork branch keyed by its fork token, if absent.
 
         Returns the branch now stored for `(run_id, ns, fork_token)`: the new
-        one, or the one an earlier call with the same token created (P3).
+        one, or the one an earlier call with the same token created (P3). With
+        `fence`, `Fenced` unless that claim is still current, checked in the same
+        transaction as the insert (L2: a holder taken over makes no branch).
         """
 
     def move_head(

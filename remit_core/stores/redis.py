@@ -570,10 +570,11 @@ class RedisStore(Store):
             branches = [b for b in branches if b.ns == ns]
         return sorted(branches, key=lambda b: (b.created_at, b.branch))
 
-    def create_branch(self, branch: BranchRecord) -> BranchRecord:
+    def create_branch(self, branch: BranchRecord, *, fence: FenceRef | None = None) -> BranchRecord:
         b = branch
         prefix = run_prefix(b.run_id)
         args = [
+            _fence_arg(fence),
             _join(b.ns, b.branch),
             "" if b.fork_token is None else _join(b.ns, b.fork_token),
             _opt_id(b.head_id),
@@ -584,7 +585,10 @@ class RedisStore(Store):
             _esc(b.run_id),
         ]
         failpoints.hit("fork.in_create")
-        reply = self._run("CREATE_BRANCH", [prefix + "br", prefix + "bt", RUNS_KEY], args)
+        keys = [_fence_key(fence, prefix), prefix + "br", prefix + "bt", RUNS_KEY]
+        reply = self._run("CREATE_BRANCH", keys, args)
+        if reply is not None and reply[0] == b"fenced":
+            _raise_fenced(fence, reply)
         if reply is None:
             raise HeadMoved(
                 f"branch name {b.branch!r} is taken by another fork token", run_id=b.run_id
