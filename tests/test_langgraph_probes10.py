@@ -305,17 +305,8 @@ class Steps(TypedDict):
     log: Annotated[list[str], operator.add]
 
 
-@pytest.mark.parametrize("durability", DURABILITIES)
-def test_a_continuation_that_loses_the_race_to_a_finished_one_runs_nothing(
-    url: str, durability: str
-) -> None:
-    """Two `invoke(None)` continue a thread paused before `b`: the one that claims
-    first runs `b`, ends and releases; the other, whose claim comes just after, must
-    continue the thread's head as it then stands (nothing left), not the pause it
-    may have read before (a ForkWithoutIntent, or `b` run twice)."""
-    import threading
-
-    entered: list[str] = []
+def paused_before_b(url: str, entered: list[str]) -> tuple[RemitSaver, Any]:
+    """A saver and an `a -> b` graph that pauses before `b`; nodes log to `entered`."""
     saver = RemitSaver(url, lease=LEASE)
     builder = StateGraph(Steps)
     for name in ("a", "b"):
@@ -323,13 +314,20 @@ def test_a_continuation_that_loses_the_race_to_a_finished_one_runs_nothing(
     builder.add_edge(START, "a")
     builder.add_edge("a", "b")
     builder.add_edge("b", END)
-    graph = builder.compile(checkpointer=saver, interrupt_before=["b"])
-    cfg = config()
-    graph.invoke({"log": []}, cfg, durability=durability)
+    return saver, builder.compile(checkpointer=saver, interrupt_before=["b"])
+
+
+def another_continues_first(
+    saver: RemitSaver, graph: Any, cfg: dict[str, Any], durability: str
+) -> list[Any]:
+    """Make this thread's next claim wait for a racing `invoke(None, cfg)` in another
+    thread to run to its end first; the list gets that invoke's output."""
+    import threading
+
     me = threading.get_ident()
     raced: list[Any] = []
 
-    def first_the_other(method: Callable[..., Any]) -> Callable[..., Any]:
+    def other_first(method: Callable[..., Any]) -> Callable[..., Any]:
         def claim(*args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() == me and not raced:
                 other = threading.Thread(
@@ -342,8 +340,24 @@ def test_a_continuation_that_loses_the_race_to_a_finished_one_runs_nothing(
         return claim
 
     remit = saver.remit
-    remit.claim = first_the_other(remit.claim)  # type: ignore[method-assign]
-    remit.claim_at_head = first_the_other(remit.claim_at_head)  # type: ignore[method-assign]
+    remit.claim = other_first(remit.claim)  # type: ignore[method-assign]
+    remit.claim_at_head = other_first(remit.claim_at_head)  # type: ignore[method-assign]
+    return raced
+
+
+@pytest.mark.parametrize("durability", DURABILITIES)
+def test_a_continuation_that_loses_the_race_to_a_finished_one_runs_nothing(
+    url: str, durability: str
+) -> None:
+    """Two `invoke(None)` continue a thread paused before `b`: the one that claims
+    first runs `b`, ends and releases; the other, whose claim comes just after, must
+    continue the thread's head as it then stands (nothing left), not the pause it
+    may have read before (a ForkWithoutIntent, or `b` run twice)."""
+    entered: list[str] = []
+    saver, graph = paused_before_b(url, entered)
+    cfg = config()
+    graph.invoke({"log": []}, cfg, durability=durability)
+    raced = another_continues_first(saver, graph, cfg, durability)
     out = graph.invoke(None, cfg, durability=durability)
     assert raced and raced[0]["log"] == ["a", "b"]
     assert out["log"] == ["a", "b"]
@@ -356,41 +370,15 @@ def test_a_forks_continuation_that_loses_the_race_to_a_finished_one_runs_nothing
 ) -> None:
     """As above, on a fork named by its token: the fork's head read before the claim
     may be one that a racing run, claiming first, has moved past and released."""
-    import threading
-
     entered: list[str] = []
-    saver = RemitSaver(url, lease=LEASE)
-    builder = StateGraph(Steps)
-    for name in ("a", "b"):
-        builder.add_node(name, lambda s, n=name: entered.append(n) or {"log": [n]})
-    builder.add_edge(START, "a")
-    builder.add_edge("a", "b")
-    builder.add_edge("b", END)
-    graph = builder.compile(checkpointer=saver, interrupt_before=["b"])
+    saver, graph = paused_before_b(url, entered)
     cfg = config()
     graph.invoke({"log": []}, cfg, durability="sync")  # (a history to fork from)
     start = next(s for s in graph.get_state_history(cfg) if s.next == ("a",)).config
     fork = {"configurable": {**start["configurable"], "fork_token": "again"}}
     graph.invoke(None, fork, durability="sync")  # the fork pauses before b too
     by_token = config(cfg["configurable"]["thread_id"], "again")
-    me = threading.get_ident()
-    raced: list[Any] = []
-
-    def other_first(method: Callable[..., Any]) -> Callable[..., Any]:
-        def claim(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == me and not raced:
-                other = threading.Thread(
-                    target=lambda: raced.append(graph.invoke(None, by_token, durability=durability))
-                )
-                other.start()
-                other.join(30)
-            return method(*args, **kwargs)
-
-        return claim
-
-    remit = saver.remit
-    remit.claim = other_first(remit.claim)  # type: ignore[method-assign]
-    remit.claim_at_head = other_first(remit.claim_at_head)  # type: ignore[method-assign]
+    raced = another_continues_first(saver, graph, by_token, durability)
     out = graph.invoke(None, by_token, durability=durability)
     assert raced and raced[0]["log"] == ["a", "b"]
     assert out["log"] == ["a", "b"]
