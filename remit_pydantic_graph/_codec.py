@@ -7,7 +7,10 @@ alias), validates back, and reads back equal to the snapshot the run holds
 `float | None` field, which pydantic writes as null) is refused, never
 stored as another value. A refusal names the bad value by its full path from the snapshot
 (`state.inner.amount`, `state.items.1`, `node.value`, `result.data`), in
-the same form whichever check found it. No I/O here.
+the same form whichever check found it. It is written in pydantic's round-trip
+form: a `Json[...]` field as the JSON text it reads, and no computed field (one
+that a model forbidding or keeping extra keys would not read back as itself);
+reading recomputes them. No I/O here.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         """The snapshot's bytes, or `Unfit` if they would not read back as this snapshot."""
         self._check_node(snapshot)
         try:
-            body = self.adapter.dump_json(snapshot, warnings="error")
+            body = self.adapter.dump_json(snapshot, warnings="error", round_trip=True)
         except PydanticSerializationError as exc:
             path, problem = (
                 self._unserializable(snapshot)
@@ -101,7 +104,7 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
             return body
         # A model whose fields have aliases reads them by alias only (unless it allows
         # names too): written by name, it would not read back. By alias, it may.
-        aliased = self.adapter.dump_json(snapshot, warnings="error", by_alias=True)
+        aliased = self.adapter.dump_json(snapshot, warnings="error", by_alias=True, round_trip=True)
         if aliased != body:
             also = self._read_back(snapshot, aliased)
             if also is None:
@@ -162,7 +165,7 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         `_unserializable` cannot find it; only the whole snapshot's serializer warns,
         naming neither the key nor where the TypedDict is."""
         try:
-            body = self.adapter.dump_json(snapshot, warnings=False)
+            body = self.adapter.dump_json(snapshot, warnings=False, round_trip=True)
         except PydanticSerializationError:
             return None
         try:
@@ -213,7 +216,7 @@ def _dump_problem(value: Any, declared: Any) -> str | None:
     except Exception:  # a type pydantic cannot build alone (an unresolved name)
         return None
     try:
-        adapter.dump_json(value, warnings="error")
+        adapter.dump_json(value, warnings="error", round_trip=True)
     except PydanticSerializationError as exc:
         return _problem(str(exc))
     return None

@@ -26,7 +26,9 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
   paused node as the answer came does not run it without the answer; an answer
   that comes while another process runs the paused node is refused. An answer
   is for one pause (`pause_id`, the paused snapshot's id): a retried answer is
-  not taken by a later pause at the same node.
+  not taken by a later pause at the same node. An answer once taken is
+  acknowledged, also to a resumer paused past its lease before it stored it
+  (whoever took the run over stored it first).
 
 An instance is one resumer: its claim is the instance's, whichever asyncio
 task, event loop or thread makes each call, and instances exclude each other
@@ -73,6 +75,7 @@ from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_id, check
 from remit_core.effects import step_scope
 from remit_core.errors import (
     CheckpointInvalid,
+    Fenced,
     ForkWithoutIntent,
     HeadMoved,
     RemitError,
@@ -90,6 +93,8 @@ __all__ = ["RemitStatePersistence"]
 _ANSWERABLE = ("created", "pending", "error")
 #: Seconds a driver waits for the claim to run its own next node (`_begin_run`).
 _OWN_NEXT_PATIENCE = 2.0
+#: How often a resumer whose consumed answer's commit was fenced looks again (`_deliver`).
+_DELIVER_TRIES = 3
 
 
 @dataclass
@@ -1012,20 +1017,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             # The one atomic step: of all resumers, exactly one gets past it. Losers never
             # take the run's claim, so they cannot get in the way of the winner's run.
             self.remit.consume(self.run_id, pause_id, body, branch=self.branch)
-            acquired = self._acquire_patiently(resumer)
-            if self._stored(snapshot.id):
-                return snapshot  # settled already, by the claim's holder
-            head = self._read_head()
-            if head is not None and head.top.id == pause_id and head.top.status in _ANSWERABLE:
-                if acquired:
-                    # Committed and given back at once: the answer is the head now, so the
-                    # run is no longer paused and a second answer is refused (P5).
-                    self._commit(
-                        resumer, snapshot, body, head, release=True, via="resume", replaces=pause_id
-                    )
-                # Else the claim's holder has not started the paused node: before it runs
-                # it, it finds the answer and commits it (`_load_next`, `_begin_run`).
+            if self._deliver(resumer, snapshot, body, pause_id):
                 return snapshot
+            head = self._read_head()
             if head is not None and head.top.id != pause_id and self._is_pause(head.top, pause_id):
                 # An operator's edit (`update_state`) came between the read and the consume:
                 # the same question with another state. The value taken with the old state
@@ -1045,6 +1039,42 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 run_id=self.run_id,
                 checkpoint_id=pause_id,
             )
+
+    def _deliver(
+        self,
+        resumer: _Resumer,
+        snapshot: NodeSnapshot[StateT, RunEndT],
+        body: bytes,
+        pause_id: str,
+    ) -> bool:
+        """Store a consumed answer as the head (P5): True once it is stored, or left to the
+        claim's holder, which stores it before it runs on; False if the run is no longer
+        at the pause. A resumer whose claim was taken over before its commit (it was paused
+        past its lease) looks again: the one that took the run over stored the answer
+        first (`_settle_resume`), so it was taken, and is acknowledged, not refused."""
+        for attempt in range(_DELIVER_TRIES):
+            acquired = self._acquire_patiently(resumer)
+            if self._stored(snapshot.id):
+                return True  # settled already, by the claim's holder
+            head = self._read_head()
+            if head is None or head.top.id != pause_id or head.top.status not in _ANSWERABLE:
+                return False
+            if not acquired:
+                # The claim's holder has not started the paused node: before it runs it,
+                # it finds the answer and commits it (`_load_next`, `_begin_run`).
+                return True
+            try:
+                # Committed and given back at once: the answer is the head now, so the
+                # run is no longer paused and a second answer is refused (P5).
+                self._commit(
+                    resumer, snapshot, body, head, release=True, via="resume", replaces=pause_id
+                )
+            except (Fenced, HeadMoved):
+                if attempt == _DELIVER_TRIES - 1:
+                    raise
+                continue
+            return True
+        return False  # (not reached: the last try returns or raises)
 
     def _on_line(self, record: CheckpointRecord) -> bool:
         """Whether `record` is on this instance's line: its branch's own, or a snapshot of
@@ -1297,7 +1327,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         for another snapshot raises `ForkWithoutIntent`. The branch's head is
         the snapshot itself, to run again with `iter_from_persistence`. A
         snapshot this reader cannot read (`CorruptRecord`, `VersionMismatch`)
-        is refused before the branch is made.
+        or an `End` (`ValueError`: nothing would run) is refused before the
+        branch is made.
         """
         checked_id("snapshot_id", snapshot_id)
         checked_id("fork_token", fork_token)
@@ -1316,8 +1347,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     def _fork_readable(self, snapshot_id: str, fork_token: str) -> None:
         """Fork from `snapshot_id` only if this reader can read it (P4): a snapshot with
         altered bytes, of another workflow version or of another graph is refused before
-        the branch is made, and the token stays unused."""
-        self._read(snapshot_id)
+        the branch is made, and the token stays unused. So is a run's `End`: no node
+        follows it, so a branch from it could never run (`ValueError`)."""
+        if not self._read(snapshot_id).is_node:
+            raise ValueError(
+                f"fork() got snapshot {snapshot_id!r}, the End of its line: no node follows "
+                "an End, so a branch from it could never run. Fork the snapshot of the node "
+                f"to run again instead; no branch was made and token {fork_token!r} is unused"
+            )
         self._fork_branch(snapshot_id, fork_token)
 
     def release(self) -> None:
