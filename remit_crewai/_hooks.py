@@ -45,7 +45,13 @@ from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
 from remit_core.effects import StepScope, bind_step_scope, current_scope
 from remit_core.errors import RemitError
 from remit_crewai import _replay, _resume
-from remit_crewai._session import Execution, current_execution, current_fork_token, started_as
+from remit_crewai._session import (
+    Execution,
+    current_execution,
+    current_fork_token,
+    pausing,
+    started_as,
+)
 from remit_crewai.persistence import RemitFlowPersistence
 
 _installed = False
@@ -176,6 +182,7 @@ def _on_start(ctx: Any) -> Any:
         outer=current_execution.get(),
     )
     current_execution.set(ex)
+    pausing(ctx.flow, False)  # (it paused before: this kickoff runs it again)
     if isinstance(inputs, dict) and "id" in inputs:
         backend._begin_restart(ex, ctx.flow, str(inputs["id"]))
     return replaced
@@ -199,7 +206,12 @@ def _on_pre_step(ctx: Any) -> None:
             RemitError(f"Remit could not prepare step {ctx.step_name!r}: {exc!r}")
         ) from exc
     method = str(ctx.step_name)
-    occurrence = session.start_occurrence(method)
+    with session.lock:  # (a pause computes what runs under this lock: see `_rejoin`)
+        try:
+            backend._refuse_if_paused(ctx.flow)
+        except RemitError as exc:
+            raise aborting(exc) from exc
+        occurrence = session.start_occurrence(method)
     started_as(session.flow_id, method, occurrence)
     bind_step_scope(
         _MethodScope(

@@ -108,6 +108,10 @@ class Ledger:
         """Methods running when the flow paused whose occurrence completed afterwards."""
         return {m for m, at in self.running.items() if self.occurrence(m) > at}
 
+    def unfinished_at_pause(self) -> set[str]:
+        """Methods running when the flow paused whose occurrence has not completed since."""
+        return {m for m, at in self.running.items() if self.occurrence(m) <= at}
+
     def routing(self, method: str, route: str | None) -> Ledger:
         """Record the route router `method` took at the completion just recorded."""
         before = self.occurrence(method) - 1

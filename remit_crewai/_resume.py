@@ -9,18 +9,26 @@ the lease ran out. And a resume that failed before its feedback was consumed
 claim back at EXECUTION_END, while CrewAI lets the same instance `resume` again:
 that retry must claim the flow again and consume the pause, not run past it.
 The wrappers `install` puts on `from_pending` and `resume_async` do both, and
-refuse feedback that is not a str by name before anything runs; other flows
-run CrewAI's code unchanged.
+refuse feedback that is not a str by name before anything runs. A resume also
+runs what was in flight beside the paused method (`Session.leftovers`): CrewAI
+resumes only the paused method's listeners, and a sibling step still running
+when the flow paused would never run (or its listeners never would). The
+wrapper on `_execute_listeners` runs them beside the resume's first listeners.
+Other flows run CrewAI's code unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import functools
 from typing import Any
 
 from crewai.flow import runtime
 from crewai.flow.flow import Flow
+from crewai.flow.types import FlowMethodName
 
+from remit_crewai._replay import _take
 from remit_crewai._session import current_resumers
 from remit_crewai.persistence import RemitFlowPersistence
 
@@ -49,5 +57,40 @@ def install() -> None:
             persistence._ready_to_resume(self, feedback)
         return await resume_async(self, feedback)
 
+    run_listeners = engine._execute_listeners
+
+    @functools.wraps(run_listeners)
+    async def execute_listeners(
+        self: Flow[Any], trigger: FlowMethodName, result: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        persistence = self.persistence
+        leftovers = (
+            persistence._take_leftovers(self)
+            if isinstance(persistence, RemitFlowPersistence)
+            else None
+        )
+        if leftovers is None:
+            await run_listeners(self, trigger, result, *args, **kwargs)
+            return
+        unfinished, late = leftovers
+        await asyncio.gather(
+            run_listeners(self, trigger, result, *args, **kwargs),
+            *(_run_again(self, FlowMethodName(m)) for m in sorted(unfinished)),
+            *(run_listeners(self, FlowMethodName(m), None) for m in sorted(late)),
+        )
+
     engine.from_pending = classmethod(from_pending_releasing)  # type: ignore[assignment]
     engine.resume_async = resume_async_claiming  # type: ignore[assignment]
+    engine._execute_listeners = execute_listeners  # type: ignore[assignment,method-assign]
+
+
+async def _run_again(flow: Flow[Any], method: FlowMethodName) -> None:
+    """Run `method`, in flight when the flow paused, and what follows it (a router's
+    route too, which CrewAI follows only for routers it runs itself)."""
+    if method in flow._start_method_names():
+        await flow._execute_start_method(method)
+        return
+    result, _ = await flow._execute_single_listener(method, None)
+    if flow._is_router(method) and result is not None:
+        route = result.value if isinstance(result, enum.Enum) else result
+        await _take(flow, FlowMethodName(str(route)))

@@ -121,6 +121,10 @@ class Session:
     closed: bool = False
     #: A `resume` of the flow runs under this session (a second one at once is refused).
     resuming: bool = False
+    #: What the resume runs beside the paused method's listeners (`_resume`): the methods
+    #: in flight when the flow paused that did not complete, and those that completed
+    #: after the pause was saved, whose listeners never ran.
+    leftovers: tuple[frozenset[str], frozenset[str]] | None = None
     pid: int = field(default_factory=os.getpid)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -192,6 +196,34 @@ def resumer_of(store_url: str, flow_id: str) -> Session | None:
         if not session.closed and (session.store_url, session.flow_id, session.pid) == here:
             return session
     return None
+
+
+#: Flow instances whose run paused in this process (id -> the instance), not run since.
+_paused: dict[int, weakref.ref[Any]] = {}
+
+
+def pausing(flow: Any, paused: bool) -> None:
+    """Note that the run of `flow` paused (True), or that it runs again (False): a step of
+    a paused run that starts later (a sibling of the paused method, or one behind it)
+    belongs to no run and must not claim the flow, which its resumer will drive."""
+    key = id(flow)
+    if not paused:
+        ref = _paused.get(key)
+        if ref is not None and ref() in (flow, None):
+            del _paused[key]
+        return
+
+    def forget(ref: weakref.ref[Any], key: int = key) -> None:
+        if _paused.get(key) is ref:
+            del _paused[key]
+
+    _paused[key] = weakref.ref(flow, forget)
+
+
+def paused(flow: Any) -> bool:
+    """Whether the run of `flow` paused in this process and has not run since."""
+    ref = _paused.get(id(flow))
+    return ref is not None and ref() is flow
 
 
 class Registry:

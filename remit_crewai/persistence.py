@@ -64,6 +64,8 @@ from remit_crewai._session import (
     add_resumer,
     current_execution,
     occurrence_of,
+    paused,
+    pausing,
     resumer_of,
     sessions,
 )
@@ -234,6 +236,8 @@ class RemitFlowPersistence(FlowPersistence):
             # The checkpoint keeps the prompt too: if this process dies before the
             # interrupt is open, `load_pending_feedback` opens it (`_unopened_pause`).
             record = self._commit(session, plain, method, "pause", ledger, prompt=prompt)
+            if flow is not None:
+                pausing(flow, True)  # what is still running of its run drives nothing now
             interrupt_id = f"{method}#{session.ledger.occurrence(method)}"
             self.remit.open_interrupts(
                 session.run_id,
@@ -537,6 +541,8 @@ class RemitFlowPersistence(FlowPersistence):
             flow = ex.flow()
             if flow is None or flow.flow_id != flow_id or not self._stores_for(flow):
                 return None  # (a method persisted to another store saves outside the run)
+            if paused(flow):
+                return None  # a step that completes after its run paused saves for itself
             session = self._open(flow_id, heartbeat=True)
             session.owner = ex.flow
             sessions.add(session)
@@ -816,8 +822,9 @@ class RemitFlowPersistence(FlowPersistence):
                 f"feedback must be a str, got {type(feedback).__name__}: nothing was resumed, "
                 "the flow still waits for its feedback"
             )
+        pausing(flow, False)
         if held is not None:
-            _rejoin(flow, held.ledger)
+            _rejoin(flow, held)
             return
         loaded = self.load_pending_feedback(flow.flow_id)
         if loaded is None:
@@ -834,7 +841,7 @@ class RemitFlowPersistence(FlowPersistence):
             raise
         if session is not None:
             session.resuming = True
-            _rejoin(flow, session.ledger)
+            _rejoin(flow, session)
 
     def _restore_into(self, flow: Flow[Any], session: Session) -> None:
         """Give a restarted flow its past: completed methods and accepted feedback.
@@ -908,6 +915,7 @@ class RemitFlowPersistence(FlowPersistence):
 
     def _step_session(self, flow: Flow[Any]) -> Session:
         """The session a step of `flow` runs under: its own, a resumer's it adopts, or new."""
+        self._refuse_if_paused(flow)
         with sessions.lock:
             session = self._session_of(flow.flow_id, flow)
             if session is None:
@@ -923,6 +931,27 @@ class RemitFlowPersistence(FlowPersistence):
         if isinstance(flow.state, BaseModel):
             session.state_type = type(flow.state)
         return session
+
+    def _take_leftovers(self, flow: Flow[Any]) -> tuple[frozenset[str], frozenset[str]] | None:
+        """What the resume of `flow` runs beside its first listeners (`Session.leftovers`),
+        once; None if nothing (or `flow` is not being resumed)."""
+        session = self._session_of(flow.flow_id, flow)
+        if session is None or session.closed:
+            return None
+        with session.lock:
+            leftovers, session.leftovers = session.leftovers, None
+        return leftovers
+
+    @staticmethod
+    def _refuse_if_paused(flow: Flow[Any]) -> None:
+        """`ResumeConflict` for a step of `flow` that starts after its run paused: it runs
+        nothing here (the resume runs it) and claims nothing (the flow stays free)."""
+        if paused(flow):
+            raise ResumeConflict(
+                "this flow paused for feedback before this step started: the step runs "
+                "nothing here (the flow's resume runs it), and the flow stays free to resume",
+                run_id=locate(flow.flow_id)[0],
+            )
 
     def _owns(self, session: Session, flow: Flow[Any]) -> bool:
         """Whether `flow` drives `session`; a resumed flow adopts the session of its resume."""
@@ -1120,18 +1149,23 @@ def _history(ledger: Ledger) -> list[HumanFeedbackResult]:
     ]
 
 
-def _rejoin(flow: Flow[Any], ledger: Ledger) -> None:
+def _rejoin(flow: Flow[Any], session: Session) -> None:
     """Give a resumed flow what it had when it paused, before its listeners run (a restart
     gets it from `_restore_into`): its joins, so that a join waiting on the paused method
     fires and an `or_` listener that ran does not run again, and the feedback it was given
     before (the resume adds its own). A method that was running beside the pause and
-    completed after it was saved counts as it would have in the paused process."""
+    completed after it was saved counts as it would have in the paused process; the
+    resume runs its listeners, and runs again the methods running beside the pause that
+    never completed (`Session.leftovers`): they are in the pause's frontier (P1)."""
+    ledger = session.ledger
     late = ledger.completed_since_pause()
+    unfinished = ledger.unfinished_at_pause()
+    session.leftovers = (frozenset(unfinished), frozenset(late)) if unfinished | late else None
     joins = {k: set(seen) for k, seen in ledger.joins.items()}
     fired = set(ledger.fired)
     for name, _, condition in flow._listener_methods():
-        if name in late and isinstance(condition, dict) and "or" in condition:
-            fired.add(str(name))
+        if name in late | unfinished and isinstance(condition, dict) and "or" in condition:
+            fired.add(str(name))  # (one the resume runs again is not fired a second time)
         seen = joins.get(str(name), set()) | (late & _leaves(condition))
         # A join still waiting; one these would complete fired in the paused process.
         if seen and isinstance(condition, dict) and not _condition_satisfied(condition, seen):
