@@ -52,9 +52,13 @@ claim's fence, so a paused holder whose lease was taken over gets `Fenced`
 (L2) and stops at its next step or effect. `Command(resume=v)` consumes the
 pending interrupt atomically, and a value for an interrupt already consumed is
 refused with `ResumeConflict` and not stored; `Command(resume={interrupt_id: v,
-...})` consumes each named interrupt. A value is checked against the
-interrupt's `response_schema` (`interrupt(prompt, response_schema=T)`) before
-it is consumed (`CheckpointInvalid`, interrupt still pending). After a crash,
+...})` consumes each named interrupt. An `update_state` of a pause makes the
+paused tasks ask again under new interrupt ids: a map by the old ids, or a plain
+value that would answer a node's earlier question in place of the pending one,
+is refused (`ResumeConflict`); `invoke(None, config)` asks again. A value is
+checked against the interrupt's `response_schema` (`interrupt(prompt,
+response_schema=T)`) before it is consumed (`CheckpointInvalid`, interrupt still
+pending). After a crash,
 `invoke(None, config)` continues after the head and re-delivers an accepted
 resume value.
 

@@ -49,6 +49,7 @@ from langgraph._internal._constants import (
     ERROR,
     NS_END,
     NULL_TASK_ID,
+    TASKS,
 )
 from langgraph._internal._serde import build_serde_allowlist
 from langgraph.checkpoint.base import (
@@ -293,6 +294,13 @@ def _is_resume_map(resume: Any) -> bool:
         and all(isinstance(k, str) and len(k) == 32 for k in resume)
         and all(c in "0123456789abcdef" for k in resume for c in k)
     )
+
+
+def _is_send_path(task_path: str) -> bool:
+    """Whether a stored task path is a `Send` branch's (`~__pregel_push, <index>, ...`),
+    not a task another task called (`~__pregel_push, ~__pregel_pull, ...`)."""
+    head, _, rest = task_path.partition(", ")
+    return head == "~__pregel_push" and rest.partition(", ")[0].isdigit()
 
 
 def _interrupts_in(value: Any) -> list[Interrupt]:
@@ -759,7 +767,8 @@ class Runs:
             raise self._fork_not_asking(run, record)
         here = self._pause(run, record)
         if resume is not None:
-            self._consume(run, here, resume)
+            edited = any(i.checkpoint_id != record.checkpoint_id for i in here)
+            self._consume(run, here, resume, edited=edited)
             return None
         # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
         if any(i.checkpoint_id != record.checkpoint_id for i in here):
@@ -815,18 +824,25 @@ class Runs:
     def _still_asked(self, thread: str, head: CheckpointRecord, paused: CheckpointRecord) -> bool:
         """Whether the nodes that asked at `paused` are still to run at `head`: an edit
         made as that node (`update_state(..., as_node=...)`), or as one after it,
-        answers or skips the question, and LangGraph then drops a resume value."""
+        answers or skips the question, and LangGraph then drops a resume value. A
+        `Send` branch runs again only while the head still holds the sends: an edit
+        as a node (or as END) ends the step that held them."""
         pull = "~__pregel_pull, "
-        nodes = {
-            w.task_path[len(pull) :]
+        paths = [
+            w.task_path
             for w in self.remit.writes(thread, paused.checkpoint_id)
-            if w.channel == INTERRUPT and w.task_path.startswith(pull)
-        }
+            if w.channel == INTERRUPT
+        ]
+        nodes = {p[len(pull) :] for p in paths if p.startswith(pull)}
+        sent = [p for p in paths if _is_send_path(p)]
+        if len(nodes) + len(sent) < len(paths):
+            return True  # (a task called from another, as in `@entrypoint`: as it was asked)
         triggers = {f"branch:to:{n}" for n in nodes}
         before = self.saver._tuple(paused).checkpoint["channel_values"]
-        if not triggers or not triggers <= before.keys():
+        if not triggers <= before.keys():
             return True  # scheduled some other way: as it was asked
-        return bool(triggers & self.saver._tuple(head).checkpoint["channel_values"].keys())
+        now = self.saver._tuple(head).checkpoint["channel_values"]
+        return bool(triggers & now.keys()) or bool(sent and now.get(TASKS))
 
     def _ask_again(self, run: Run, branch: str, base: CheckpointRecord) -> list[InterruptRecord]:
         """The interrupts raised at a fork's `base`, opened anew on the fork's `branch`."""
@@ -860,8 +876,27 @@ class Runs:
         assert value is not None
         return self.saver._decode(value, run_id=run.thread)
 
-    def _consume(self, run: Run, here: Sequence[InterruptRecord], resume: Any) -> None:
+    def _consume(
+        self, run: Run, here: Sequence[InterruptRecord], resume: Any, *, edited: bool = False
+    ) -> None:
+        """Consume the interrupts of `here` that `resume` answers (`edited`: they were
+        asked before an `update_state` that the head is, or follows)."""
         pending = {i.interrupt_id: i for i in here if i.status == "pending"}
+        # An edit makes a checkpoint, and LangGraph gives the tasks it runs again new
+        # ids: they ask under new interrupt ids, which a map by the old ones misses
+        # (LangGraph drops the value and asks again).
+        again = (
+            "continue with invoke(None, config), which asks them again under new "
+            "interrupt ids, then resume by those"
+        )
+        if edited and pending and _is_resume_map(resume):
+            raise ResumeConflict(
+                "the pause was edited (update_state) after its interrupts were asked, and "
+                "its tasks ask again under new interrupt ids that this map does not name: "
+                f"resume with a plain value if one is pending, or {again}. Nothing was stored",
+                run_id=run.thread,
+                interrupt_id=next(iter(resume)),
+            )
         if isinstance(resume, dict) and not resume:
             # (LangGraph reads {} as a map that answers nothing: the node would ask again.)
             raise ResumeConflict(
@@ -873,6 +908,15 @@ class Runs:
             answers = dict(resume)
         elif len(pending) == 1:
             answers = {next(iter(pending)): resume}
+            if edited and self._answered_before(run, next(iter(pending.values()))):
+                raise ResumeConflict(
+                    "the pause was edited (update_state) after its node had answers to its "
+                    "earlier interrupts: LangGraph runs the node again from its first "
+                    "question, which this value would answer instead of the one pending; "
+                    f"{again}, in turn. Nothing was stored",
+                    run_id=run.thread,
+                    interrupt_id=next(iter(pending)),
+                )
         elif here and not pending:
             raise ResumeConflict(
                 "no interrupt is pending at the head: it was already consumed; the value was "
@@ -889,9 +933,9 @@ class Runs:
                 run_id=run.thread,
             )
         else:
+            how = again if edited else "resume with Command(resume={interrupt_id: value, ...})"
             raise ResumeConflict(
-                f"{len(pending)} interrupts are pending ({', '.join(sorted(pending))}); resume "
-                "with Command(resume={interrupt_id: value, ...})",
+                f"{len(pending)} interrupts are pending ({', '.join(sorted(pending))}); {how}",
                 run_id=run.thread,
             )
         known = {i.interrupt_id: i for i in here}
@@ -920,6 +964,30 @@ class Runs:
         }
         for iid, value in packed.items():
             self.remit.consume(run.thread, iid, value, branch=run.branch, fence=run.fence)
+
+    def _answered_before(self, run: Run, interrupt: InterruptRecord) -> bool:
+        """Whether `interrupt` is a later question of the task that asked it: the task
+        had answers (its own resume write on the checkpoint it asked at), and this is
+        not its first question (whose id is that of the task's namespace)."""
+        writes = self.remit.writes(run.thread, interrupt.checkpoint_id or "")
+        asker = next(
+            (
+                w.task_id
+                for w in writes
+                if w.channel == INTERRUPT
+                and any(
+                    i.id == interrupt.interrupt_id
+                    for i in _interrupts_in(self.saver._decode(w.value, run_id=run.thread))
+                )
+            ),
+            None,
+        )
+        if asker is None or not any(w.channel == RESUME and w.task_id == asker for w in writes):
+            return False
+        loop = None if run.loop is None else run.loop()
+        names = () if loop is None else loop.nodes
+        first = {Interrupt.from_ns(None, f"{name}:{asker}").id for name in names}
+        return interrupt.interrupt_id not in first
 
     def _redeliver(
         self,
