@@ -22,6 +22,7 @@ import base64
 import datetime as dt
 import hashlib
 import json
+import sys
 import zlib
 from decimal import Decimal
 from typing import Any
@@ -226,6 +227,12 @@ def dumps(value: Any, *, exact: bool = True) -> bytes:
             "Remit cannot store a value nested this deeply (its encoding goes past Python's "
             "recursion limit)"
         ) from None
+    except ValueError as exc:  # the one left: an int past Python's digit limit for text
+        raise ValueError(
+            "Remit cannot store an int of more digits than Python converts to text "
+            f"({sys.get_int_max_str_digits()}): a reader could not read it back; store "
+            "such a number as text or bytes"
+        ) from exc
 
 
 def loads(data: bytes) -> Any:

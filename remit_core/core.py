@@ -107,6 +107,7 @@ def _encodable(text: str) -> bool:
 def check_fence_run(fence: FenceRef | None, run_id: str) -> None:
     """`Fenced` unless `fence` is None or a claim's on `run_id`: a claim guards the
     writes of its own run only (a fence of another run would pass for any run's)."""
+    _check_fence_type(fence)
     if fence is not None and fence.run_id != run_id:
         raise Fenced(
             f"write to run {run_id!r} carries a fence of run {fence.run_id!r}: a claim "
@@ -114,6 +115,14 @@ def check_fence_run(fence: FenceRef | None, run_id: str) -> None:
             run_id=run_id,
             scope=fence.scope,
         )
+
+
+def _check_fence_type(fence: object) -> None:
+    """A `TypeError` naming `fence` unless it is None or a claim's fence (a `FenceRef`,
+    or the `Claim` it is made of): a handle passed for its fence broke in the store."""
+    if fence is not None and not isinstance(fence, (FenceRef, Claim)):
+        hint = " (pass the handle's .fence)" if isinstance(fence, ClaimHandle) else ""
+        raise TypeError(f"fence must be a FenceRef{hint}, got {type(fence).__name__}")
 
 
 def _check_ns(ns: object, *, every: bool = False) -> None:
@@ -144,6 +153,8 @@ def _checked_count(name: str, value: object, *, low: int = 0, high: int | None =
 #: Above the largest int every engine stores in a schema version or a write's idx
 #: (a PostgreSQL `integer`).
 _INT_LIMIT = 2**31
+#: The largest count every engine takes (a 64-bit int).
+_COUNT_LIMIT = 2**63 - 1
 _WRITE_MODES = frozenset({"first", "overwrite", "expect_absent"})
 
 
@@ -517,6 +528,14 @@ class Remit:
                 checked_id("fork_token", fork_token)
             _check_bytes("state", state)
             _checked_count("schema_version", schema_version, high=_INT_LIMIT - 1)
+        if blobs is not None and not isinstance(blobs, Mapping):
+            raise TypeError(
+                f"blobs must map each blob key to its bytes, got {type(blobs).__name__}"
+            )
+        if release is not None and not isinstance(release, ClaimHandle):
+            raise TypeError(f"release must be a ClaimHandle, got {type(release).__name__}")
+        if plan is not None and not isinstance(plan, policy.CommitPlan):
+            raise TypeError(f"plan must be a CommitPlan, got {type(plan).__name__}")
         if blobs and not (
             all(type(k) is str and type(v) is bytes for k, v in blobs.items())
             and "\x00" not in (keys := "".join(blobs))
@@ -711,7 +730,8 @@ class Remit:
         if before_id is not None:
             checked_id("before_id", before_id, empty=True)
         if limit is not None:
-            _checked_count("limit", limit)
+            # Past what an engine counts in (a 64-bit int) every limit means "all".
+            limit = min(_checked_count("limit", limit), _COUNT_LIMIT)
         records = self.store.list_checkpoints(run_id, ns, before_id=before_id, limit=limit)
         return [self._open_ckpt(r) for r in records] if verify else records
 
@@ -750,6 +770,7 @@ class Remit:
             raise ValueError(f"mode must be one of {sorted(_WRITE_MODES)}, got {mode!r}")
         for w in writes:
             _checked_write(w)
+        _check_fence_type(fence)
         if fence is not None and writes and all(w.run_id != fence.run_id for w in writes):
             # A claim guards its own run's writes; other runs' writes may ride
             # with them in one atomic call, as with a commit, but never alone.
@@ -766,7 +787,8 @@ class Remit:
         checked_id("checkpoint_id", checkpoint_id)
         _check_ns(ns)
         if after_idx is not None:
-            _checked_count("after_idx", after_idx, low=-_INT_LIMIT)
+            # No write's idx is past `_INT_LIMIT - 1`: any later one means "none".
+            after_idx = min(_checked_count("after_idx", after_idx, low=-_INT_LIMIT), _INT_LIMIT)
         found = self.store.get_writes(run_id, ns, checkpoint_id, after_idx=after_idx)
         return [self._open_write(w) for w in found]
 
@@ -830,6 +852,11 @@ class Remit:
         _check_bytes("value", value)
         check_fence_run(fence, run_id)
         failpoints.hit("interrupt.before_consume")
+        pending = self.store.get_interrupt(run_id, branch, interrupt_id)
+        if pending is not None and pending.status == "pending":
+            # A prompt that fails to verify is refused before the value is stored: after,
+            # the value would be consumed by a resumer told that its resume failed.
+            self._open_interrupt(pending)
         record = self.store.consume_interrupt(
             run_id,
             branch,
@@ -843,7 +870,7 @@ class Remit:
         return self._open_interrupt(record)
 
     def _open_interrupt(self, r: InterruptRecord) -> InterruptRecord:
-        ids = {"run_id": r.run_id, "interrupt_id": r.interrupt_id}
+        ids = {"run_id": r.run_id, "checkpoint_id": r.checkpoint_id, "interrupt_id": r.interrupt_id}
         prompt = value = None
         if r.prompt is not None:
             prompt = codec.unseal(r.prompt, f"prompt\x00{r.branch}\x00{r.interrupt_id}", **ids)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from remit_core import codec, failpoints, policy
 from remit_core.core import check_fence_run, checked_id
-from remit_core.errors import EffectInDoubt, RemitError
+from remit_core.errors import CorruptRecord, EffectInDoubt, RemitError
 from remit_core.records import EffectRecord, FenceRef
 
 if TYPE_CHECKING:
@@ -171,12 +171,14 @@ class _Finish:
 
 @dataclass(frozen=True)
 class _Apply:
-    pass
+    #: The key the ledger entry holds: the one the effect was (or may have been)
+    #: applied with, also in a run copied from another (whose id gave another key).
+    idem: str
 
 
 @dataclass(frozen=True)
 class _Reconcile:
-    pass
+    idem: str
 
 
 _Op = _Get | _Begin | _Finish | _Apply | _Reconcile
@@ -197,17 +199,18 @@ def _protocol(
             if not created:
                 continue  # another resumer recorded intent first: decide again on its entry
             failpoints.hit("effect.after_intent")
-            outcome = yield _Apply()
+            outcome = yield _Apply(entry.idempotency_key)
             failpoints.hit("effect.after_apply")
             return (yield _Finish(outcome))
+        assert entry is not None
         if action == "reconcile":
-            outcome = yield _Reconcile()
+            outcome = yield _Reconcile(entry.idempotency_key)
             if outcome is NOT_APPLIED:
-                outcome = yield _Apply()
+                outcome = yield _Apply(entry.idempotency_key)
                 failpoints.hit("effect.after_apply")
             return (yield _Finish(outcome))
         if action == "reapply":
-            outcome = yield _Apply()
+            outcome = yield _Apply(entry.idempotency_key)
             failpoints.hit("effect.after_apply")
             return (yield _Finish(outcome))
         raise EffectInDoubt(
@@ -221,19 +224,18 @@ def _protocol(
 
 def _outcome_of(entry: EffectRecord, scope: StepScope) -> Any:
     assert entry.outcome is not None
-    body = codec.unseal(
-        entry.outcome,
-        f"effect\x00{entry.effect_key}",
-        run_id=scope.run_id,
-        effect_key=entry.effect_key,
-    )
-    return codec.loads(body)
+    ids = {"run_id": scope.run_id, "effect_key": entry.effect_key}
+    body = codec.unseal(entry.outcome, f"effect\x00{entry.effect_key}", **ids)
+    try:
+        return codec.loads(body)
+    except ValueError as exc:
+        raise CorruptRecord(f"recorded effect outcome does not decode: {exc}", **ids) from exc
 
 
 def _sealed(outcome: Any, effect_key: str) -> bytes:
     try:
         body = codec.dumps(outcome)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise RemitError(
             f"effect {effect_key} returned a value Remit cannot record ({exc}); the effect "
             "stays in doubt: return plain data",
@@ -248,6 +250,7 @@ class _Call:
     def __init__(self, scope: StepScope, effect_key: str) -> None:
         # Checked before any store call, so that every engine refuses them alike.
         checked_id("run_id", scope.run_id)
+        checked_id("step key", scope.step_key, empty=True)
         checked_id("effect key", effect_key)
         check_fence_run(scope.fence, scope.run_id)
         self.scope = scope
@@ -255,12 +258,12 @@ class _Call:
         self.idem = policy.idempotency_key(scope.run_id, effect_key)
 
     @contextlib.contextmanager
-    def applying(self) -> Iterator[None]:
+    def applying(self, idem: str) -> Iterator[None]:
         """While the effect applies: its idempotency key is current, and effects it
         calls itself are keyed under its own key (a replay that returns its recorded
         outcome calls none of them, so they must not use up the step's occurrences)."""
         s = self.scope
-        key = _current_key.set(self.idem)
+        key = _current_key.set(idem)
         inner = _scope.set(StepScope(s.remit, s.run_id, self.key, s.fence))
         try:
             yield
@@ -337,19 +340,37 @@ class _Turns:
         store = call.scope.remit.store
         return (getattr(store, "url", None) or id(store), call.scope.run_id, call.key)
 
+    @staticmethod
+    def _check_not_held(call: _Call, key: tuple[object, str, str]) -> contextvars.Token[Any]:
+        """Mark `key` held by this context, or refuse a call of an occurrence that this
+        context is applying already (an effect whose body calls one of the same key):
+        it would wait for its own turn forever."""
+        held = _held_turns.get()
+        if key in held:
+            raise RemitError(
+                f"effect {call.key!r} was called while an effect of the same key is being "
+                "applied by this same call chain; give each effect a key of its own",
+                run_id=call.scope.run_id,
+                effect_key=call.key,
+            )
+        return _held_turns.set(held | {key})
+
     @contextlib.contextmanager
     def turn(self, call: _Call) -> Iterator[None]:
         key = self.key(call)
+        mark = self._check_not_held(call, key)
         lock = self._enter(key)
         try:
             with lock:
                 yield
         finally:
             self._leave(key)
+            _held_turns.reset(mark)
 
     @contextlib.asynccontextmanager
     async def aturn(self, call: _Call) -> AsyncIterator[None]:
         key = self.key(call)
+        mark = self._check_not_held(call, key)
         lock = self._enter(key)
         try:
             if not lock.acquire(blocking=False):  # held: wait off the event loop
@@ -366,9 +387,14 @@ class _Turns:
                 lock.release()
         finally:
             self._leave(key)
+            _held_turns.reset(mark)
 
 
 _turns = _Turns()
+#: The occurrences the current call chain is applying (its turns held).
+_held_turns: contextvars.ContextVar[frozenset[tuple[object, str, str]]] = contextvars.ContextVar(
+    "remit_held_turns", default=frozenset()
+)
 
 
 def run_effect(
@@ -380,7 +406,7 @@ def run_effect(
     idempotent: bool = False,
 ) -> Any:
     """Apply `fn(idempotency_key)` at most once per key across the life of the run."""
-    scope = _scope_or_fail(name)
+    scope = _scope_or_fail(checked_id("effect name", name, empty=True))
     call = _Call(scope, key if key is not None else scope.next_key(name))
     with _turns.turn(call):
         return _drive(call, fn, reconcile, idempotent)
@@ -401,11 +427,11 @@ def _drive(
         while True:
             op = gen.send(result)
             if isinstance(op, _Apply):
-                with call.applying():
-                    result = fn(call.idem)
+                with call.applying(op.idem):
+                    result = fn(op.idem)
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
-                result = reconcile(call.idem)
+                result = reconcile(op.idem)
             else:
                 result = call.store_op(op)
     except StopIteration as stop:
@@ -421,7 +447,7 @@ async def arun_effect(
     idempotent: bool = False,
 ) -> Any:
     """`run_effect` for coroutines; store calls run off the event loop."""
-    scope = _scope_or_fail(name)
+    scope = _scope_or_fail(checked_id("effect name", name, empty=True))
     call = _Call(scope, key if key is not None else scope.next_key(name))
     async with _turns.aturn(call):
         return await _adrive(call, fn, reconcile, idempotent)
@@ -442,11 +468,11 @@ async def _adrive(
         while True:
             op = gen.send(result)
             if isinstance(op, _Apply):
-                with call.applying():
-                    result = await fn(call.idem)
+                with call.applying(op.idem):
+                    result = await fn(op.idem)
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
-                result = reconcile(call.idem)
+                result = reconcile(op.idem)
                 if inspect.isawaitable(result):
                     result = await result
             else:
