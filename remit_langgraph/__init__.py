@@ -42,8 +42,16 @@ Config keys (`config["configurable"]`):
   included) its first use forks one named branch from that checkpoint; the
   same token again, from any process, returns that branch at its head instead
   of growing another. Without `checkpoint_id`, a token selects its branch's
-  head for reads and runs (`{"thread_id": t, "fork_token": tok}`). A fork has
-  its own interrupts and re-asks them (L3).
+  head for reads and runs (`{"thread_id": t, "fork_token": tok}`); a token that
+  names no branch yet (a typo, or a fork not made) is refused by `invoke` and by
+  `get_state`/`get_state_history` (`UnknownRecord`), never read as main, while
+  an `update_state` with it forks main's head. `update_state(config, None,
+  as_node="__copy__")` stores a copy beside the checkpoint it copies, a fork:
+  with the token it makes (or, again, returns) that token's branch, whose head
+  is the copy; without one, or for a thread's first checkpoint (it has no
+  parent), `ForkWithoutIntent`. A fork has its own interrupts and re-asks them
+  (L3). A `bulk_update_state` whose later superstep loses a race with another
+  write gets `HeadMoved`: the supersteps before it stay stored, nothing of it is.
 
 A run (`invoke`/`stream`, sync or async) takes the thread's claim before any
 node runs, holds it with a heartbeat and releases it when the run returns;

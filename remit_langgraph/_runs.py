@@ -766,6 +766,15 @@ class Runs:
         if resume is not None and record.branch != run.branch:
             raise self._fork_not_asking(run, record)
         here = self._pause(run, record)
+        if resume is not None and not here and record.metadata.get("source") == "fork":
+            raise ResumeConflict(
+                'the head is a copy of a checkpoint (update_state(..., as_node="__copy__"), '
+                "or a fork's first checkpoint): it asks nothing until it runs; continue it "
+                "with invoke(None, config), which asks the copied pause's questions again, "
+                "then resume. The value was not stored",
+                run_id=run.thread,
+                checkpoint_id=record.checkpoint_id,
+            )
         if resume is not None:
             edited = any(i.checkpoint_id != record.checkpoint_id for i in here)
             self._consume(run, here, resume, edited=edited)

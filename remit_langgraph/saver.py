@@ -45,6 +45,7 @@ from remit_core.errors import (
     HeadMoved,
     RemitError,
     ResumeConflict,
+    UnknownRecord,
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
@@ -189,6 +190,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         call = self._runs.calling_loop(frame)
         if call is None:
             caller = above_saver(frame)
+            if caller is not None and caller.f_code.co_name in _STATE_READS:
+                self._branch_named(_conf(config))
             found = self._read_for(config, _snapshot_parent(caller))
             _note_read(caller, config, found)
             return found
@@ -278,6 +281,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         thread = None if conf.get("thread_id") is None else rec.thread_id(conf["thread_id"])
         ns = None if conf.get("checkpoint_ns") is None else _ns(config)
         before_id = _conf(before).get("checkpoint_id")
+        if thread is not None:
+            self._branch_named(conf)
         line = self._fork_line(conf)
         if line is not None:
             records = [r for r in line if before_id is None or r.checkpoint_id < before_id]
@@ -307,6 +312,22 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 continue  # deleted while listing, or another shim's run
             count += 1
             yield self._tuple(record)
+
+    def _branch_named(self, conf: Mapping[str, Any]) -> None:
+        """Refuse a read whose fork token, without a checkpoint_id, names no branch of the
+        thread: the branch it would name does not exist yet, and main's state shown in
+        its place would read as the fork's (a run with the token is refused the same way)."""
+        token = conf.get("fork_token")
+        if not token or conf.get("checkpoint_id") or conf.get("thread_id") is None:
+            return
+        thread = rec.thread_id(conf["thread_id"])
+        if self.remit.fork_branch(thread, token) is None:
+            raise UnknownRecord(
+                f"no branch of this thread was made with fork token {token!r} (yet); a token "
+                "without a checkpoint_id names the branch its first use made: make it with "
+                "the checkpoint_id to fork from (update_state or invoke), then read it",
+                run_id=thread,
+            )
 
     def _fork_line(self, conf: Mapping[str, Any]) -> builtins.list[CheckpointRecord] | None:
         """The checkpoints of the branch `conf`'s fork token names, in `conf`'s
@@ -349,12 +370,72 @@ class RemitSaver(BaseCheckpointSaver[str]):
         run = self._runs.active(_thread(config))
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
+        if run is None:
+            copied = self._copy_target(frame, config)
+            if copied is not None and copied.get("done"):
+                return copied["done"]
+            config = config if copied is None else copied["config"]
         try:
             return self._put(config, checkpoint, metadata, new_versions, caller, last, by_graph)
         except ForkWithoutIntent as exc:
-            if _read_as_head(frame, config):
-                raise _head_moved(config) from exc
+            if _read_as_head(frame, config) or _later_superstep(frame):
+                raise _head_moved(config, later=_later_superstep(frame)) from exc
             raise
+
+    def _copy_target(
+        self, frame: FrameType | None, config: RunnableConfig
+    ) -> dict[str, Any] | None:
+        """Where the copy of `update_state(config, None, as_node="__copy__")` goes, if
+        `frame` (a put's caller) is one and its config has a fork token: LangGraph puts
+        the copy under the copied checkpoint's parent, by a config without the token.
+        The token's first use forks there ({"config": ...}); again, it names the branch
+        it made, and the copy is that branch at its head ({"done": its config}). None:
+        not such a copy. Without a token a copy is a fork, refused with
+        `ForkWithoutIntent`; so is a copy of a root (it has no parent to fork from)."""
+        if (
+            frame is None
+            or frame.f_code.co_name not in _SUPERSTEP_FRAMES
+            or frame.f_locals.get("as_node") != "__copy__"
+        ):
+            return None
+        asked, conf = _conf(frame.f_locals.get("config")), _conf(config)
+        token, parent = asked.get("fork_token"), conf.get("checkpoint_id")
+        if conf.get("fork_token") or _ns(config):
+            return None
+        thread = _thread(config)
+        saved = frame.f_locals.get("saved")
+        copied_id = _conf(saved.config).get("checkpoint_id") if saved is not None else None
+        if not token or not parent:
+            # A copy of a root has no parent: stored as one, it would be main's new
+            # head, dropping the line main stands on.
+            how = (
+                'pass config["configurable"]["fork_token"] to make one named branch'
+                if parent
+                else "the thread's first checkpoint has no parent to fork from: fork it "
+                "with its checkpoint_id and a fork_token in update_state(config, values) "
+                "or invoke(None, config)"
+            )
+            raise ForkWithoutIntent(
+                'update_state(config, None, as_node="__copy__") stores a copy beside the '
+                f"checkpoint it copies, which is a fork: {how}. Nothing was stored",
+                run_id=thread,
+                checkpoint_id=copied_id,
+            )
+        forked = self.remit.fork_branch(thread, token)
+        if forked is None:
+            return {"config": {**config, "configurable": {**conf, "fork_token": token}}}
+        at = None if copied_id is None else self.remit.checkpoint(thread, copied_id)
+        if forked.base_id != parent and (at is None or at.branch != forked.branch):
+            raise ForkWithoutIntent(
+                f"fork token {token!r} already forked from {forked.base_id!r}; a copy of "
+                "another checkpoint needs a new token. Nothing was stored",
+                run_id=thread,
+                checkpoint_id=copied_id,
+            )
+        head = self.remit.head(thread, branch=forked.branch)
+        if head is None:  # (a branch made from no checkpoint, holding none yet)
+            return {"config": {**config, "configurable": {**conf, "fork_token": token}}}
+        return {"done": rec.run_config(thread, "", head.checkpoint_id)}
 
     def _put(
         self,
@@ -461,6 +542,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
         thread, ns = _thread(config), _ns(config)
         checkpoint_id = conf["checkpoint_id"]
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
+        if self._runs.active(thread) is None and _later_superstep(above_saver(sys._getframe(1))):
+            # A later superstep of `bulk_update_state` stores its writes on the checkpoint
+            # it continues before committing after it: if another write moved the head
+            # since, its commit is refused, and these writes would stay behind.
+            self._still_head(thread, ns, checkpoint_id, config)
         run = self._runs.before_writes(thread, ns, checkpoint_id, task_id, writes)
         if run is not None and run.refused:
             writes = run.unrefused(writes)
@@ -495,6 +581,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 fence=None if run is None else run.fence,
             )
         self._runs.after_writes(run, thread, ns, checkpoint_id, writes)
+
+    def _still_head(self, thread: str, ns: str, checkpoint_id: str, config: RunnableConfig) -> None:
+        """Raise `HeadMoved` unless `checkpoint_id` is the head of its branch."""
+        record = self.remit.checkpoint(thread, checkpoint_id, ns=ns)
+        head = None if record is None else self.remit.head(thread, ns=ns, branch=record.branch)
+        if head is None or head.checkpoint_id != checkpoint_id:
+            raise _head_moved(config, later=True)
 
     # -- whole threads ------------------------------------------------------------
     def delete_thread(self, thread_id: str) -> None:
@@ -613,6 +706,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         call = self._runs.calling_loop(frame)
         if call is None:
             caller = above_saver(frame)
+            if caller is not None and caller.f_code.co_name in _STATE_READS:
+                await asyncio.to_thread(self._branch_named, _conf(config))
             found = await asyncio.to_thread(self._read_for, config, _snapshot_parent(caller))
             _note_read(caller, config, found)
             return found
@@ -652,13 +747,18 @@ class RemitSaver(BaseCheckpointSaver[str]):
         run = self._runs.active(_thread(config))
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
+        if run is None:
+            copied = await asyncio.to_thread(self._copy_target, frame, config)
+            if copied is not None and copied.get("done"):
+                return copied["done"]  # type: ignore[no-any-return]
+            config = config if copied is None else copied["config"]
         try:
             return await asyncio.to_thread(
                 self._put, config, checkpoint, metadata, new_versions, caller, last, by_graph
             )
         except ForkWithoutIntent as exc:
-            if _read_as_head(frame, config):
-                raise _head_moved(config) from exc
+            if _read_as_head(frame, config) or _later_superstep(frame):
+                raise _head_moved(config, later=_later_superstep(frame)) from exc
             raise
 
     async def aput_writes(
@@ -715,12 +815,42 @@ def _read_as_head(caller: FrameType | None, config: RunnableConfig) -> bool:
     )
 
 
-def _head_moved(config: RunnableConfig) -> HeadMoved:
-    return HeadMoved(
-        "another write moved the thread's head after this update read it (a concurrent "
-        "update_state or run); the update was not stored: read the state again and retry",
-        run_id=_thread(config),
-        checkpoint_id=_conf(config).get("checkpoint_id"),
+def _head_moved(config: RunnableConfig, *, later: bool = False) -> HeadMoved:
+    if later:
+        what = (
+            "another write moved the thread's head between the supersteps of this "
+            "bulk_update_state (a concurrent update_state or run): the supersteps before "
+            "this one were stored, this one and those after it were not; read the state "
+            "again and apply the rest"
+        )
+    else:
+        what = (
+            "another write moved the thread's head after this update read it (a concurrent "
+            "update_state or run); the update was not stored: read the state again and retry"
+        )
+    return HeadMoved(what, run_id=_thread(config), checkpoint_id=_conf(config).get("checkpoint_id"))
+
+
+#: The graph methods whose saver reads are a user's state reads.
+_STATE_READS = ("get_state", "aget_state")
+
+#: The frames of `bulk_update_state` (and `update_state`) that call the saver.
+_SUPERSTEP_FRAMES = (
+    "perform_superstep",
+    "aperform_superstep",
+    "_store_or_fork_delta_writes",
+    "_astore_or_fork_delta_writes",
+)
+
+
+def _later_superstep(caller: FrameType | None) -> bool:
+    """Whether `caller` (a saver call's caller) is a superstep of `bulk_update_state`
+    after its first: it continues the checkpoint the one before it committed, the
+    head then, so a commit after it refused as a fork lost a race with another write."""
+    return (
+        caller is not None
+        and caller.f_code.co_name in _SUPERSTEP_FRAMES
+        and caller.f_locals.get("is_first") is False
     )
 
 
