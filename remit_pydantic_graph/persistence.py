@@ -20,7 +20,9 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
   An instance with a token works on the line it names, whoever made it.
 - P4: every snapshot round-trips through the graph's own type adapter before
   it is written (`_codec`); on read, stored bytes are verified and
-  version-checked, and a stored node must be one of the graph's.
+  version-checked, and a stored node must be one of the graph's; a snapshot
+  records its graph's nodes, and one of another graph (each has nodes the other
+  lacks) is refused though its own node has a name this graph knows.
 - P5: `resume(node)` delivers a human's answer to a paused run, once, and
   gives the run back: any process may continue it. A driver that loaded the
   paused node as the answer came does not run it without the answer; an answer
@@ -328,6 +330,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 checkpoint_id=checkpoint_id,
             )
         policy.check_workflow_version(record, self.accept_versions)
+        self._check_graph(record)
         try:
             snapshot = self._types().decode(record.state)
         except ForeignNode as exc:
@@ -360,6 +363,36 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 snapshot.duration = entry["duration"]
                 idx = last.idx
         return _Stored(record, snapshot, idx)
+
+    def _check_graph(self, record: CheckpointRecord) -> None:
+        """`VersionMismatch` for a snapshot another graph wrote under this workflow version.
+
+        A snapshot records the nodes of the graph that wrote it (`_commit`). Its own
+        node may be one this graph also has (a `Start` of two graphs): read by node
+        alone, this graph would run its own nodes on the other's run and leave a line
+        neither reads. Two graphs each with nodes the other lacks are two graphs; one
+        that only gained (or only dropped) nodes is read as a version of the other, as
+        both run side by side while a new version is rolled out. A snapshot of a version
+        the reader accepts as another (`accept_versions`) is the user's to vouch for, and
+        one written before nodes were recorded is read."""
+        wrote = record.metadata.get("nodes")
+        ours = self._types().node_ids
+        if record.workflow_version != self.workflow_version or not ours:
+            return
+        if not isinstance(wrote, list) or not all(isinstance(n, str) for n in wrote):
+            return
+        missing, extra = sorted(set(wrote) - ours), sorted(ours - set(wrote))
+        if missing and extra:
+            raise VersionMismatch(
+                f"stored snapshot was written by another graph, of nodes "
+                f"{', '.join(sorted(wrote))}, under the same workflow version "
+                f"{self.workflow_version!r}: this graph has no {', '.join(missing)} and has "
+                f"{', '.join(extra)}, which that graph has not. It is that graph's run (if "
+                "this graph is a new version of it, give it its own workflow_version and "
+                "list the old one in accept_versions)",
+                run_id=self.run_id,
+                checkpoint_id=record.checkpoint_id,
+            )
 
     def _stored(self, checkpoint_id: str) -> bool:
         return self.remit.checkpoint(self.run_id, checkpoint_id) is not None
@@ -480,7 +513,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             checkpoint_id=snapshot.id,
             parent_id=plan.expected_head,
             state=body,
-            metadata={"kind": snapshot.kind, **metadata},
+            metadata={"kind": snapshot.kind, "nodes": sorted(self._types().node_ids), **metadata},
             workflow_version=self.workflow_version,
             fence=claim.fence,
             plan=plan,
