@@ -232,7 +232,7 @@ def _on_post_step(ctx: Any) -> None:
     method = str(ctx.step_name)
     if ctx.flow._is_router(method):
         backend._took_route(ctx.flow, method, ctx.payload)
-    backend._answered_at_once(ctx.flow, method)
+    backend._answered_at_once(ctx.flow, method, ctx.payload)
     _close_scopes(ctx.flow, all_of_them=False)
 
 

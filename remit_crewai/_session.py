@@ -21,12 +21,67 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import BaseModel
 
 from remit_core.core import ClaimHandle
 from remit_core.records import FenceRef, InterruptRecord
+from remit_core.stores.sqlite import sqlite_path
 from remit_crewai._ledger import Ledger, Replay
+
+#: URL options that tune a connection or its pool, not which database it reaches.
+_TUNING = frozenset(
+    {
+        "busy_timeout",
+        "synchronous",
+        "min_size",
+        "max_size",
+        "idle_txn_timeout_ms",
+        "connect_timeout",
+        "application_name",
+        "sslmode",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "health_check_interval",
+        "max_connections",
+        "retry_on_timeout",
+        "client_name",
+    }
+)
+_PORTS = {"postgresql": 5432, "redis": 6379, "rediss": 6379}
+
+
+def store_identity(url: str) -> str:
+    """The database `url` reaches, as one string for all the spellings certain to reach it:
+    a SQLite file by its real path, a server without its default port (and Redis database
+    0), options that only tune the connection left out. Sessions are kept by it, so that
+    persistences on two spellings of one store take turns as one. Anything unclear (a
+    URL that does not parse, another host name for one address) stays a store apart."""
+    try:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme == "sqlite":
+            path = sqlite_path(url)
+            return url if path == ":memory:" else f"sqlite:{os.path.realpath(path)}"
+        scheme = "postgresql" if scheme == "postgres" else scheme
+        if scheme not in _PORTS:
+            return url
+        options = sorted(
+            (k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in _TUNING
+        )
+        where = parts.path
+        if scheme != "postgresql":
+            db = dict(options).pop("db", None) or unquote(where.strip("/")) or "0"
+            options, where = [(k, v) for k, v in options if k != "db"], f"/{db}"
+        user = "" if parts.username is None else unquote(parts.username)
+        host = (parts.hostname or "").lower()
+        port = parts.port or (_PORTS[scheme] if host else None)
+        return f"{scheme}://{user}@{host}:{port}{where}?{options}"
+    except ValueError:
+        return url
+
 
 #: The fork token `kickoff(restore_from_state_id=...)` forks under (see `fork_token`).
 current_fork_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -85,11 +140,11 @@ current_execution: contextvars.ContextVar[Execution | None] = contextvars.Contex
 class Session:
     """This process's hold on one flow id while it drives it.
 
-    `routes`: what routers of the flow returned in this process, recorded in the
-    ledger by the save that completes them; `answered`, the same for feedback a
-    provider gave at once (no pause). `output`: what the head's step returned,
-    encoded (`Body.output`). `replay`: a restart's walk through
-    the past it continues. `closed`: the session was released. `pid`: the
+    `routes`: what routers of the flow returned in this process, per (method,
+    occurrence), recorded in the ledger by the save that completes them;
+    `answered`, the same for feedback a provider gave at once (no pause).
+    `output`: what the head's step returned, encoded (`Body.output`). `replay`:
+    a restart's walk through the past it continues. `closed`: the session was released. `pid`: the
     process it belongs to (a forked child inherits its context, not its claims).
     """
 
@@ -107,8 +162,8 @@ class Session:
     #: The interrupt a `from_pending` resume consumes once its value is known.
     pending: InterruptRecord | None = None
     state_type: type[BaseModel] | None = None
-    routes: dict[str, str | None] = field(default_factory=dict)
-    answered: dict[str, dict[str, Any]] = field(default_factory=dict)
+    routes: dict[tuple[str, int | None], str | None] = field(default_factory=dict)
+    answered: dict[tuple[str, int | None], dict[str, Any]] = field(default_factory=dict)
     #: Occurrences of each method started in this process and not completed yet: two
     #: runs of one method at once (two routes to one listener) are two occurrences.
     running: dict[str, list[int]] = field(default_factory=dict)
@@ -227,8 +282,8 @@ def paused(flow: Any) -> bool:
 
 
 class Registry:
-    """Sessions of this process by (store URL, flow id), and the turns of saves made
-    outside them (`turn`); a forked child starts with none."""
+    """Sessions of this process by (store, as `store_identity` names it; flow id), and
+    the turns of saves made outside them (`turn`); a forked child starts with none."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()

@@ -68,6 +68,7 @@ from remit_crewai._session import (
     pausing,
     resumer_of,
     sessions,
+    store_identity,
 )
 from remit_crewai._storable import inexact, same, type_name
 
@@ -153,6 +154,12 @@ class RemitFlowPersistence(FlowPersistence):
                 core = _cores[key] = Remit(open_store(self.url), lease=self.lease)
         return core
 
+    @property
+    def _where(self) -> str:
+        """The database `url` reaches, however it is spelt (`store_identity`): this
+        process's sessions are kept by it."""
+        return store_identity(self.url)
+
     def init_db(self) -> None:
         """Create or migrate the store's schema (idempotent). CrewAI never calls this itself."""
         self.remit.store.setup()
@@ -179,10 +186,12 @@ class RemitFlowPersistence(FlowPersistence):
             else:
                 occurrence = occurrence_of(session.flow_id, method_name)
                 kind, ledger = "step", session.ledger.completing(method_name, occurrence)
-                if method_name in session.routes:
-                    ledger = ledger.routing(method_name, session.routes.pop(method_name))
-                if method_name in session.answered:
-                    ledger = ledger.noting(session.answered.pop(method_name))
+                # (Keyed by occurrence: runs of one method at once each record their own.)
+                ran = (method_name, occurrence)
+                if ran in session.routes:
+                    ledger = ledger.routing(method_name, session.routes.pop(ran))
+                if ran in session.answered:
+                    ledger = ledger.noting(session.answered.pop(ran))
             output = None
             if kind == "step":
                 output = _output_of(session, method_name)
@@ -204,7 +213,7 @@ class RemitFlowPersistence(FlowPersistence):
             if ex.restart == flow_uuid:
                 if ex.refusal is not None:
                     raise ex.refusal
-                session = sessions.get(self.url, flow_uuid)
+                session = sessions.get(self._where, flow_uuid)
                 if session is not None:
                     return {**session.state, "id": flow_uuid} if session.head else None
             else:
@@ -481,7 +490,7 @@ class RemitFlowPersistence(FlowPersistence):
             handle.release()
             raise
         return Session(
-            store_url=self.url,
+            store_url=self._where,
             flow_id=flow_id,
             run_id=run_id,
             branch=branch,
@@ -520,7 +529,7 @@ class RemitFlowPersistence(FlowPersistence):
                 if release:
                     self._release(session)
             return
-        with sessions.turn(self.url, flow_id):
+        with sessions.turn(self._where, flow_id):
             session = self._open(flow_id, heartbeat=False)
             try:
                 yield session
@@ -552,7 +561,7 @@ class RemitFlowPersistence(FlowPersistence):
         """Whether this persistence writes to the store of `flow`'s own persistence, whose
         run the hooks drive (any instance on its URL shares its sessions)."""
         own = flow.persistence
-        return isinstance(own, RemitFlowPersistence) and own.url == self.url
+        return isinstance(own, RemitFlowPersistence) and own._where == self._where
 
     def _session_of(self, flow_id: str, flow: Flow[Any] | None) -> Session | None:
         """This process's session for `flow_id` that `flow` runs under (None: the flow
@@ -565,7 +574,7 @@ class RemitFlowPersistence(FlowPersistence):
         if flow is None:
             ex = current_execution.get()
             flow = None if ex is None else ex.flow()
-        registered = sessions.get(self.url, flow_id)
+        registered = sessions.get(self._where, flow_id)
         if (
             registered is not None
             and flow is not None
@@ -573,7 +582,7 @@ class RemitFlowPersistence(FlowPersistence):
             and registered.owner() is flow
         ):
             return registered
-        return resumer_of(self.url, flow_id) or registered
+        return resumer_of(self._where, flow_id) or registered
 
     def _activate(self, session: Session) -> None:
         """Start the heartbeat of a claim taken without one (by `load_pending_feedback`),
@@ -660,29 +669,35 @@ class RemitFlowPersistence(FlowPersistence):
         """The state as data its model reads back as the same values, types included (CrewAI
         restores a state with its model's `model_validate`): its Python-mode fields when the
         codec stores them exactly, else its JSON form (a str Enum in an `Any` field would
-        come back a str); keyed by field name, else by alias (a model that reads a field by
-        its alias only would drop it by name). Computed fields are left out: the model
-        computes them, and one that forbids extra fields would refuse them. Otherwise the
-        state is refused."""
+        come back a str), else its Python-mode fields with those the codec does not store
+        exactly in their JSON form (an Enum field beside a Decimal in an `Any` field, or
+        beside bytes that are not UTF-8); keyed by field name, else by alias (a model that
+        reads a field by its alias only would drop it by name). Computed fields are left
+        out: the model computes them, and one that forbids extra fields would refuse them.
+        Otherwise the state is refused, naming the field that does not read back."""
         model = type(state)
         plain = state.model_dump(mode="python", round_trip=True)
         found = inexact(plain)
         if found is None and not _renamed(model):
             return plain  # stored exactly, keyed as the model reads it
-        modes = ("python", "json") if found is None else ("json",)
+        modes = ("python", "json") if found is None else ("json", "mixed")
         why, first_back = "it reads back as another value", None
         for by_alias in (False, True):
             for mode in modes:
                 # (PydanticSerializationError and ValidationError are ValueErrors.)
                 try:
-                    stored = state.model_dump(mode=mode, round_trip=True, by_alias=by_alias)
+                    if mode == "mixed":
+                        stored = _mixed_dump(state, by_alias=by_alias)
+                    else:
+                        stored = state.model_dump(mode=mode, round_trip=True, by_alias=by_alias)
                     back = model.model_validate(stored).model_dump(mode="python", round_trip=True)
                 except (TypeError, ValueError) as exc:
                     why = f"it has no form that reads back ({exc})"
                     continue
-                if same(back, plain):
+                if same(plain, back):  # (`plain` first: its zones must be fixed)
                     return stored
-                first_back = back if first_back is None else first_back
+                # (The mixed form changes the fewest fields: the one it changes is the culprit.)
+                first_back = back if first_back is None or mode == "mixed" else first_back
         if found is None:
             path = _first_change(plain, first_back)
             raise CheckpointInvalid(
@@ -692,6 +707,9 @@ class RemitFlowPersistence(FlowPersistence):
                 field=path,
                 **ids,
             )
+        if first_back is not None:
+            changed = _first_change(plain, first_back)
+            found = inexact(plain.get(changed), changed) or (changed, type(plain.get(changed)))
         path, kind = found
         raise CheckpointInvalid(
             f"state field {path} holds a {type_name(kind)}, which does not survive storage: "
@@ -789,7 +807,7 @@ class RemitFlowPersistence(FlowPersistence):
         ex.inputs["id"] = forked
         if flow._completed_methods:
             flow._is_execution_resuming = True
-        session = sessions.get(self.url, forked)
+        session = sessions.get(self._where, forked)
         assert session is not None
         return {**session.state, "id": forked}
 
@@ -832,7 +850,7 @@ class RemitFlowPersistence(FlowPersistence):
                 "this flow waits for no feedback any more; nothing was resumed",
                 run_id=locate(flow.flow_id)[0],
             )
-        session = resumer_of(self.url, flow.flow_id)
+        session = resumer_of(self._where, flow.flow_id)
         try:
             flow._initialize_state(loaded[0])
         except BaseException:
@@ -959,7 +977,7 @@ class RemitFlowPersistence(FlowPersistence):
             return session.owner() is flow
         feedback = flow.last_human_feedback
         resuming = session.pending is not None and (
-            resumer_of(self.url, session.flow_id) is session
+            resumer_of(self._where, session.flow_id) is session
             or (
                 feedback is not None
                 and feedback.method_name == _interrupt_method(session.pending.interrupt_id)
@@ -1008,28 +1026,34 @@ class RemitFlowPersistence(FlowPersistence):
             return
         if isinstance(outcome, enum.Enum):
             outcome = outcome.value
+        occurrence = occurrence_of(session.flow_id, method)
         with session.lock:
-            session.routes[method] = None if outcome is None else str(outcome)
+            session.routes[method, occurrence] = None if outcome is None else str(outcome)
 
-    def _answered_at_once(self, flow: Flow[Any], method: str) -> None:
+    def _answered_at_once(self, flow: Flow[Any], method: str, output: Any = None) -> None:
         """Feedback method `method` of `flow` got its answer from its provider at once
         (no pause): recorded by the save that completes it, so that a restart gives
-        the flow its `last_human_feedback` back, as for feedback given to a pause."""
-        feedback = flow.last_human_feedback
+        the flow its `last_human_feedback` back, as for feedback given to a pause.
+        `output`: what the method's step returned (its feedback, without `emit=`;
+        else the flow's last feedback is the step's, as no other step ran since)."""
+        feedback = output if isinstance(output, HumanFeedbackResult) else flow.last_human_feedback
         if feedback is None or feedback.method_name != method:
             return
         session = self._session_of(flow.flow_id, flow)
         if session is None:
             return
+        occurrence = occurrence_of(session.flow_id, method)
         with session.lock:
-            key = f"{method}#{session.ledger.occurrence(method)}"
+            # The occurrence the step ran as: runs of `method` at once each have their own.
+            n = session.ledger.occurrence(method) if occurrence is None else occurrence
+            key = f"{method}#{n}"
             if any(f["interrupt"] == key for f in session.ledger.feedback):
                 return  # the answer to a pause, recorded as it was consumed
             value = _feedback_entry(
                 key, feedback, _as_json(feedback.output), _as_json(feedback.metadata)
             )
             # As CrewAI's own JSON stores it (see `_accept`).
-            session.answered[method] = codec.loads(codec.dumps(value, exact=False))
+            session.answered[method, occurrence] = codec.loads(codec.dumps(value, exact=False))
 
     def _meet(self, flow: Flow[Any], method: str) -> tuple[bool, str | None] | None:
         """A restart of `flow` meets completed `method`: whether this replays an occurrence
@@ -1246,6 +1270,19 @@ def _by_field_name(model: type[BaseModel], state: Mapping[str, Any]) -> dict[str
         if f.serialization_alias is not None and f.serialization_alias != name
     }
     return {names.get(k, k): v for k, v in state.items()}
+
+
+def _mixed_dump(state: BaseModel, *, by_alias: bool) -> dict[str, Any]:
+    """`state`'s Python-mode fields, each one the codec would not store exactly (`inexact`)
+    in its JSON form instead (`ValueError` if that has none)."""
+    stored = state.model_dump(mode="python", round_trip=True, by_alias=by_alias)
+    for name in type(state).model_fields:
+        one = state.model_dump(mode="python", round_trip=True, by_alias=by_alias, include={name})
+        if inexact(one) is not None:
+            stored.update(
+                state.model_dump(mode="json", round_trip=True, by_alias=by_alias, include={name})
+            )
+    return stored
 
 
 def _first_change(plain: Mapping[str, Any], back: Mapping[str, Any] | None) -> str:
