@@ -48,6 +48,7 @@ from workflows.runtime.types.step_id import StepId
 from workflows.runtime.types.ticks import (
     TickAddEvent,
     TickCancelRun,
+    TickSessionStart,
     TickStepResult,
     TickTimeout,
     WorkflowTick,
@@ -81,6 +82,8 @@ logger = logging.getLogger("remit_llamaindex")
 JOURNAL_TASK = "journal"
 #: Seconds a due waiter timeout waits for an accepted event to be reduced first.
 _RECHECK = 0.05
+#: Seconds an event for a parked run waits for the claim its parking process still holds.
+_PARKING = 5.0
 
 
 def new_checkpoint_id() -> str:
@@ -248,6 +251,13 @@ class Session:
         self.claim: ClaimHandle | None = None
         # Seconds a claim held elsewhere is waited for before `ResumeConflict`.
         self.claim_patience = 0.0
+        # Whether the run is given its start event in this session (`run_workflow`): the
+        # session-start tick before it is committed with the start event's tick, not on
+        # its own. Stored on its own, a run whose process died before the next commit
+        # would be found again not running, without its start event: a child run
+        # started again after the crash would wait for ever, a recovered run would
+        # start over under another id.
+        self.starting = False
         self.opened: set[str] = set()
         # Alive-time deadlines of the pending waiters that have a timeout (by interrupt
         # id), and the ones of the restored state that this copy re-arms: monotonic
@@ -407,6 +417,9 @@ class Session:
             failure = _remit_failure(tick)
             if failure is not None:
                 raise failure
+            if self.starting and isinstance(tick, TickSessionStart):
+                self.starting = False
+                return  # committed with the start event's tick (`starting`)
             status = snap.status_of(self.mirror, replay.exit_command)
             if self.claim is None and _stops_process(tick) and snap.is_idle(before):
                 return  # the stored run stays parked: any process may resume it
@@ -688,9 +701,22 @@ class Session:
 
     async def _claim_to_deliver(self, targets: Mapping[str, Any]) -> None:
         """Take the claim of a parked run to deliver an event to it, or `ResumeConflict`
-        (naming the interrupt if another resumer consumed it)."""
+        (naming the interrupt if another resumer consumed it).
+
+        The process that parked the run releases its claim just after committing the
+        parked head, which others can read meanwhile: a claim found held is tried again
+        once it is released, for a little while (`_PARKING`). A claim that is not
+        released (another resumer's, live or not) is refused as before, and so is the
+        run once another resumer has moved its head on (`ResumeConflict`)."""
+        deadline = time.monotonic() + _PARKING
         try:
-            await asyncio.to_thread(self.take_claim)
+            while True:
+                try:
+                    await asyncio.to_thread(self.take_claim)
+                    return
+                except ResumeConflict:
+                    if not await self._claim_released(deadline):
+                        raise
         except ForkWithoutIntent as exc:
             await asyncio.to_thread(self._refuse_consumed, targets)
             raise ResumeConflict(
@@ -699,6 +725,25 @@ class Session:
                 run_id=self.run_id,
                 checkpoint_id=self.head_id,
             ) from exc
+
+    async def _claim_released(self, deadline: float) -> bool:
+        """Wait until the claim held on the run is released (True) or `deadline` passes
+        (False); `ForkWithoutIntent` as soon as the head moves on: another resumer has
+        the run, and taking its claim (its lease may have run out under load) would
+        only fence it."""
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            branch = await asyncio.to_thread(self.remit.branch, self.run_id, branch=self.branch)
+            if branch is None or branch.head_id != self.head_id:
+                raise ForkWithoutIntent(
+                    f"run {self.run_id!r} moved on from {self.head_id!r} elsewhere",
+                    run_id=self.run_id,
+                    checkpoint_id=self.head_id,
+                )
+            claim = await asyncio.to_thread(self.remit.store.get_claim, self.run_id, self.branch)
+            if claim is None or not claim.holder:
+                return True
+        return False
 
     async def stop_lost(self, refusal: ResumeConflict) -> None:
         """Stop this copy of the run, which lost it to another resumer, through its own

@@ -248,6 +248,7 @@ class RemitRuntime(BaseRuntimeDecorator):
                 # A child started again after a crash may find the dead process's claim
                 # on it: its first tick takes the claim once that lease runs out.
                 session.claim_patience = self.lease
+        session.starting = start_event is not None and not session.init_state.is_running
         try:
             with self._lock:
                 self._sessions[session.inner_id] = session
