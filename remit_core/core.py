@@ -18,12 +18,20 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn, cast
 
 from remit_core import codec, failpoints, policy
-from remit_core.errors import Fenced, ForkWithoutIntent, HeadMoved, ResumeConflict, UnknownRecord
+from remit_core.errors import (
+    Fenced,
+    ForkWithoutIntent,
+    HeadMoved,
+    ResumeConflict,
+    StoreUnavailable,
+    UnknownRecord,
+)
 from remit_core.records import (
     MAIN_BRANCH,
     BlobRecord,
@@ -36,6 +44,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores import Store, open_store
+from remit_core.stores.base import display_url
 
 DEFAULT_LEASE = 30.0
 #: The plan of a run's first checkpoint, tried before any other.
@@ -332,6 +341,8 @@ class ClaimHandle:
         self._released = False
         self._release_soon = False
         self._renewing = threading.Lock()
+        self._forks = _forks
+        remit._track(self)
         if heartbeat:
             _keeper.add(self)
 
@@ -414,11 +425,47 @@ class ClaimHandle:
         self.release()
 
 
+class _ClosedStore:
+    """What a closed `Remit` calls its store: every use raises `StoreUnavailable`
+    naming the store, where the closed store would have reopened or hung."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise StoreUnavailable(
+            f"this Remit over {display_url(self.url)} is closed; open a new one to "
+            "use the store again"
+        )
+
+
+#: How many open `Remit`s opened each shared store by its URL (see `Remit.close`).
+_store_users: dict[Store, int] = {}
+_store_users_lock = threading.Lock()
+
+
+def _use_store(store: Store) -> None:
+    with _store_users_lock:
+        _store_users[store] = _store_users.get(store, 0) + 1
+
+
+def _unuse_store(store: Store) -> bool:
+    """Count one user of `store` fewer (a `Remit` closed or collected); whether it
+    was the last."""
+    with _store_users_lock:
+        users = _store_users.pop(store, 1) - 1
+        if users:
+            _store_users[store] = users
+    return not users
+
+
 class Remit:
     """The Resume Contract over one store.
 
     `Remit("sqlite:///remit.db")` or `Remit(store)`. `lease` is the claim
     lease in seconds; `clock` returns UTC epoch seconds (injectable for tests).
+    `close()` (or a `with` block) gives up this instance's claims and, once no
+    other open `Remit` of the process opened it by URL, closes the store.
     """
 
     def __init__(
@@ -433,6 +480,14 @@ class Remit:
         if holder is not None:
             checked_id("holder", holder)
         self.store = open_store(store) if isinstance(store, str) else store
+        # A store opened by URL is shared by every `Remit` of that URL; one collected
+        # unclosed counts as closed, but leaves the store open.
+        self._unuse: weakref.finalize[[Store], Remit] | None = None
+        if isinstance(store, str):
+            _use_store(self.store)
+            self._unuse = weakref.finalize(self, _unuse_store, self.store)
+        self._closed = False
+        self._handles: weakref.WeakSet[ClaimHandle] = weakref.WeakSet()
         self.clock = clock
         self._holder = holder
         self._holder_forks = -1
@@ -442,6 +497,50 @@ class Remit:
         # The last record sealed or verified here, and its payload: a store that
         # hands the same (immutable) record back needs no second check.
         self._opened: tuple[CheckpointRecord | None, bytes] = (None, b"")
+
+    # -- lifecycle -------------------------------------------------------------
+    def _track(self, handle: ClaimHandle) -> None:
+        """Remember a claim taken through this instance, for `close` to give up."""
+        with self._holder_lock:
+            self._handles.add(handle)
+
+    def close(self) -> None:
+        """Give up the claims this instance took (in this process) and still holds,
+        then close the store if this instance opened it by URL and no other open
+        `Remit` did. Idempotent. Afterwards every call raises `StoreUnavailable`
+        naming the store's URL. A claim the store cannot release now (the store is
+        down) is no longer renewed: its lease runs out as if its holder had died (L1).
+        """
+        with self._holder_lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles = [h for h in self._handles if h._forks == _forks]
+        for handle in handles:
+            try:
+                handle.release()
+            except Exception:
+                handle.abandon()
+        store, self.store = self.store, cast(Store, _ClosedStore(self.store.url))
+        # A store passed in is the caller's to close.
+        if self._unuse is not None and self._unuse():
+            store.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return self._closed
+
+    def __enter__(self) -> Remit:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     @property
     def holder(self) -> str:

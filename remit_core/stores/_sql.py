@@ -33,7 +33,7 @@ from remit_core.records import (
     WriteMode,
     WriteRecord,
 )
-from remit_core.stores.base import Store, newer_schema, stale_fence
+from remit_core.stores.base import Store, display_url, newer_schema, stale_fence
 
 #: Numbered migration steps; each is a list of statements, applied once, in order.
 MIGRATIONS: dict[int, list[str]] = {
@@ -170,13 +170,17 @@ _WRITE_CONFLICTS = {
     "overwrite": "DO UPDATE SET channel = excluded.channel, value = excluded.value, "
     "task_path = excluded.task_path",
 }
+#: A run's tables, its claims first: deleting a claim row waits for every fenced write
+#: in flight (each holds its claim row `FOR SHARE` to its commit) and refuses the later
+#: ones, so a run's delete leaves no checkpoint such a write commits meanwhile, and
+#: takes its locks in the order those writes do (no deadlock).
 _RUN_TABLES = (
+    "remit_claims",
     "remit_checkpoints",
     "remit_branches",
     "remit_blobs",
     "remit_writes",
     "remit_interrupts",
-    "remit_claims",
     "remit_effects",
 )
 
@@ -370,7 +374,7 @@ class SqlStore(Store):
             "version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
         )
         done = {r[0] for r in txn.execute("SELECT version FROM remit_migrations").fetchall()}
-        refusal = newer_schema(done, "this store")
+        refusal = newer_schema(done, f"the store at {display_url(self.url)}")
         if refusal is not None:
             raise refusal
         for version in sorted(MIGRATIONS.keys() | self._engine_migrations.keys()):

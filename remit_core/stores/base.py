@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from remit_core.errors import Fenced, VersionMismatch
 from remit_core.records import (
@@ -40,6 +40,16 @@ def url_options(url: str) -> dict[str, str]:
             raise ValueError(f"store URL option {name!r} is given twice in {url!r}")
         options[name] = value
     return options
+
+
+def display_url(url: str) -> str:
+    """`url` fit to show in an error: with no password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")
+    user = netloc[0].partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
 
 
 def newer_schema(applied: Iterable[int], where: str) -> VersionMismatch | None:

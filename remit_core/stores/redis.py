@@ -77,7 +77,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores import _redis_lua as lua
-from remit_core.stores.base import Store, newer_schema, stale_fence, url_options
+from remit_core.stores.base import Store, display_url, newer_schema, stale_fence, url_options
 
 #: Numbered layout versions recorded by `setup()`. Keys are created on first
 #: write, so version 1 creates nothing; a later version would convert keys here.
@@ -365,7 +365,7 @@ class RedisStore(Store):
         """Record the layout versions, and load the scripts so first calls need no reload."""
         now = repr(time.time())
         applied = self.applied_migrations()
-        refusal = newer_schema(applied, "this store")
+        refusal = newer_schema(applied, f"the store at {display_url(self.url)}")
         if refusal is not None:
             raise refusal
         try:
