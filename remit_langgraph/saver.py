@@ -623,9 +623,28 @@ class RemitSaver(BaseCheckpointSaver[str]):
             self.remit.delete_checkpoints(rec.RUN_INDEX, "", [lg_run])
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        """Copy a thread's checkpoints, branches, channel values and writes to a new thread id."""
+        """Copy a thread's checkpoints, branches, channel values and writes to a new thread id.
+
+        The target must be a thread id never used: a copy into a thread with records
+        would mix two threads' lines, and one that `delete_thread` emptied had effects
+        whose keys the copy would hand out again (its keys are its source's, under
+        the target's id), which a target that dedupes by key answers with the old call.
+        """
         source = rec.thread_id(source_thread_id, "source_thread_id")
         target = rec.thread_id(target_thread_id, "target_thread_id")
+        used = (
+            self.remit.history(target, limit=1, verify=False)
+            or self.remit.branches(target)
+            or self.remit.interrupts(target)
+            or self.remit.writes(rec.THREAD_LIVES, target)
+        )
+        if used:
+            raise RemitError(
+                f"copy_thread's target_thread_id {target!r} was used before (it has records, "
+                "or delete_thread ended a life of it, whose effect keys a copy would hand "
+                "out again); nothing was copied: copy to a thread id never used",
+                run_id=target,
+            )
         self.remit.copy_run(source, target)
         # The copy's effects are keyed as in its source's life (the ledger it copied).
         lives = self.remit.writes(rec.THREAD_LIVES, source)
@@ -666,9 +685,64 @@ class RemitSaver(BaseCheckpointSaver[str]):
             for thread in thread_ids:
                 self.delete_thread(thread)
         elif strategy == "keep_latest":
-            self.remit.prune([rec.thread_id(t) for t in thread_ids], keep_last=1)
+            if isinstance(thread_ids, str):
+                raise TypeError("thread_ids must be a collection of thread ids, not one str")
+            for thread in [rec.thread_id(t) for t in thread_ids]:
+                self._keep_latest(thread)
         else:
             raise ValueError(f"unknown prune strategy {strategy!r}: use 'keep_latest' or 'delete'")
+
+    def _keep_latest(self, thread: str) -> None:
+        """Delete a thread's old checkpoints (and their writes): each branch's head and
+        each fork base stays, in every namespace, with the ancestors a `DeltaChannel`
+        value at a kept checkpoint is rebuilt from (back to its nearest snapshot:
+        LangGraph replays their writes on read, and without them the key would read
+        as empty, a wrong state). The core's `prune`, with those ancestors kept."""
+        records = self.remit.history(thread, verify=False)
+        for ns in sorted({r.ns for r in records}):
+            in_ns = [r for r in records if r.ns == ns]
+            doomed = set(policy.prunable(in_ns, self.remit.branches(thread, ns=ns), keep_last=1))
+            deltas = {
+                ch for r in in_ns for ch in r.metadata.get("counters_since_delta_snapshot") or ()
+            }
+            if deltas and doomed:
+                doomed -= self._delta_sources(in_ns, doomed, deltas)
+            if doomed:
+                self.remit.store.delete_checkpoints(thread, ns, sorted(doomed))
+
+    def _delta_sources(
+        self, records: builtins.list[CheckpointRecord], doomed: set[str], deltas: set[str]
+    ) -> set[str]:
+        """The ancestors of the checkpoints kept (`records` not in `doomed`) that their
+        `deltas` keys are rebuilt from: each back to the nearest one holding the key's
+        value (a snapshot), as LangGraph's `get_delta_channel_history` walks them."""
+        by_id = {r.checkpoint_id: r for r in records}
+        held: dict[str, tuple[set[str], set[str]]] = {}
+
+        def channels(record: CheckpointRecord) -> tuple[set[str], set[str]]:
+            """(its channels with a version, those with a value stored) of a checkpoint."""
+            if record.checkpoint_id not in held:
+                opened = self.remit.checkpoint(record.run_id, record.checkpoint_id, ns=record.ns)
+                checkpoint = None if opened is None else self._tuple(opened).checkpoint
+                held[record.checkpoint_id] = (
+                    (set(), set())
+                    if checkpoint is None
+                    else (set(checkpoint["channel_versions"]), set(checkpoint["channel_values"]))
+                )
+            return held[record.checkpoint_id]
+
+        needed: set[str] = set()
+        for record in records:
+            if record.checkpoint_id in doomed:
+                continue
+            versioned, valued = channels(record)
+            missing = (deltas & versioned) - valued
+            at = record
+            while missing and at.parent_id is not None and at.parent_id in by_id:
+                at = by_id[at.parent_id]
+                needed.add(at.checkpoint_id)
+                missing -= channels(at)[1]
+        return needed
 
     def get_next_version(self, current: str | None, channel: None = None) -> str:
         """`<counter>.<random>`: monotonic per channel, unique across branches (and values).
