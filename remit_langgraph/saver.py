@@ -958,7 +958,10 @@ def _writing(run: Run | None) -> contextlib.AbstractContextManager[None]:
 
 
 class _Opened:
-    """What `from_conn_string` returns: a sync and async context manager for one saver."""
+    """What `from_conn_string` returns: a sync and async context manager for one saver.
+    Leaving it closes the saver's `Remit` (`Remit.close`): claims still held are given
+    up, and a later use raises `StoreUnavailable` naming the store, as LangGraph's own
+    savers fail once their connection is closed."""
 
     def __init__(self, saver: RemitSaver) -> None:
         self.saver = saver
@@ -972,7 +975,7 @@ class _Opened:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        return None
+        self.saver.remit.close()
 
     async def __aenter__(self) -> RemitSaver:
         return self.saver
@@ -983,4 +986,4 @@ class _Opened:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        return None
+        await asyncio.to_thread(self.saver.remit.close)

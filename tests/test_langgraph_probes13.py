@@ -253,3 +253,41 @@ def test_a_thread_deleted_under_a_running_run_is_not_brought_back(
     entered.clear()
     leave.set()
     assert graph.invoke({"log": ["again"]}, cfg) == {"log": ["again", "a", "b", "c"]}
+
+
+# -- leaving from_conn_string ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_saver_used_after_its_from_conn_string_block_is_store_unavailable(
+    url: str, api: str
+) -> None:
+    """Leaving the block did nothing: the saver went on working, and its store was
+    never let go. It is closed now, as LangGraph's own savers are: a later use raises
+    `StoreUnavailable` naming the store, and stores nothing."""
+    builder = StateGraph(Log)
+    builder.add_node("a", lambda s: {"log": ["a"]})
+    builder.add_edge(START, "a")
+    builder.add_edge("a", END)
+    cfg = config()
+
+    async def in_async() -> Any:
+        async with RemitSaver.from_conn_string(url) as saver:
+            graph = builder.compile(checkpointer=saver)
+            assert await graph.ainvoke({"log": []}, cfg) == {"log": ["a"]}
+        with pytest.raises(remit_core.StoreUnavailable, match="is closed") as err:
+            await graph.ainvoke({"log": []}, cfg)
+        return err
+
+    if api == "async":
+        err = asyncio.run(in_async())
+    else:
+        with RemitSaver.from_conn_string(url) as saver:
+            graph = builder.compile(checkpointer=saver)
+            assert graph.invoke({"log": []}, cfg) == {"log": ["a"]}
+        with pytest.raises(remit_core.StoreUnavailable, match="is closed") as err:
+            graph.invoke({"log": []}, cfg)
+    assert url.split("://")[0] in str(err.value)
+    again = RemitSaver(url)
+    assert again.get_tuple(cfg).checkpoint["channel_values"]["log"] == ["a"]  # type: ignore[union-attr]
+    assert len(list(again.list(cfg))) == 3
