@@ -1,6 +1,7 @@
 """A resume that fails before its feedback is consumed gives the flow back whole.
 
-`from_pending` claims the paused flow in `load_pending_feedback`, then CrewAI
+`from_pending` claims the paused flow in `load_pending_feedback` (the wrapper
+marks the call as its: any other call of it is a read), then CrewAI
 builds the flow and loads the state into it; if that fails (the state does not
 fit the flow's model, a bad constructor argument), no hook runs and nothing
 else would release the claim: a correct retry would get `ResumeConflict` until
@@ -29,7 +30,7 @@ from crewai.flow.flow import Flow
 from crewai.flow.types import FlowMethodName
 
 from remit_crewai._replay import _take
-from remit_crewai._session import current_resumers
+from remit_crewai._session import current_from_pending, current_resumers
 from remit_crewai.persistence import RemitFlowPersistence
 
 
@@ -42,6 +43,7 @@ def install() -> None:
     @functools.wraps(from_pending)
     def from_pending_releasing(cls: type[Flow[Any]], *args: Any, **kwargs: Any) -> Flow[Any]:
         before = current_resumers.get()
+        claiming = current_from_pending.set(True)
         try:
             return from_pending(cls, *args, **kwargs)  # type: ignore[no-any-return]
         except BaseException:
@@ -49,6 +51,8 @@ def install() -> None:
                 if session not in before and not session.closed:
                     RemitFlowPersistence._release(session)
             raise
+        finally:
+            current_from_pending.reset(claiming)
 
     @functools.wraps(resume_async)
     async def resume_async_claiming(self: Flow[Any], feedback: str = "") -> Any:

@@ -238,6 +238,13 @@ current_resumers: contextvars.ContextVar[tuple[Session, ...]] = contextvars.Cont
 )
 
 
+#: Whether a `from_pending` runs in this context and has not loaded its pause yet: CrewAI's
+#: `load_pending_feedback` call in it claims the flow for the resume; any other is a read.
+current_from_pending: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "remit_crewai_from_pending", default=False
+)
+
+
 def add_resumer(session: Session) -> None:
     """Remember `session` as a resume's in this context."""
     kept = tuple(s for s in current_resumers.get() if not s.closed and s.pid == session.pid)

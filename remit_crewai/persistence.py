@@ -63,6 +63,7 @@ from remit_crewai._session import (
     Session,
     add_resumer,
     current_execution,
+    current_from_pending,
     occurrence_of,
     paused,
     pausing,
@@ -202,7 +203,8 @@ class RemitFlowPersistence(FlowPersistence):
                 session.end_occurrence(method_name, occurrence)
 
     def load_state(self, flow_uuid: str) -> dict[str, Any] | None:
-        """The flow's head state; inside a kickoff, the restart or fork it begins.
+        """The flow's head state, as it was saved; inside a kickoff, the restart or fork
+        it begins (under the flow id, which CrewAI continues the flow as).
 
         `kickoff(inputs={"id": X})` continues X under its claim (`ResumeConflict`
         if another process drives it). `kickoff(restore_from_state_id=S)` is a
@@ -220,7 +222,7 @@ class RemitFlowPersistence(FlowPersistence):
                 return self._hydrate_fork(flow_uuid, ex)
         run_id, branch = locate(flow_uuid)
         _, body = self._read_head(run_id, branch)
-        return None if body is None else {**body.state, "id": flow_uuid}
+        return None if body is None else _as_saved(flow_uuid, body.state)
 
     def save_pending_feedback(
         self,
@@ -259,11 +261,47 @@ class RemitFlowPersistence(FlowPersistence):
     def load_pending_feedback(
         self, flow_uuid: str
     ) -> tuple[dict[str, Any], PendingFeedbackContext] | None:
+        """The paused flow's state and the context of the feedback it waits for, or None.
+
+        Inside `from_pending`, it claims the flow for its resume first: of k
+        concurrent `from_pending(...).resume(...)` calls exactly one gets past
+        it, the rest get `ResumeConflict`, and feedback that was already
+        consumed raises `ResumeConflict`, never runs twice. Called by anything
+        else (a server listing what waits for feedback, or checking before
+        `from_pending`) it is a read, as CrewAI's own backend's: it claims
+        nothing, gives the same answer again, and None once the feedback was
+        consumed (the claim is taken where a resume starts).
+        """
+        if not current_from_pending.get():
+            return self._read_pending(flow_uuid)
+        current_from_pending.set(False)  # (only CrewAI's first call in it claims)
+        return self._claim_pending(flow_uuid)
+
+    def _read_pending(self, flow_uuid: str) -> tuple[dict[str, Any], PendingFeedbackContext] | None:
+        """`load_pending_feedback` without a claim: the pause pending at the head, if any."""
+        run_id, branch = locate(flow_uuid)
+        record, body = self._read_head(run_id, branch)
+        if record is None or body is None:
+            return None
+        interrupts = self.remit.interrupts(run_id, branch=branch)
+        pending = [i.prompt for i in interrupts if i.status == "pending"]
+        if not pending:
+            unopened = self._paused_head(run_id, record.checkpoint_id)
+            if unopened is not None and not any(i.interrupt_id == unopened[1] for i in interrupts):
+                pending = [unopened[2]]
+        if not pending or pending[-1] is None:
+            return None
+        context = PendingFeedbackContext.from_dict(codec.loads(pending[-1]))
+        context.flow_id = flow_uuid
+        return _as_saved(flow_uuid, body.state), context
+
+    def _claim_pending(
+        self, flow_uuid: str
+    ) -> tuple[dict[str, Any], PendingFeedbackContext] | None:
         """Claim the paused flow for its resume: one resumer wins, the rest get `ResumeConflict`.
 
-        The claim is taken before anything is read, so of k concurrent
-        `from_pending(...).resume(...)` calls exactly one gets here. Feedback
-        that was already consumed raises `ResumeConflict`, never runs twice.
+        The claim is taken before anything is read. Feedback that was already
+        consumed raises `ResumeConflict`, never runs twice.
         """
         run_id, branch = locate(flow_uuid)
         session = self._open(flow_uuid, heartbeat=False)
@@ -300,29 +338,36 @@ class RemitFlowPersistence(FlowPersistence):
         """The interrupt of the pause the head records (through edits made on it), opened
         now if the process that saved the pause died (or lost the store) before opening
         it; none if the head is no pause or its interrupt exists (pending or consumed)."""
-        checkpoint_id = session.head
-        while checkpoint_id is not None:
-            record = self.remit.checkpoint(session.run_id, checkpoint_id)
-            if record is None:
-                return []
-            body = decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
-            if body.kind != "edit":
-                break
-            checkpoint_id = record.parent_id
-        if checkpoint_id is None or body.kind != "pause" or body.prompt is None:
+        paused = self._paused_head(session.run_id, session.head)
+        if paused is None:
             return []
-        interrupt_id = f"{body.method}#{body.ledger.occurrence(body.method)}"
+        checkpoint_id, interrupt_id, prompt = paused
         if any(i.interrupt_id == interrupt_id for i in interrupts):
             return []
         self.remit.open_interrupts(
             session.run_id,
-            {interrupt_id: body.prompt},
+            {interrupt_id: prompt},
             branch=session.branch,
             checkpoint_id=checkpoint_id,
             fence=session.fence,
         )
         opened = self.remit.interrupt(session.run_id, interrupt_id, branch=session.branch)
         return [] if opened is None else [opened]
+
+    def _paused_head(self, run_id: str, checkpoint_id: str | None) -> tuple[str, str, bytes] | None:
+        """The pause the head `checkpoint_id` records (through edits made on it): its
+        checkpoint, its interrupt id and its prompt; None if the head is no pause."""
+        while checkpoint_id is not None:
+            record = self.remit.checkpoint(run_id, checkpoint_id)
+            if record is None:
+                return None
+            body = decode(record.state, run_id=run_id, checkpoint_id=checkpoint_id)
+            if body.kind != "edit":
+                break
+            checkpoint_id = record.parent_id
+        if checkpoint_id is None or body.kind != "pause" or body.prompt is None:
+            return None
+        return checkpoint_id, f"{body.method}#{body.ledger.occurrence(body.method)}", body.prompt
 
     def clear_pending_feedback(self, flow_uuid: str) -> None:
         """Nothing to do: the interrupt stays pending until the resumed run consumes it.
@@ -844,7 +889,7 @@ class RemitFlowPersistence(FlowPersistence):
         if held is not None:
             _rejoin(flow, held)
             return
-        loaded = self.load_pending_feedback(flow.flow_id)
+        loaded = self._claim_pending(flow.flow_id)
         if loaded is None:
             raise ResumeConflict(
                 "this flow waits for no feedback any more; nothing was resumed",
@@ -852,6 +897,7 @@ class RemitFlowPersistence(FlowPersistence):
             )
         session = resumer_of(self._where, flow.flow_id)
         try:
+            _check_same_pause(flow, loaded[1], session)
             flow._initialize_state(loaded[0])
         except BaseException:
             if session is not None:
@@ -1108,6 +1154,42 @@ class RemitFlowPersistence(FlowPersistence):
             if ended.keys() == kept.keys() and all(same(ended[k], kept[k]) for k in ended):
                 return
             self._commit(session, plain, "", "edit", session.ledger, session.output)
+
+
+def _as_saved(flow_id: str, state: dict[str, Any]) -> dict[str, Any]:
+    """A state read back by `flow_id` outside a kickoff: as it was saved, "id" or none
+    and all (CrewAI's own backend returns it so), except on a fork, whose head until
+    its first save of its own holds the id of the line it was forked from: there the
+    fork's id."""
+    run_id, branch = locate(flow_id)
+    saved = state.get("id")
+    forked_from = isinstance(saved, str) and (saved == run_id or saved.startswith(f"{run_id}@"))
+    if branch != MAIN_BRANCH and forked_from:
+        return {**state, "id": flow_id}
+    return dict(state)
+
+
+def _check_same_pause(
+    flow: Flow[Any], claimed: PendingFeedbackContext, session: Session | None
+) -> None:
+    """`ResumeConflict` (the claim given back) if the pause a resume claimed is not the one
+    `flow` was loaded for: that one was resumed by another resumer since, and the flow
+    paused again; feedback meant for the first must not answer the second (P5)."""
+    loaded = flow.pending_feedback
+    if loaded is None or (loaded.method_name, loaded.requested_at) == (
+        claimed.method_name,
+        claimed.requested_at,
+    ):
+        return
+    raise ResumeConflict(
+        f"the feedback this flow was loaded for ({loaded.method_name!r}) was already given "
+        f"by another resumer, and the flow now waits at {claimed.method_name!r}: nothing "
+        "was resumed; load the flow again with from_pending to answer that",
+        run_id=locate(flow.flow_id)[0],
+        interrupt_id=None
+        if session is None or session.pending is None
+        else session.pending.interrupt_id,
+    )
 
 
 def _feedback_entry(
