@@ -25,7 +25,9 @@ sent before its waiter exists would be acknowledged and lost. A parked copy
 whose event is refused because it lost the run (another resumer holds it,
 consumed the interrupt or moved the run on) stops through its own control loop:
 its handler and event stream end with that `ResumeConflict`, and it stores
-nothing.
+nothing. A parked copy also looks at its run's stored head at the pace a claim is
+renewed (`watch_parked`): once the run moved on elsewhere (another process, thread
+or runtime), it stops the same way instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -744,6 +746,59 @@ class Session:
             if claim is None or not claim.holder:
                 return True
         return False
+
+    async def watch_parked(self, pace: float) -> None:
+        """While this copy is parked, look at the stored head every `pace` seconds: once
+        it moved on elsewhere (another process, thread or runtime answered, continued or
+        cancelled the run), this copy can take no answer, and waiting it would wait for
+        ever. It stops then, running and storing nothing: as a cancel stops it if the run
+        was cancelled, else with `ResumeConflict` (`stop_lost`)."""
+        while not self.done and self.lost is None:
+            await asyncio.sleep(pace)
+            seen = self.head_id
+            if self.claim is not None or seen is None or self.inner is None:
+                continue
+            try:
+                moved = await asyncio.to_thread(self._moved_on, seen)
+            except Exception:  # (a store hiccup: look again at the next beat)
+                logger.debug("run %s: reading its head failed", self.key, exc_info=True)
+                continue
+            if moved is None:
+                continue
+            async with self.lock():
+                if self.done or self.lost is not None or self.claim is not None:
+                    continue
+                if self.head_id != seen:
+                    continue  # (this copy moved the run on itself meanwhile)
+                head, status = moved
+                if status == snap.CANCELLED:
+                    await self.inner.cancel()  # (a parked copy's cancel writes nothing)
+                    return
+                await self.stop_lost(
+                    ResumeConflict(
+                        f"the run moved on elsewhere (its head is {head!r}, {status}): "
+                        "another process, thread or RemitRuntime answered or continued "
+                        "it, so this parked copy of it can take no answer and stopped; "
+                        "nothing ran here. Read the outcome with RemitRuntime.status or "
+                        "RemitRuntime.result",
+                        run_id=self.key,
+                        checkpoint_id=seen,
+                    )
+                )
+                return
+
+    def _moved_on(self, seen: str) -> tuple[str | None, str] | None:
+        """The stored head and its status if the branch moved on from `seen`, else None."""
+        branch = self.remit.branch(self.run_id, branch=self.branch)
+        head = None if branch is None else branch.head_id
+        if head == seen:
+            return None
+        try:
+            record = None if head is None else self.remit.checkpoint(self.run_id, head)
+        except RemitError:  # (moved on all the same; its head does not verify)
+            return head, "unreadable"
+        status = "gone" if record is None else str(record.metadata.get("status", snap.RUNNING))
+        return head, status
 
     async def stop_lost(self, refusal: ResumeConflict) -> None:
         """Stop this copy of the run, which lost it to another resumer, through its own

@@ -497,12 +497,17 @@ class RemitRuntime(BaseRuntimeDecorator):
         )
 
     async def _watch(self, session: Session) -> None:
+        """Until the run's task ends here: while it is parked, look at its stored head at
+        the pace a held claim is renewed (`Session.watch_parked`), so that a copy whose
+        run moved on elsewhere stops instead of waiting for ever."""
         assert session.inner is not None
+        parked = asyncio.get_running_loop().create_task(session.watch_parked(self.lease / 3))
         try:
             await session.inner.get_result()
         except BaseException:  # the run's own handler reports its outcome
             pass
         finally:
+            parked.cancel()
             self._forget(session)
 
     def _forget(self, session: Session) -> None:
@@ -883,7 +888,8 @@ class RemitRuntime(BaseRuntimeDecorator):
         another live process drives is refused (`ResumeConflict`). Once the end is
         committed, the parked copies of the run live in this process are stopped
         too, writing nothing (their handlers end with `WorkflowCancelledByUser`
-        instead of waiting for ever for an answer the run can no longer take).
+        instead of waiting for ever for an answer the run can no longer take); copies
+        elsewhere stop so once they see the cancelled head (`Session.watch_parked`).
         Returns the head's checkpoint id; an ended run is left as it is."""
         session = self._driving(run_id)
         if session is not None:
