@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
+import json
 import math
 import os
 import socket
@@ -84,6 +85,49 @@ def _write_with_value(w: WriteRecord, value: bytes) -> WriteRecord:
     return WriteRecord(
         w.run_id, w.checkpoint_id, w.task_id, w.idx, w.channel, value, w.ns, w.task_path
     )
+
+
+def _plain_metadata(metadata: Mapping[str, Any] | None) -> Any:
+    """Metadata as stored, for comparing (key order aside)."""
+    return json.loads(codec.dumps(dict(metadata or {}), exact=False))
+
+
+def _checkpoint_differs(
+    stored: CheckpointRecord,
+    parent_id: str | None,
+    state: bytes,
+    metadata: Mapping[str, Any] | None,
+    schema_version: int,
+    workflow_version: str,
+) -> str | None:
+    """What of a commit differs from the checkpoint stored under its id, or None."""
+    if stored.parent_id != parent_id:
+        return f"parent ({stored.parent_id!r})"
+    if stored.state != state:
+        return "state"
+    if (stored.schema_version, stored.workflow_version) != (schema_version, workflow_version):
+        return "version"
+    if _plain_metadata(stored.metadata) != _plain_metadata(metadata):
+        return "metadata"
+    return None
+
+
+def _branch_fits(
+    stored: CheckpointRecord,
+    branch: BranchRecord | None,
+    parent_id: str | None,
+    fork_token: str | None,
+    plan: policy.CommitPlan | None,
+) -> bool:
+    """Whether a commit would have put `stored` on its branch: a fork's first checkpoint
+    only under its own token, a fork's later one under its token or none."""
+    if plan is not None:
+        return stored.branch == (plan.branch if plan.fork is None else plan.fork.branch)
+    if branch is None or branch.fork_token is None:
+        return True
+    if fork_token is not None:
+        return branch.fork_token == fork_token
+    return branch.base_id != parent_id
 
 
 def checked_id(name: str, value: object, *, empty: bool = False) -> str:
@@ -646,6 +690,43 @@ class Remit:
         for w in writes:
             _checked_write(w)
         check_fence_run(fence, run_id)  # (its writes may be other runs': they ride with it)
+        try:
+            return self._commit(
+                run_id, checkpoint_id, parent_id, state, ns, metadata, fork_token,
+                schema_version, workflow_version, blobs, writes, fence, plan,
+                allow_new_root, release,
+            )  # fmt: skip
+        except (ForkWithoutIntent, HeadMoved) as exc:
+            # A retry of a commit that landed (its reply was lost) finds its parent
+            # no longer a head: the same checkpoint stored is its answer.
+            stored = self._landed(
+                exc, run_id, checkpoint_id, parent_id, state, ns, metadata, fork_token,
+                schema_version, workflow_version, blobs, writes, plan,
+            )  # fmt: skip
+            if release is not None:
+                with contextlib.suppress(StoreUnavailable):
+                    self.store.release_claim(release.claim)
+                release._given_up()
+            return stored
+
+    def _commit(
+        self,
+        run_id: str,
+        checkpoint_id: str,
+        parent_id: str | None,
+        state: bytes,
+        ns: str,
+        metadata: Mapping[str, Any] | None,
+        fork_token: str | None,
+        schema_version: int,
+        workflow_version: str,
+        blobs: Mapping[str, bytes] | None,
+        writes: Sequence[WriteRecord],
+        fence: FenceRef | None,
+        plan: policy.CommitPlan | None,
+        allow_new_root: bool,
+        release: ClaimHandle | None,
+    ) -> CheckpointRecord:
         guess = None
         if plan is None and fork_token is None and parent_id is None:
             # A first checkpoint usually starts a new run: try to create main
@@ -727,6 +808,72 @@ class Remit:
         self._opened = (record, state)
         failpoints.hit("checkpoint.after_commit")
         return opened
+
+    def _landed(
+        self,
+        exc: ForkWithoutIntent | HeadMoved,
+        run_id: str,
+        checkpoint_id: str,
+        parent_id: str | None,
+        state: bytes,
+        ns: str,
+        metadata: Mapping[str, Any] | None,
+        fork_token: str | None,
+        schema_version: int,
+        workflow_version: str,
+        blobs: Mapping[str, bytes] | None,
+        writes: Sequence[WriteRecord],
+        plan: policy.CommitPlan | None,
+    ) -> CheckpointRecord:
+        """The stored checkpoint `checkpoint_id` if it is this commit's, verified; else
+        re-raise `exc` (naming the stored checkpoint and what differs if there is one)."""
+        found = self.store.get_checkpoint(run_id, ns, checkpoint_id)
+        if found is None:
+            raise exc
+        stored = self._open_ckpt(found)
+        differs = _checkpoint_differs(
+            stored, parent_id, state, metadata, schema_version, workflow_version
+        )
+        if differs is None:
+            branch = next(
+                (b for b in self.store.list_branches(run_id, ns) if b.branch == stored.branch),
+                None,
+            )
+            if not _branch_fits(stored, branch, parent_id, fork_token, plan):
+                differs = f"branch ({stored.branch!r})"
+        if differs is None and blobs:
+            kept = self.blobs(run_id, list(blobs), ns=ns)
+            differs = next((f"blob {k!r}" for k, v in blobs.items() if kept.get(k) != v), None)
+        if differs is None and writes:
+            differs = self._writes_differ(writes)
+        if differs is not None:
+            raise type(exc)(
+                f"checkpoint {checkpoint_id!r} is already stored with another {differs}; "
+                "a checkpoint id names one checkpoint",
+                **{**exc.ids, "checkpoint_id": checkpoint_id},
+            ) from exc
+        return stored
+
+    def _writes_differ(self, writes: Sequence[WriteRecord]) -> str | None:
+        """The first of `writes` whose slot holds something else, named; None if all hold them."""
+        held: dict[tuple[str, str, str], dict[tuple[str, int], WriteRecord]] = {}
+        for w in writes:
+            where = (w.run_id, w.ns, w.checkpoint_id)
+            if where not in held:
+                held[where] = {
+                    (s.task_id, s.idx): s for s in self.writes(w.run_id, w.checkpoint_id, ns=w.ns)
+                }
+            s = held[where].get((w.task_id, w.idx))
+            if s is None or (s.channel, s.value, s.task_path) != (w.channel, w.value, w.task_path):
+                if not any(
+                    s is not None
+                    and (o.run_id, o.ns, o.checkpoint_id, o.task_id, o.idx)
+                    == (w.run_id, w.ns, w.checkpoint_id, w.task_id, w.idx)
+                    and (s.channel, s.value, s.task_path) == (o.channel, o.value, o.task_path)
+                    for o in writes
+                ):  # (of two writes of one slot, the store keeps one)
+                    return f"write {w.task_id}#{w.idx} of {w.checkpoint_id!r}"
+        return None
 
     def _seen(self, record: CheckpointRecord, parent_id: str | None = None) -> None:
         """Remember a checkpoint of main and its seq, for the next commit after it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import select
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -237,12 +238,28 @@ def _too_large(exc: psycopg.errors.ProgramLimitExceeded) -> ValueError:
     )
 
 
+def _alive(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle pooled connection may still be used: not closed, and nothing
+    (the server's goodbye, its end of the socket) waiting to be read on it. One
+    non-blocking poll, no round trip."""
+    if conn.closed or conn.broken:
+        return False
+    fd = conn.pgconn.socket
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return not poller.poll(0)
+    readable, _, _ = select.select([fd], [], [], 0)
+    return not readable
+
+
 class _Pool:
     """At most `size` autocommit connections, each with its cursor, reused last
     in, first out. A statement's checkout and return cost two lock round trips
     here; a general-purpose pool's bookkeeping costs about as much as a fast
     statement. A connection returned broken or inside a transaction is closed,
-    never reused; one past its lifetime is closed and replaced on demand."""
+    never reused; one past its lifetime is closed and replaced on demand, and one
+    the server ended while it was idle is replaced when taken."""
 
     def __init__(self, conninfo: str, size: int, timeout: float = 30.0) -> None:
         self._conninfo = conninfo
@@ -256,12 +273,19 @@ class _Pool:
     def get(self) -> tuple[psycopg.Connection[Any], psycopg.Cursor[Any], float]:
         """A connection, its cursor and when it expires; waits while all are in use."""
         deadline = None
+        dead: psycopg.Connection[Any] | None = None
         with self._cond:
             while True:
                 if self._closed:
                     raise StoreUnavailable("the PostgreSQL store is closed")
                 if self._idle:
-                    return self._idle.pop()
+                    conn, cur, expires = self._idle.pop()
+                    if _alive(conn):
+                        return conn, cur, expires
+                    # The server ended it while idle (a restart, a terminated
+                    # backend): replace it in its slot rather than fail a call.
+                    dead = conn
+                    break
                 if self._count < self._size:
                     self._count += 1
                     break
@@ -273,6 +297,8 @@ class _Pool:
                         f"(all {self._size} in use; raise max_size in the URL)"
                     )
                 self._cond.wait(left)
+        if dead is not None:
+            dead.close()
         try:
             conn = psycopg.connect(self._conninfo, autocommit=True)
         except BaseException as exc:
