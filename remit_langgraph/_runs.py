@@ -258,13 +258,16 @@ class _Writing:
             self.run.inflight += 1
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if isinstance(exc, Fenced):
-            # Taken over (L2). LangGraph raises a background write's error only when
-            # the run ends: stop at the next step or effect instead of running on.
-            self.run.fail(exc)
         with self.run._settled:
             self.run.inflight -= 1
             self.run._settled.notify_all()
+        if isinstance(exc, Fenced):
+            # Taken over (L2). LangGraph raises a background write's error only when
+            # the run ends: stop at the next step or effect instead of running on.
+            # A run stopped with a reason of its own (`delete_for_runs`) says why.
+            first = self.run.fail(exc) if self.run.failed is None else self.run.failed
+            if first is not exc and isinstance(first, Fenced):
+                raise first from exc
 
 
 class LoopCall(NamedTuple):
@@ -402,6 +405,10 @@ class Runs:
         """The run this context belongs to, if it is on `thread`."""
         run = current_run()
         return run if run is not None and run.thread == thread else None
+
+    def open_on(self, thread: str, branch: str) -> list[Run]:
+        """The runs this process has open on `thread`'s `branch`."""
+        return [r for r in list(self._open.values()) if (r.thread, r.branch) == (thread, branch)]
 
     def owner(self, thread: str, checkpoint_id: str) -> Run | None:
         """The run a task write to `checkpoint_id` belongs to. LangGraph submits the

@@ -41,6 +41,7 @@ from remit_core import Remit, codec, connect, policy
 from remit_core.core import checked_lease
 from remit_core.errors import (
     CorruptRecord,
+    Fenced,
     ForkWithoutIntent,
     HeadMoved,
     RemitError,
@@ -614,13 +615,50 @@ class RemitSaver(BaseCheckpointSaver[str]):
         for lg_run in {str(r) for r in run_ids}:
             threads = {w.task_id for w in self.remit.writes(rec.RUN_INDEX, lg_run)}
             for thread in threads:
-                doomed: dict[str, list[str]] = {}
-                for r in self.remit.history(thread, verify=False):
-                    if r.metadata.get("run_id") == lg_run:
-                        doomed.setdefault(r.ns, []).append(r.checkpoint_id)
+                doomed = self._written_by(thread, lg_run)
+                if self._stop_runs_on(thread, lg_run, doomed):
+                    # A commit of a stopped run may have landed before it stopped.
+                    doomed = self._written_by(thread, lg_run)
                 for ns, checkpoint_ids in doomed.items():
                     self.remit.delete_checkpoints(thread, ns, checkpoint_ids)
             self.remit.delete_checkpoints(rec.RUN_INDEX, "", [lg_run])
+
+    def _written_by(self, thread: str, lg_run: str) -> dict[str, builtins.list[str]]:
+        """The checkpoints of `thread` that LangGraph run `lg_run` wrote, by namespace."""
+        doomed: dict[str, builtins.list[str]] = {}
+        for r in self.remit.history(thread, verify=False):
+            if r.metadata.get("run_id") == lg_run:
+                doomed.setdefault(r.ns, []).append(r.checkpoint_id)
+        return doomed
+
+    def _stop_runs_on(
+        self, thread: str, lg_run: str, doomed: Mapping[str, builtins.list[str]]
+    ) -> bool:
+        """Stop the runs in flight that go on from a branch head about to be deleted
+        (`lg_run` itself, or one started from its head): their claims are given up
+        under them, so each later write of theirs, from any process, is `Fenced` and
+        nothing more of them is stored after the delete. (Left running, the next
+        write was refused as a fork, and a task's writes were stored on a deleted
+        checkpoint.) Returns whether any was stopped."""
+        heads = set(doomed.get("", ()))
+        stopped = False
+        for branch in self.remit.branches(thread, ns=""):
+            if branch.head_id not in heads:
+                continue
+            refusal = Fenced(
+                f"delete_for_runs deleted the checkpoints of LangGraph run {lg_run!r} "
+                f"while this run went on from them (branch {branch.branch!r}); it stops "
+                "here, and nothing more of it was stored",
+                run_id=thread,
+                checkpoint_id=branch.head_id,
+            )
+            for run in self._runs.open_on(thread, branch.branch):
+                run.fail(refusal)
+            held = self.remit.store.get_claim(thread, branch.branch)
+            if held is not None and held.holder:
+                self.remit.store.release_claim(held)
+                stopped = True
+        return stopped
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy a thread's checkpoints, branches, channel values and writes to a new thread id.
