@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import enum
 import functools
 import importlib
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import ormsgpack
@@ -35,7 +36,7 @@ from langgraph._internal._serde import curated_core_allowlist
 from langgraph.checkpoint.serde import jsonplus
 from langgraph.checkpoint.serde._msgpack import SAFE_MSGPACK_METHODS, SAFE_MSGPACK_TYPES
 from langgraph.checkpoint.serde.base import SerializerProtocol
-from pydantic import BaseModel
+from pydantic import BaseModel, RootModel
 
 from remit_core.errors import CheckpointInvalid, CorruptRecord
 
@@ -60,6 +61,42 @@ _CONTAINERS = (list, tuple, set, frozenset)
 #: Containers that hold nothing to refuse when empty (a message's `additional_kwargs`).
 _EMPTY_FINE = frozenset((dict, *_CONTAINERS))
 _OPTIONS = ormsgpack.OPT_NON_STR_KEYS
+
+
+#: Types of values a walk need not enter: plain data, and (when empty) containers.
+_SHALLOW_TYPES = _PLAIN_TYPES | _EMPTY_FINE
+
+
+def _nothing_inside(values: Collection[Any]) -> bool:
+    """Whether each of `values` is plain data or an empty container, told with no
+    loop in Python (most fields of a chat message): each one's type is one of those,
+    and each one that is not empty is plain. (Only builtin types' truth is taken.)"""
+    return _SHALLOW_TYPES.issuperset(map(type, values)) and _PLAIN_TYPES.issuperset(
+        map(type, filter(None, values))
+    )
+
+
+class _Kind(enum.Enum):
+    """How `StrictSerializer._refused` walks an object of a class."""
+
+    PLAIN = "a subclass of a plain type, or an error (stored as its repr)"
+    MODEL = "a Pydantic model: its fields"
+    DATACLASS = "a dataclass: its fields"
+    SEQUENCE = "a namedtuple or a deque: its items"
+    OTHER = "anything else"
+
+
+@functools.lru_cache(maxsize=1024)
+def _kind(cls: Any) -> _Kind:
+    if issubclass(cls, (*_PLAIN, dict, BaseException)):
+        return _Kind.PLAIN
+    if issubclass(cls, BaseModel):
+        return _Kind.MODEL
+    if dataclasses.is_dataclass(cls):
+        return _Kind.DATACLASS
+    if issubclass(cls, (tuple, deque)):
+        return _Kind.SEQUENCE
+    return _Kind.OTHER
 
 
 def _key(item: tuple[str, ...] | type) -> tuple[str, ...]:
@@ -143,11 +180,13 @@ class StrictSerializer(SerializerProtocol):
     def _refused(self, obj: Any) -> tuple[list[str], type] | None:
         """The first object (walking containers and fields) whose type is neither plain
         data nor allowlisted: its path steps, innermost first, and its type."""
-        cls = type(obj)
+        cls: Any = type(obj)
         if cls in _PLAIN_TYPES:
             return None
         items: Any
         if cls is dict:
+            if _PLAIN_TYPES.issuperset(map(type, obj)) and _nothing_inside(obj.values()):
+                return None
             for k, v in obj.items():
                 if type(k) in _PLAIN_TYPES and (
                     type(v) in _PLAIN_TYPES or (not v and type(v) in _EMPTY_FINE)
@@ -161,21 +200,28 @@ class StrictSerializer(SerializerProtocol):
                     return bad
             return None
         if cls in _CONTAINERS:
+            if _nothing_inside(obj):
+                return None
             items = enumerate(obj)
-        elif isinstance(obj, (*_PLAIN, dict)) or isinstance(obj, BaseException):
-            return None  # subclasses of plain types; errors are stored as their repr
-        elif not self._allows((cls.__module__, cls.__name__)):
-            return [], cls
-        elif isinstance(obj, BaseModel):
-            items = vars(obj).items()
-        elif dataclasses.is_dataclass(obj):
-            items = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
-        elif isinstance(obj, (tuple, deque)):  # a namedtuple or a deque
-            items = enumerate(obj)
-        elif hasattr(obj, "arg") and hasattr(obj, "node"):  # Send
-            items = (("arg", obj.arg),)
         else:
-            return None
+            kind = _kind(cls)
+            if kind is _Kind.PLAIN:
+                return None  # subclasses of plain types; errors are stored as their repr
+            if not self._allows((cls.__module__, cls.__name__)):
+                return [], cls
+            if kind is _Kind.MODEL:
+                fields = vars(obj)
+                if _nothing_inside(fields.values()):
+                    return None
+                items = fields.items()
+            elif kind is _Kind.DATACLASS:
+                items = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
+            elif kind is _Kind.SEQUENCE:
+                items = enumerate(obj)
+            elif hasattr(obj, "arg") and hasattr(obj, "node"):  # Send
+                items = (("arg", obj.arg),)
+            else:
+                return None
         for step, value in items:
             if type(value) in _PLAIN_TYPES or (not value and type(value) in _EMPTY_FINE):
                 continue
@@ -293,12 +339,26 @@ def _computed_fields(model: Any) -> frozenset[str]:
     return frozenset(model.model_computed_fields)
 
 
-def _model_from_dump(model: Any, dump: dict[str, Any]) -> Any:
+@functools.lru_cache(maxsize=1024)
+def _by_keywords(model: Any) -> bool:
+    """Whether `model(**fields)` validates a dump as `model_validate(dump, by_name=True)`
+    does: no field is known by an alias, and the model is not a root model."""
+    if issubclass(model, RootModel):
+        return False
+    return all(
+        field.alias in (None, name) and field.validation_alias in (None, name)
+        for name, field in model.model_fields.items()
+    )
+
+
+def _model_from_dump(model: Any, dump: Any) -> Any:
     """A Pydantic model, validated, from LangGraph's `model_dump()` of it: fields by
     name (whatever the aliases), and the computed fields the dump also holds left out."""
     computed = _computed_fields(model)
-    if computed:
+    if computed and isinstance(dump, dict):
         dump = {k: v for k, v in dump.items() if k not in computed}
+    if type(dump) is dict and _by_keywords(model):
+        return model(**dump)
     return model.model_validate(dump, by_name=True)
 
 
