@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
 from workflows import Context, Workflow, step
 from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
 
-from remit_core import NOT_APPLIED, effect
 from remit_core.errors import ResumeConflict
 from remit_llamaindex import RemitRuntime
 from remit_llamaindex.probe import _settle as settle
@@ -37,36 +37,7 @@ def new_run() -> str:
     return f"probe10-{uuid.uuid4().hex[:12]}"
 
 
-def _dir() -> Path:
-    return Path(os.environ["PROBE10_DIR"])
-
-
-def enter(name: str) -> None:
-    with (_dir() / "journal.txt").open("a") as f:
-        f.write(f"{name} {os.getpid()}\n")
-
-
-def entered(tmp: Path) -> list[str]:
-    path = tmp / "journal.txt"
-    return [line.split()[0] for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def applied(tmp: Path) -> list[str]:
-    """Every application of `pay`, as "<idempotency key> <what>"."""
-    path = tmp / "sink.txt"
-    return path.read_text().splitlines() if path.exists() else []
-
-
-def _reconcile(key: str) -> Any:
-    hits = [line for line in applied(_dir()) if line.split()[0] == key]
-    return hits[0].split()[1] if hits else NOT_APPLIED
-
-
-@effect(reconcile=_reconcile)
-def pay(what: str, *, idempotency_key: str) -> str:
-    with (_dir() / "sink.txt").open("a") as f:
-        f.write(f"{idempotency_key} {what}\n")
-    return what
+applied = payments
 
 
 def crash_here(point: str) -> None:
@@ -160,7 +131,7 @@ def answer_in_processes(
     url: str, run: str, who: list[str], tmp: Path, crash: str = ""
 ) -> list[subprocess.CompletedProcess[str]]:
     """Each name answers `run` from its own process, all at the same instant."""
-    env = {**os.environ, "PROBE10_DIR": str(tmp), "PROBE10_CRASH": crash}
+    env = {**os.environ, DIR_VAR: str(tmp), "PROBE10_CRASH": crash}
     at = time.time() + 2.5
     procs = [
         subprocess.Popen(
@@ -190,7 +161,7 @@ def test_a_loop_crashed_mid_round_then_raced_pays_each_round_once(
     after it paid; a recovery elsewhere finishes round 2 without asking again; 4
     processes race to answer round 3: one proceeds, 3 get `ResumeConflict` and enter
     no step. Each round pays once, with the answer that was acknowledged."""
-    monkeypatch.setenv("PROBE10_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
 
     async def first_round() -> None:
@@ -302,7 +273,7 @@ def test_a_fan_out_driver_paused_past_its_lease_is_fenced(
     after it paid); another process takes the run over once the lease ran out and
     finishes it; the paused driver, continued, writes nothing more and pays nothing
     more. Each item is paid once."""
-    monkeypatch.setenv("PROBE10_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
     env = {
         **os.environ,
@@ -374,7 +345,7 @@ def test_a_fork_killed_during_its_resume_is_recovered_on_its_own_branch(
     elsewhere names the same branch; recovering it finishes round 2 with the
     acknowledged answer, without paying again; the original branch's round 2 is still
     pending and is answered on its own. Round 1, paid before the fork, is paid once."""
-    monkeypatch.setenv("PROBE10_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
 
     async def two_rounds_in() -> str:
@@ -511,7 +482,7 @@ def test_racers_for_two_parallel_waiters_each_consume_at_most_once(
     side at most one proceeds and its branch runs once; every other racer gets
     `ResumeConflict`; a side nobody won is still pending and its answer then finishes
     the run. Each branch pays once, with its winner's answer."""
-    monkeypatch.setenv("PROBE10_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
 
     async def start() -> None:
@@ -583,7 +554,7 @@ def test_a_paused_resumer_of_a_fork_of_a_fork_is_fenced(
     paid; another process takes that branch over and finishes it without paying again;
     the continued process writes nothing. The fork it came from and the original run
     still wait where they were."""
-    monkeypatch.setenv("PROBE10_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
 
     async def forks() -> tuple[str, str]:
@@ -659,7 +630,7 @@ def test_a_recoverer_overtaken_by_another_process_gets_resume_conflict(
     finishes it. This one lost a race of resumers: `ResumeConflict`, no step entered
     here (it raised `ForkWithoutIntent`, telling the user to pass a fork token).
     Each item is paid once."""
-    monkeypatch.setenv("PROBE10_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
     code = FAN_DRIVER.format(tests=TESTS, url=store_url, run=run)
     dead = subprocess.run(

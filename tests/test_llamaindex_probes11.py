@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
 from pydantic import BaseModel
 from workflows import Context, Workflow, step
 from workflows.events import HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
 
-from remit_core import NOT_APPLIED, effect
 from remit_core.errors import ResumeConflict
 from remit_llamaindex import RemitRuntime
 
@@ -34,36 +34,7 @@ def new_run() -> str:
     return f"probe11-{uuid.uuid4().hex[:12]}"
 
 
-def _dir() -> Path:
-    return Path(os.environ["PROBE11_DIR"])
-
-
-def enter(name: str) -> None:
-    with (_dir() / "journal.txt").open("a") as f:
-        f.write(f"{name} {os.getpid()}\n")
-
-
-def entered(tmp: Path) -> list[str]:
-    path = tmp / "journal.txt"
-    return [line.split()[0] for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def applied(tmp: Path) -> list[str]:
-    """Every application of `pay`, as "<idempotency key> <what>"."""
-    path = tmp / "sink.txt"
-    return path.read_text().splitlines() if path.exists() else []
-
-
-def _reconcile(key: str) -> Any:
-    hits = [line for line in applied(_dir()) if line.split()[0] == key]
-    return hits[0].split()[1] if hits else NOT_APPLIED
-
-
-@effect(reconcile=_reconcile)
-def pay(what: str, *, idempotency_key: str) -> str:
-    with (_dir() / "sink.txt").open("a") as f:
-        f.write(f"{idempotency_key} {what}\n")
-    return what
+applied = payments
 
 
 async def recovered(rt: RemitRuntime, flow: Workflow, run: str) -> Any:
@@ -80,7 +51,7 @@ async def recovered(rt: RemitRuntime, flow: Workflow, run: str) -> Any:
 def run_driver(code: str, tmp: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "PROBE11_DIR": str(tmp), **env},
+        env={**os.environ, DIR_VAR: str(tmp), **env},
         capture_output=True,
         text=True,
         timeout=60,
@@ -140,7 +111,7 @@ def test_a_driver_killed_after_an_early_commit_is_recovered(
     child pays once. (Before, a run's first checkpoint held its session start and not
     its start event: killed there, the child started again waited for ever, and the
     parent recovered after its own first commit started over under another id.)"""
-    monkeypatch.setenv("PROBE11_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
     code = NEST_DRIVER.format(tests=TESTS, url=store_url, run=run)
     dead = run_driver(code, tmp_path, REMIT_FAILPOINTS=f"checkpoint.after_commit=kill@{commit}")
@@ -214,7 +185,7 @@ def test_an_answer_sent_as_the_head_parks_waits_for_the_parking_claim(
     here for 2 s after the commit) releases its claim. An answer sent from another
     process as soon as the head reads "waiting" is delivered once the claim is free,
     not refused; the run finishes with it, each payment once."""
-    monkeypatch.setenv("PROBE11_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
     code = ASK_DRIVER.format(tests=TESTS, url=store_url, run=run)
     driver = subprocess.Popen(

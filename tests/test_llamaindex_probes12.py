@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
 from workflows import Context, Workflow, step
 from workflows.errors import WorkflowCancelledByUser
 from workflows.events import HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
 
-from remit_core import NOT_APPLIED, effect
 from remit_core.errors import ResumeConflict
 from remit_llamaindex import RemitRuntime
 
@@ -37,38 +37,9 @@ def new_run() -> str:
     return f"probe12-{uuid.uuid4().hex[:12]}"
 
 
-def _dir() -> Path:
-    return Path(os.environ["PROBE12_DIR"])
-
-
-def enter(name: str) -> None:
-    with (_dir() / "journal.txt").open("a") as f:
-        f.write(f"{name} {os.getpid()}\n")
-
-
-def entered(tmp: Path) -> list[str]:
-    path = tmp / "journal.txt"
-    return [line.split()[0] for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def applied(tmp: Path) -> list[str]:
     """Every application of `pay`, as what it paid for."""
-    path = tmp / "sink.txt"
-    return [line.split()[1] for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _reconcile(key: str) -> Any:
-    path = _dir() / "sink.txt"
-    lines = path.read_text().splitlines() if path.exists() else []
-    hits = [line for line in lines if line.split()[0] == key]
-    return hits[0].split()[1] if hits else NOT_APPLIED
-
-
-@effect(reconcile=_reconcile)
-def pay(what: str, *, idempotency_key: str) -> str:
-    with (_dir() / "sink.txt").open("a") as f:
-        f.write(f"{idempotency_key} {what}\n")
-    return what
+    return [line.split()[1] for line in payments(tmp)]
 
 
 class Wait(Workflow):
@@ -126,7 +97,7 @@ def test_a_copy_parked_in_another_runtime_ends_once_the_run_is_answered(
     with its own). A run parked through the first is answered through the second:
     its handler finishes, and the first one's handler ends with `ResumeConflict`
     (before, it waited for ever); the parked copy ran nothing, paid nothing."""
-    monkeypatch.setenv("PROBE12_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
 
     async def go() -> None:
@@ -150,7 +121,7 @@ def test_a_copy_parked_in_another_runtime_ends_cancelled_once_the_run_is_cancell
     """A run parked through one RemitRuntime is cancelled through another
     (`rt.cancel`): the parked handler ends with `WorkflowCancelledByUser`, as it does
     for a cancel through its own runtime, and writes nothing after the cancelled end."""
-    monkeypatch.setenv("PROBE12_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
 
     async def go() -> None:
@@ -173,7 +144,7 @@ def test_a_parked_copy_that_is_watched_still_takes_its_own_answer(
     parked through many beats (a short lease), edited through its own state store
     (which commits a new head from this copy), it still takes its answer and finishes;
     a second answer is refused."""
-    monkeypatch.setenv("PROBE12_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
 
     async def go() -> None:
@@ -201,7 +172,7 @@ def test_a_copy_parked_in_another_thread_ends_once_the_run_is_answered(
     """One RemitRuntime shared by two threads, each with its event loop (a threaded
     server): a run parked in one thread is answered in the other. The parked thread's
     handler ends with `ResumeConflict` instead of waiting for ever."""
-    monkeypatch.setenv("PROBE12_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
     rt = RemitRuntime(store_url, lease=1)
     is_parked = threading.Event()
@@ -261,13 +232,13 @@ def test_a_copy_parked_in_another_process_ends_once_the_run_moves_on(
     process answers it (`rt.respond`) or cancels it (`rt.cancel`). The parked process's
     handler ends with `ResumeConflict`, or `WorkflowCancelledByUser` for the cancel,
     and its process exits; it ran and paid nothing."""
-    monkeypatch.setenv("PROBE12_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
     flag = tmp_path / "parked.flag"
     code = PARKED_DRIVER.format(tests=TESTS, url=store_url, run=run, flag=str(flag))
     driver = subprocess.Popen(
         [sys.executable, "-c", code],
-        env={**os.environ, "PROBE12_DIR": str(tmp_path)},
+        env={**os.environ, DIR_VAR: str(tmp_path)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -353,7 +324,7 @@ def test_racing_recoverers_of_an_accepted_answer_deliver_it_once(
     each other one is refused with `ResumeConflict` (it raced the winner for the
     claim or the head) or gets None (it read the head once the winner had ended the
     run: nothing is left to recover). The step after the answer runs and pays once."""
-    monkeypatch.setenv("PROBE12_DIR", str(tmp_path))
+    monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run = new_run()
 
     async def park() -> None:
@@ -366,7 +337,7 @@ def test_racing_recoverers_of_an_accepted_answer_deliver_it_once(
         [sys.executable, "-c", ANSWER_DRIVER.format(tests=TESTS, url=store_url, run=run)],
         env={
             **os.environ,
-            "PROBE12_DIR": str(tmp_path),
+            DIR_VAR: str(tmp_path),
             "REMIT_FAILPOINTS": "interrupt.after_consume=kill",
         },
         capture_output=True,
@@ -381,7 +352,7 @@ def test_racing_recoverers_of_an_accepted_answer_deliver_it_once(
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
-            env={**os.environ, "PROBE12_DIR": str(tmp_path)},
+            env={**os.environ, DIR_VAR: str(tmp_path)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
