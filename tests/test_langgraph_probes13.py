@@ -17,6 +17,8 @@ from langgraph.channels.delta import DeltaChannel
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, interrupt
+from test_langgraph_saver import extend
+from test_langgraph_saver import logging_steps as steps_logging
 from typing_extensions import TypedDict
 
 import remit_core
@@ -31,23 +33,13 @@ def config(thread: str | None = None, **more: str) -> dict[str, Any]:
 # -- prune keep_latest and DeltaChannel keys ---------------------------------------------
 
 
-def extend(state: list[int], writes: list[list[int]]) -> list[int]:
-    return [*state, *(x for w in writes for x in w)]
-
-
 class Deltas(TypedDict):
     log: Annotated[list[int], DeltaChannel(extend, snapshot_frequency=4)]
     n: int
 
 
 def logging_steps(saver: Any) -> Any:
-    builder = StateGraph(Deltas)
-    for name in ("a", "b"):
-        builder.add_node(name, lambda s: {"log": [s["n"]], "n": s["n"] + 1})
-    builder.add_edge(START, "a")
-    builder.add_edge("a", "b")
-    builder.add_edge("b", END)
-    return builder.compile(checkpointer=saver)
+    return steps_logging(saver, Deltas)
 
 
 @pytest.mark.parametrize("call", ["prune", "aprune"])

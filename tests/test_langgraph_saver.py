@@ -797,8 +797,9 @@ class Deltas(TypedDict):
     n: int
 
 
-def logging_steps(saver: Any) -> Any:
-    builder = StateGraph(Deltas)
+def logging_steps(saver: Any, state: Any = Deltas) -> Any:
+    """Two nodes, each appending the state's `n` to its `log` and counting `n` up."""
+    builder = StateGraph(state)
     for name in ("a", "b"):
         builder.add_node(name, lambda s: {"log": [s["n"]], "n": s["n"] + 1})
     builder.add_edge(START, "a")
