@@ -22,7 +22,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NoReturn, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 from remit_core import codec, failpoints, policy
 from remit_core.errors import (
@@ -52,6 +52,25 @@ DEFAULT_LEASE = 30.0
 _FIRST_ON_MAIN = policy.CommitPlan(MAIN_BRANCH, None, 1)
 #: How many checkpoints of main a `Remit` remembers to skip planning a commit after them.
 _SEEN_MAX = 1024
+
+
+class _CommitAsk(NamedTuple):
+    """What `Remit.commit` was asked to store (its checks passed)."""
+
+    run_id: str
+    checkpoint_id: str
+    parent_id: str | None
+    state: bytes
+    ns: str
+    metadata: Mapping[str, Any] | None
+    fork_token: str | None
+    schema_version: int
+    workflow_version: str
+    blobs: Mapping[str, bytes] | None
+    writes: Sequence[WriteRecord]
+    fence: FenceRef | None
+    plan: policy.CommitPlan | None
+    allow_new_root: bool
 
 
 def _ckpt_identity(ns: str, checkpoint_id: str) -> str:
@@ -690,43 +709,25 @@ class Remit:
         for w in writes:
             _checked_write(w)
         check_fence_run(fence, run_id)  # (its writes may be other runs': they ride with it)
+        ask = _CommitAsk(
+            run_id, checkpoint_id, parent_id, state, ns, metadata, fork_token,
+            schema_version, workflow_version, blobs, writes, fence, plan, allow_new_root,
+        )  # fmt: skip
         try:
-            return self._commit(
-                run_id, checkpoint_id, parent_id, state, ns, metadata, fork_token,
-                schema_version, workflow_version, blobs, writes, fence, plan,
-                allow_new_root, release,
-            )  # fmt: skip
+            return self._commit(ask, release)
         except (ForkWithoutIntent, HeadMoved) as exc:
             # A retry of a commit that landed (its reply was lost) finds its parent
             # no longer a head: the same checkpoint stored is its answer.
-            stored = self._landed(
-                exc, run_id, checkpoint_id, parent_id, state, ns, metadata, fork_token,
-                schema_version, workflow_version, blobs, writes, plan,
-            )  # fmt: skip
+            stored = self._landed(exc, ask)
             if release is not None:
                 with contextlib.suppress(StoreUnavailable):
                     self.store.release_claim(release.claim)
                 release._given_up()
             return stored
 
-    def _commit(
-        self,
-        run_id: str,
-        checkpoint_id: str,
-        parent_id: str | None,
-        state: bytes,
-        ns: str,
-        metadata: Mapping[str, Any] | None,
-        fork_token: str | None,
-        schema_version: int,
-        workflow_version: str,
-        blobs: Mapping[str, bytes] | None,
-        writes: Sequence[WriteRecord],
-        fence: FenceRef | None,
-        plan: policy.CommitPlan | None,
-        allow_new_root: bool,
-        release: ClaimHandle | None,
-    ) -> CheckpointRecord:
+    def _commit(self, ask: _CommitAsk, release: ClaimHandle | None) -> CheckpointRecord:
+        run_id, ns, parent_id, fork_token = ask.run_id, ask.ns, ask.parent_id, ask.fork_token
+        plan, state = ask.plan, ask.state
         guess = None
         if plan is None and fork_token is None and parent_id is None:
             # A first checkpoint usually starts a new run: try to create main
@@ -742,17 +743,17 @@ class Remit:
             plan
             or guess
             or self.plan(
-                run_id, parent_id, ns=ns, fork_token=fork_token, allow_new_root=allow_new_root
+                run_id, parent_id, ns=ns, fork_token=fork_token, allow_new_root=ask.allow_new_root
             )
         )
         if plan.fork is not None:
             # The store encodes the metadata with the checkpoint; refused there, it
             # would leave this branch behind: encode it before creating anything.
-            codec.dumps(dict(metadata or {}), exact=False)
+            codec.dumps(dict(ask.metadata or {}), exact=False)
             # The branch is made before the commit's fenced write: fenced too, a
             # holder whose claim was taken over leaves none behind (L2).
             failpoints.hit("fork.before_create")
-            created = self.store.create_branch(plan.fork, fence=fence)
+            created = self.store.create_branch(plan.fork, fence=ask.fence)
             if created.head_id != parent_id:
                 raise HeadMoved(
                     f"fork token {fork_token!r} already continued past {parent_id!r}",
@@ -763,26 +764,26 @@ class Remit:
         now = self.clock()
         record = CheckpointRecord(
             run_id=run_id,
-            checkpoint_id=checkpoint_id,
+            checkpoint_id=ask.checkpoint_id,
             branch=plan.branch,
             parent_id=parent_id,
-            state=codec.seal(state, _ckpt_identity(ns, checkpoint_id)),
+            state=codec.seal(state, _ckpt_identity(ns, ask.checkpoint_id)),
             ns=ns,
             seq=plan.seq,
-            metadata=dict(metadata or {}),
-            schema_version=schema_version,
-            workflow_version=workflow_version,
+            metadata=dict(ask.metadata or {}),
+            schema_version=ask.schema_version,
+            workflow_version=ask.workflow_version,
             created_at=now,
         )
         sealed_blobs = (
             [
                 BlobRecord(run_id, k, codec.seal(v, f"blob\x00{ns}\x00{k}"), ns)
-                for k, v in blobs.items()
+                for k, v in ask.blobs.items()
             ]
-            if blobs
+            if ask.blobs
             else ()
         )
-        sealed_writes = [self._seal_write(w) for w in writes] if writes else ()
+        sealed_writes = [self._seal_write(w) for w in ask.writes] if ask.writes else ()
         failpoints.hit("checkpoint.before_commit")
         while True:
             try:
@@ -791,7 +792,7 @@ class Remit:
                     expected_head=plan.expected_head,
                     blobs=sealed_blobs,
                     writes=sealed_writes,
-                    fence=fence,
+                    fence=ask.fence,
                     release=None if release is None else release.claim,
                 )
                 break
@@ -799,7 +800,7 @@ class Remit:
                 if guess is None:
                     raise
                 guess = None
-                plan = self.plan(run_id, parent_id, ns=ns, allow_new_root=allow_new_root)
+                plan = self.plan(run_id, parent_id, ns=ns, allow_new_root=ask.allow_new_root)
                 record = dataclasses.replace(record, branch=plan.branch, seq=plan.seq)
         if release is not None:
             release._given_up()
@@ -809,43 +810,29 @@ class Remit:
         failpoints.hit("checkpoint.after_commit")
         return opened
 
-    def _landed(
-        self,
-        exc: ForkWithoutIntent | HeadMoved,
-        run_id: str,
-        checkpoint_id: str,
-        parent_id: str | None,
-        state: bytes,
-        ns: str,
-        metadata: Mapping[str, Any] | None,
-        fork_token: str | None,
-        schema_version: int,
-        workflow_version: str,
-        blobs: Mapping[str, bytes] | None,
-        writes: Sequence[WriteRecord],
-        plan: policy.CommitPlan | None,
-    ) -> CheckpointRecord:
+    def _landed(self, exc: ForkWithoutIntent | HeadMoved, ask: _CommitAsk) -> CheckpointRecord:
         """The stored checkpoint `checkpoint_id` if it is this commit's, verified; else
         re-raise `exc` (naming the stored checkpoint and what differs if there is one)."""
+        run_id, checkpoint_id, ns, blobs = ask.run_id, ask.checkpoint_id, ask.ns, ask.blobs
         found = self.store.get_checkpoint(run_id, ns, checkpoint_id)
         if found is None:
             raise exc
         stored = self._open_ckpt(found)
         differs = _checkpoint_differs(
-            stored, parent_id, state, metadata, schema_version, workflow_version
+            stored, ask.parent_id, ask.state, ask.metadata, ask.schema_version, ask.workflow_version
         )
         if differs is None:
             branch = next(
                 (b for b in self.store.list_branches(run_id, ns) if b.branch == stored.branch),
                 None,
             )
-            if not _branch_fits(stored, branch, parent_id, fork_token, plan):
+            if not _branch_fits(stored, branch, ask.parent_id, ask.fork_token, ask.plan):
                 differs = f"branch ({stored.branch!r})"
         if differs is None and blobs:
             kept = self.blobs(run_id, list(blobs), ns=ns)
             differs = next((f"blob {k!r}" for k, v in blobs.items() if kept.get(k) != v), None)
-        if differs is None and writes:
-            differs = self._writes_differ(writes)
+        if differs is None and ask.writes:
+            differs = self._writes_differ(ask.writes)
         if differs is not None:
             raise type(exc)(
                 f"checkpoint {checkpoint_id!r} is already stored with another {differs}; "
