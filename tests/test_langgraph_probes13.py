@@ -17,6 +17,7 @@ from langgraph.channels.delta import DeltaChannel
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, interrupt
+from test_langgraph_probes14 import blocking
 from test_langgraph_saver import extend
 from test_langgraph_saver import logging_steps as steps_logging
 from typing_extensions import TypedDict
@@ -205,22 +206,8 @@ def test_a_thread_deleted_under_a_running_run_is_not_brought_back(
     PostgreSQL the delete removed the claim last, so such a write committed a step's
     checkpoint after the delete had passed its table (or the two deadlocked)."""
     entered, leave = threading.Event(), threading.Event()
-
-    def slow(state: Log) -> dict[str, Any]:
-        entered.set()
-        leave.wait(60)
-        return {"log": ["b"]}
-
-    builder = StateGraph(Log)
-    builder.add_node("a", lambda s: {"log": ["a"]})
-    builder.add_node("b", slow)
-    builder.add_node("c", lambda s: {"log": ["c"]})
-    builder.add_edge(START, "a")
-    builder.add_edge("a", "b")
-    builder.add_edge("b", "c")
-    builder.add_edge("c", END)
     saver = RemitSaver(url)
-    graph = builder.compile(checkpointer=saver)
+    graph = blocking(saver, entered, leave)
     cfg = config()
     thread = cfg["configurable"]["thread_id"]
     outcome: list[BaseException | dict[str, Any]] = []
