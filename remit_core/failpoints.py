@@ -5,6 +5,11 @@ arms points at import; `arm()` arms them in a running (e.g. forked) process.
 Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP this process),
 `raise` (`FailpointHit`), `sleep:SECONDS`. A point may carry a count
 (`name=kill@3`: act on its third hit).
+
+A `stop` waits until no other thread of the process is inside a store statement
+(see `hold_at_stop`): a process stopped inside an SQLite write would keep every
+other process from writing to the file, which is SQLite's locking at work, not
+the zombie the point is there to make.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from remit_core.errors import RemitError
 
@@ -49,6 +55,12 @@ class FailpointHit(RemitError):
 
 _armed: dict[str, tuple[str, int]] = {}
 _hits: dict[str, int] = {}
+_held_at_stop: list[tuple[Callable[[], None], Callable[[], None]]] = []
+
+
+def hold_at_stop(hold: Callable[[], None], release: Callable[[], None]) -> None:
+    """Call `hold` before a `stop` and `release` once the process is continued."""
+    _held_at_stop.append((hold, release))
 
 
 def arm(name: str, action: str) -> None:
@@ -94,8 +106,14 @@ def hit(name: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":
-        # At this thread, so that it stops here, not a little later (see ProbeEnv.point).
-        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        for hold, _ in _held_at_stop:
+            hold()
+        try:
+            # At this thread, so that it stops here, not a little later (see ProbeEnv.point).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        finally:
+            for _, release in reversed(_held_at_stop):
+                release()
     elif action == "raise":
         raise FailpointHit(f"failpoint {name} hit")
     else:

@@ -14,6 +14,8 @@ import json
 import os
 import signal
 import sqlite3
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from remit_core import (
     run_effect,
     step_scope,
 )
+from remit_core.records import WriteRecord
 
 
 def in_child(fn: Callable[[], Any]) -> tuple[int | None, Any]:
@@ -211,3 +214,42 @@ def test_sigkill_in_effect_then_recovery_applies_once(
     assert len(sink.attempts()) == attempts
     entry = remit.store.get_effect(run_id, "charge/charge#0")
     assert entry is not None and entry.status == "done" and entry.idempotency_key == keys[0]
+
+
+# -- a stopped process ---------------------------------------------------------------
+
+
+def test_a_stop_lets_another_threads_sqlite_write_finish_first(tmp_path: Path) -> None:
+    """A process stopped at a point (the zombie of the L2 tests) is stopped between
+    statements: another of its threads inside an SQLite write (a lease renewal, say)
+    commits first, so other processes can write to the file while it is stopped."""
+    url = f"sqlite:///{tmp_path / 'remit.db'}"
+    store = open_store(url)
+    first = WriteRecord("run", "ckpt", "task", 0, "channel", b"first")
+    pid = os.fork()
+    if pid == 0:  # the zombie: a writer thread in its transaction, this thread stops
+        try:
+            # expect_absent writes in a transaction, and the point is inside it.
+            failpoints.arm("writes.in_txn", "sleep:1.0")
+            failpoints.arm("step.before", "stop")
+            writer = threading.Thread(
+                target=store.put_writes, args=([first],), kwargs={"mode": "expect_absent"}
+            )
+            writer.start()
+            time.sleep(0.3)
+            failpoints.hit("step.before")
+            writer.join()
+        finally:
+            os._exit(0)
+    try:
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        other = open_store(url + "?busy_timeout=500")
+        other.put_writes(
+            [WriteRecord("run", "ckpt", "task", 1, "channel", b"second")], mode="first"
+        )
+        assert [w.value for w in other.get_writes("run", "", "ckpt")] == [b"first", b"second"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

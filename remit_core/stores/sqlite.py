@@ -391,10 +391,11 @@ class _Transaction:
             store._lock.release()
 
 
-def _before_fork() -> None:
-    """Fork only between statements: a thread of this process inside SQLite at the
-    fork (a lease renewal, say) would leave SQLite's process-wide mutexes locked
-    in the child, whose first open of any SQLite file would then hang. Every
+def _hold_every_store() -> None:
+    """Fork or stop only between statements. A thread of this process inside SQLite
+    at a fork (a lease renewal, say) would leave SQLite's process-wide mutexes
+    locked in the child, whose first open of any SQLite file would then hang; one
+    inside a write at a stop would hold the file's write lock while stopped. Every
     statement runs under its store's lock, so holding all of them is enough."""
     while True:
         try:
@@ -404,19 +405,19 @@ def _before_fork() -> None:
             continue
     for store in stores:
         store._lock.acquire()
-    _held_at_fork[:] = stores
+    _held_stores[:] = stores
 
 
-def _after_fork_in_parent() -> None:
-    for store in _held_at_fork:
+def _release_every_store() -> None:
+    for store in _held_stores:
         store._lock.release()
-    _held_at_fork.clear()
+    _held_stores.clear()
 
 
 def _after_fork_in_child() -> None:
     """The parent's connections and locks are not the child's: a connection is
     re-opened on first use, and each store gets a lock of its own."""
-    _held_at_fork.clear()
+    _held_stores.clear()
     for store in list(_open_stores):
         store._lock = threading.RLock()
         store._conn = None
@@ -426,12 +427,13 @@ def _after_fork_in_child() -> None:
 
 
 _open_stores: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
-_held_at_fork: list[SQLiteStore] = []
+_held_stores: list[SQLiteStore] = []
 os.register_at_fork(
-    before=_before_fork,
-    after_in_parent=_after_fork_in_parent,
+    before=_hold_every_store,
+    after_in_parent=_release_every_store,
     after_in_child=_after_fork_in_child,
 )
+failpoints.hold_at_stop(_hold_every_store, _release_every_store)
 
 
 class SQLiteStore(SqlStore):
