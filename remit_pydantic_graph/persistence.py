@@ -60,7 +60,7 @@ import anyio.to_thread
 import pydantic
 from pydantic_graph import BaseNode, End
 from pydantic_graph.basenode import generate_snapshot_id
-from pydantic_graph.exceptions import GraphNodeStatusError
+from pydantic_graph.exceptions import GraphNodeStatusError, GraphRuntimeError
 from pydantic_graph.graph import Graph
 from pydantic_graph.persistence import (
     BaseStatePersistence,
@@ -97,6 +97,17 @@ _ANSWERABLE = ("created", "pending", "error")
 _OWN_NEXT_PATIENCE = 2.0
 #: How often a resumer whose consumed answer's commit was fenced looks again (`_deliver`).
 _DELIVER_TRIES = 3
+
+
+class EndNotRunnable(GraphNodeStatusError):
+    """`record_run` of the snapshot of a run's end: an end is not a node, it has
+    nothing to run (pydantic-graph's own persistences assert a node snapshot)."""
+
+    def __init__(self, snapshot_id: str) -> None:
+        self.actual_status = "success"
+        GraphRuntimeError.__init__(
+            self, f"snapshot {snapshot_id!r} is the run's end, not a node: there is nothing to run"
+        )
 
 
 @dataclass
@@ -859,7 +870,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             if head is None or why is not None:
                 head = self._fork(resumer, snapshot_id, heartbeat=True, why=why or "")
             if not head.top.is_node:
-                raise GraphNodeStatusError(head.top.status)
+                raise EndNotRunnable(head.top.id)
             GraphNodeStatusError.check(head.top.status)
             before = head.top.status
             self._set_status(resumer, head.top, "running")

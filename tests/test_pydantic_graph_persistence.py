@@ -42,7 +42,7 @@ from remit_core.conformance.adapter import Target
 from remit_core.conformance.processes import Barrier, fork
 from remit_core.conformance.storage import corrupt_remit_checkpoint
 from remit_core.conformance.world import EffectSink, Journal, WorldDB
-from remit_pydantic_graph import RemitStatePersistence
+from remit_pydantic_graph import EndNotRunnable, RemitStatePersistence
 
 LEASE = 1.0
 
@@ -1212,3 +1212,30 @@ def test_record_run_and_load_next_as_the_interface_documents(url: str, run_id: s
     ]
     (stored,) = asyncio.run(persistence(url, run_id).load_all())  # seen by another instance
     assert stored.status == "success" and stored.duration is not None
+
+
+def test_record_run_of_a_runs_end_is_refused_naming_it(url: str, run_id: str) -> None:
+    """An end is not a node: `record_run` of its id is refused with an error that says
+    so (a `GraphNodeStatusError`, as for a node already run), and nothing is stored."""
+
+    async def script() -> tuple[list[Any], EndNotRunnable, list[Any]]:
+        p = persistence(url, run_id)
+        p.set_graph_types(GRAPH)
+        await p.snapshot_node(fresh(), Start())
+        first = await p.load_next()
+        async with p.record_run(first.id):
+            pass
+        await p.snapshot_end(fresh(), End("done"))
+        before = await p.load_all()
+        with pytest.raises(EndNotRunnable) as refused:
+            async with p.record_run(before[-1].id):
+                raise AssertionError("the body ran")
+        return before, refused.value, await persistence(url, run_id).load_all()
+
+    before, error, after = asyncio.run(script())
+    assert isinstance(before[-1], EndSnapshot)
+    assert isinstance(error, GraphNodeStatusError)
+    assert repr(before[-1].id) in str(error) and "the run's end, not a node" in str(error)
+    assert [(s.id, getattr(s, "status", None)) for s in after] == [
+        (s.id, getattr(s, "status", None)) for s in before
+    ]
