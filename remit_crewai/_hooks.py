@@ -7,7 +7,8 @@ they act only on flows whose persistence is one:
 
 - EXECUTION_START: a kickoff with `inputs["id"]` claims that flow and hands
   it its completion ledger, which `_replay` replays as CrewAI restarts it.
-- PRE_STEP: the step runs under the flow's claim; the first step after a
+- PRE_STEP: the step runs under the flow's claim; the first step of a
+  restart given inputs checks the state they made; the first step after a
   resume consumes the pending feedback; effects inside get a step scope
   keyed by branch, method and occurrence.
 - POST_STEP: notes the route a router took, for the save that completes it;
@@ -193,10 +194,13 @@ def _on_pre_step(ctx: Any) -> None:
     if backend is None or ctx.kind != "flow_method":
         return
     ex = current_execution.get()
+    first = ex is not None and not ex.stepping and ex.flow() is ctx.flow
     if ex is not None:
         ex.stepping = True
     try:
         session = backend._step_session(ctx.flow)
+        if first and ex is not None:
+            backend._check_inputs(session, ctx.flow, ex)
         if session.pending is not None:
             backend._accept(session, ctx.flow)
     except RemitError as exc:

@@ -1136,6 +1136,18 @@ class RemitFlowPersistence(FlowPersistence):
         finally:
             self._release(session)
 
+    def _check_inputs(self, session: Session, flow: Flow[Any], ex: Execution) -> None:
+        """Before the first step of `kickoff(inputs={"id": X, **more})` runs: the state CrewAI
+        made by merging `more` into X's head must be valid as a save is (`CheckpointInvalid`
+        naming the field, nothing run). An input is an external update of the state (P4):
+        no step may act on, and apply effects with, a state no save would accept."""
+        if ex.restart != session.flow_id or session.head is None:
+            return
+        if not set(ex.inputs or ()) - {"id"}:
+            return  # no inputs but the id: the state is the head's, which validated
+        with session.lock:
+            self._plain_state(session, flow.state)
+
     def _keep_inputs(self, session: Session, flow: Flow[Any]) -> None:
         """A restart that ended with a state its head does not hold: the inputs of
         `kickoff(inputs={"id": X, **more})`, which CrewAI merges into the restored state,
@@ -1334,11 +1346,27 @@ def _as_model(model: type[BaseModel], data: Mapping[str, Any]) -> BaseModel | di
 
 @functools.lru_cache(maxsize=256)
 def _renamed(model: type[BaseModel]) -> bool:
-    """Whether a field of `model` is read or written by another name than its own."""
+    """Whether a field of `model`, or of a model, dataclass or TypedDict nested in it, is
+    read or written by another name than its own (a nested model that reads a field by
+    its alias only would refuse, or drop, the field stored by name)."""
+    return _aliased(model.__pydantic_core_schema__)
+
+
+def _aliased(node: Any, name: str | None = None) -> bool:
+    """Whether pydantic core schema `node` (a field named `name`, or what holds fields)
+    gives a field an alias other than its name."""
+    if isinstance(node, (list, tuple)):
+        return any(_aliased(item) for item in node)
+    if not isinstance(node, Mapping):
+        return False
+    own = node.get("name", name)
+    if any(node.get(k) not in (None, own) for k in ("validation_alias", "serialization_alias")):
+        return True
     return any(
-        name not in (None, field)
-        for field, info in model.model_fields.items()
-        for name in (info.alias, info.validation_alias, info.serialization_alias)
+        any(_aliased(f, str(n)) for n, f in value.items())
+        if key == "fields" and isinstance(value, Mapping)
+        else _aliased(value)
+        for key, value in node.items()
     )
 
 

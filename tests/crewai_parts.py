@@ -6,6 +6,7 @@ from typing import Any
 
 from remit_core.conformance.world import EffectSink
 from remit_core.effects import effect
+from remit_crewai import RemitFlowPersistence
 
 
 class Later:
@@ -25,3 +26,13 @@ def sink_effect(sink: EffectSink, kind: str) -> Any:
         return sink.apply(kind, idempotency_key)
 
     return effect(apply, name=kind, reconcile=sink.reconcile)
+
+
+def stored_flow(url: str, flow_id: str) -> dict[str, Any]:
+    """What a new persistence reads of flow `flow_id`: its state and its checkpoints'
+    kinds, newest first."""
+    store = RemitFlowPersistence(url)
+    return {
+        "state": store.load_state(flow_id),
+        "kinds": [c.kind for c in store.checkpoints(flow_id)],
+    }

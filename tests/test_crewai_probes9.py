@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from crewai_parts import Later
+from crewai_parts import Later, stored_flow
 from test_crewai_flows import applied, entered, kickoff, resume, review_flow, run
 
 from remit_core import failpoints
@@ -187,13 +187,6 @@ def test_an_invalid_input_to_a_finished_flows_restart_is_refused(url: str) -> No
     assert bad.raised("CheckpointInvalid"), bad.summary()
     assert "note" in bad.error_text()
 
-    def after() -> dict[str, Any]:
-        store = RemitFlowPersistence(url)
-        return {
-            "state": store.load_state(flow_id),
-            "kinds": [c.kind for c in store.checkpoints(flow_id)],
-        }
-
-    seen = run(after)
+    seen = run(lambda: stored_flow(url, flow_id))
     assert seen.ok, seen.summary()
     assert seen.value == {"state": {"id": flow_id, "items": 2}, "kinds": ["step", "step"]}
