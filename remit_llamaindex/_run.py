@@ -135,23 +135,31 @@ def check_is_event(event: object) -> None:
         )
 
 
-def validated_event(event: Event, serializer: JsonSerializer, **ids: Any) -> None:
-    """Re-validate a delivered event against its own model (catches `model_construct`),
-    and refuse one the store would give back as another value (`unstorable_event`).
-    Anything but an `Event` is refused with `TypeError`."""
-    check_is_event(event)
+def check_event_model(event: Event, outcome: str, *, qualified: bool, **ids: Any) -> None:
+    """Re-validate an event from outside against its own model (catches `model_construct`
+    and a field assigned after construction): `CheckpointInvalid` naming the field
+    (with the event's type if `qualified`); `outcome` says what came of the event."""
     try:
         type(event).model_validate(event.model_dump())
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
+        name = type(event).__name__
         raise CheckpointInvalid(
-            f"{type(event).__name__} does not satisfy its model at {field}: "
-            f"{first.get('msg')}; the event was not delivered",
-            field=field,
+            f"{name} does not satisfy its model at {field}: {first.get('msg')}; {outcome}",
+            field=f"{name}.{field}" if qualified else field,
             **ids,
         ) from exc
-    check_event_storable(event, serializer, "the event was not delivered", qualified=False, **ids)
+
+
+def validated_event(event: Event, serializer: JsonSerializer, **ids: Any) -> None:
+    """Refuse a delivered event that fails its own model (`check_event_model`) or that
+    the store would give back as another value (`unstorable_event`). Anything but an
+    `Event` is refused with `TypeError`."""
+    check_is_event(event)
+    outcome = "the event was not delivered"
+    check_event_model(event, outcome, qualified=False, **ids)
+    check_event_storable(event, serializer, outcome, qualified=False, **ids)
 
 
 def check_awaited(state: BrokerState, event: Event, step: StepId | None, **ids: Any) -> None:
@@ -644,7 +652,7 @@ class Session:
 
     def _open_interrupts(self, fence: FenceRef | None) -> None:
         fresh = {
-            w.interrupt_id: _prompt(w)
+            w.interrupt_id: snap.waiter_prompt(w)
             for w in snap.waiters(self.mirror)
             if w.pending and w.interrupt_id not in self.opened
         }
@@ -847,14 +855,13 @@ class Session:
                 **ids,
             )
         if hit:
-            return {w.interrupt_id: _prompt(w) for w in hit}
+            return {w.interrupt_id: snap.waiter_prompt(w) for w in hit}
         answer = snap.is_answer(tick.event)
         if answer:
             taken = set(self.answering.values())
             for interrupt_id, prompt in self.asks.items():
                 if interrupt_id not in taken:
                     return {interrupt_id: prompt}
-        types = snap.event_types(tick.event)
         for record in await asyncio.to_thread(
             self.remit.interrupts, self.run_id, branch=self.branch
         ):
@@ -868,7 +875,7 @@ class Session:
                     interrupt_id=record.interrupt_id,
                     **ids,
                 )
-            if prompt.get("kind") != "ask" and prompt.get("event_type") in types:
+            if snap.would_answer(prompt, tick.event):
                 raise ResumeConflict(
                     "interrupt was already consumed; the value was not delivered",
                     interrupt_id=record.interrupt_id,
@@ -935,10 +942,6 @@ def _delivered_sends(
         if indexes:
             found[key] = (ip.attempts, frozenset(indexes))
     return found
-
-
-def _prompt(w: snap.Waiter) -> dict[str, Any]:
-    return {"step": w.step, "waiter_id": w.waiter_id, "event_type": w.event_type}
 
 
 class _Unstorable(Exception):

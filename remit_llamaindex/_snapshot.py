@@ -168,13 +168,16 @@ def rearmed_timeouts(
 
 
 def requirements(state: BrokerState) -> dict[str, dict[str, Any]]:
-    """The `requirements` of the pending waiters, by interrupt id, where plain data can
-    hold them. The framework's snapshot drops them: a restored waiter would take any
+    """The `requirements` of the waiters, by interrupt id, where plain data can hold
+    them. The framework's snapshot drops them: a restored waiter would take any
     event of its type until its step ran again, so one answer would resolve every
-    waiter of that type."""
+    waiter of that type. A resolved waiter keeps its step's earlier answer (a step
+    that waits again, for another answer, finds it there when it runs again): without
+    its requirements, the next answer would resolve it too, and the framework would
+    run its step once more for it, beside a re-run of that step still in flight."""
     kept = {}
     for w in waiters(state):
-        if w.pending and w.requirements:
+        if w.requirements:
             try:
                 codec.dumps(w.requirements)
             except TypeError:  # the framework's re-run of the step restores these
@@ -227,6 +230,30 @@ def is_answer(event: Event) -> bool:
 def event_types(event: Event) -> set[str]:
     """Qualified names of an event's class and its bases (what a waiter may wait for)."""
     return {_qualname(c) for c in type(event).__mro__}
+
+
+def waiter_prompt(w: Waiter) -> dict[str, Any]:
+    """What a waiter's interrupt stores about it: its step, waiter id, the event type it
+    waits for and, where plain data can hold them, its `requirements`."""
+    prompt: dict[str, Any] = {"step": w.step, "waiter_id": w.waiter_id, "event_type": w.event_type}
+    if w.requirements:
+        try:
+            codec.dumps(w.requirements)
+        except TypeError:  # (then the event type alone names what it waited for)
+            return prompt
+        prompt["requirements"] = w.requirements
+    return prompt
+
+
+def would_answer(prompt: dict[str, Any], event: Event) -> bool:
+    """Whether `event` answers the waiter an interrupt's `prompt` describes: of the type
+    it waits for, and meeting its stored `requirements` (the reducer's matching). A
+    refusal of an event for a consumed interrupt names that waiter's, not another
+    one's of the same type."""
+    if prompt.get("kind") == "ask" or prompt.get("event_type") not in event_types(event):
+        return False
+    wanted = prompt.get("requirements") or {}
+    return all(getattr(event, k, None) == v for k, v in wanted.items())
 
 
 def takes(state: BrokerState, event: Event, step: StepId | None = None) -> bool:

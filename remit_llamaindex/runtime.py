@@ -95,6 +95,7 @@ from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import (
     Session,
     check_awaited,
+    check_event_model,
     check_is_event,
     checked_new_run_id,
     new_checkpoint_id,
@@ -213,15 +214,12 @@ class RemitRuntime(BaseRuntimeDecorator):
     ) -> ExternalRunAdapter:
         json_ser = snap.require_json(serializer or self.get_serializer(workflow))
         if start_event is not None:
-            # Refused before anything is stored: a step re-run after a crash would
-            # see the other value the checkpoint gives back.
-            check_event_storable(
-                start_event,
-                json_ser,
-                "the run was not started and nothing was stored",
-                qualified=True,
-                run_id=run_id,
-            )
+            # Refused before anything is stored: a value its own model refuses (set
+            # after construction), or one a step re-run after a crash would see as
+            # the other value the checkpoint gives back.
+            outcome = "the run was not started and nothing was stored"
+            check_event_model(start_event, outcome, qualified=True, run_id=run_id)
+            check_event_storable(start_event, json_ser, outcome, qualified=True, run_id=run_id)
         drawn = _child.was_drawn(run_id)
         child = None
         found: Session | _child.EndedRun
@@ -866,11 +864,10 @@ class RemitRuntime(BaseRuntimeDecorator):
     ) -> ResumeConflict | None:
         """The refusal naming a consumed interrupt of the run's branch that `event`
         would have answered, if there is one (`why`: what else the message says)."""
-        types = snap.event_types(event)
         for interrupt in self.remit.interrupts(record.run_id, branch=record.branch):
             prompt = codec.loads(interrupt.prompt) if interrupt.prompt else {}
             asked = prompt.get("kind") == "ask" and snap.is_answer(event)
-            if interrupt.status == "consumed" and (asked or prompt.get("event_type") in types):
+            if interrupt.status == "consumed" and (asked or snap.would_answer(prompt, event)):
                 return ResumeConflict(
                     f"interrupt was already consumed{why}; the value was not delivered",
                     run_id=run_id,
