@@ -81,6 +81,41 @@ _cores: dict[tuple[str, float, int], Remit] = {}
 _cores_lock = threading.Lock()
 
 
+#: JSON Schema keywords that constrain a state as a whole, not key by key (see
+#: `RemitFlowPersistence._check_given`).
+_WHOLE_STATE_RULES = frozenset(
+    {
+        "required",
+        "minProperties",
+        "dependentRequired",
+        "dependencies",
+        "dependentSchemas",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+    }
+)
+
+
+def _check_plain_dict(state: dict[str, Any], ids: Mapping[str, Any]) -> None:
+    """`CheckpointInvalid` naming the first value of a dict state the codec would not
+    read back as what it is."""
+    found = inexact(state)
+    if found is not None:
+        path, kind = found
+        raise CheckpointInvalid(
+            f"state field {path} holds a {type_name(kind)}, which Remit cannot read "
+            "back as one (reading runs no code and imports no names): store plain data "
+            f"({_PLAIN_TYPES})",
+            field=path,
+            **ids,
+        )
+
+
 @functools.lru_cache(maxsize=256)
 def _schema_of(state_type: type[BaseModel]) -> StateSchema:
     return StateSchema(state_type)
@@ -688,16 +723,7 @@ class RemitFlowPersistence(FlowPersistence):
             plain = self._dump_model(_schema_of(model).validate(state_data, **ids), ids)
         elif isinstance(state_data, dict):
             plain = dict(state_data)
-            found = inexact(plain)
-            if found is not None:
-                path, kind = found
-                raise CheckpointInvalid(
-                    f"state field {path} holds a {type_name(kind)}, which Remit cannot read "
-                    "back as one (reading runs no code and imports no names): store plain data "
-                    f"({_PLAIN_TYPES})",
-                    field=path,
-                    **ids,
-                )
+            _check_plain_dict(plain, ids)
         else:
             raise CheckpointInvalid(
                 f"state must be a dict or a pydantic model, not {type(state_data).__name__}",
@@ -1141,12 +1167,30 @@ class RemitFlowPersistence(FlowPersistence):
         made by merging `more` into X's head must be valid as a save is (`CheckpointInvalid`
         naming the field, nothing run). An input is an external update of the state (P4):
         no step may act on, and apply effects with, a state no save would accept."""
-        if ex.restart != session.flow_id or session.head is None:
-            return
-        if not set(ex.inputs or ()) - {"id"}:
+        given = set(ex.inputs or ()) - {"id"}
+        if not given:
             return  # no inputs but the id: the state is the head's, which validated
+        if session.head is None:
+            if isinstance(flow.state, dict):  # (CrewAI validates a model state's inputs)
+                ids = {"run_id": session.run_id, "checkpoint_id": None}
+                self._check_given(
+                    session, {k: flow.state[k] for k in given if k in flow.state}, ids
+                )
+            return
+        if ex.restart != session.flow_id:
+            return
         with session.lock:
             self._plain_state(session, flow.state)
+
+    def _check_given(self, session: Session, given: dict[str, Any], ids: dict[str, Any]) -> None:
+        """The inputs of a new dict-state flow's kickoff, before its first step: each key
+        as a save checks it (plain data; its part of `state_schema`). Rules on the
+        state as a whole (`required`, ...) wait for the saves: a step may set the rest."""
+        _check_plain_dict(given, ids)
+        schema = self._schema(session, "state_schema")
+        if schema is not None:
+            partial = {k: v for k, v in schema.items() if k not in _WHOLE_STATE_RULES}
+            StateSchema(partial).validate(given, **ids)
 
     def _keep_inputs(self, session: Session, flow: Flow[Any]) -> None:
         """A restart that ended with a state its head does not hold: the inputs of

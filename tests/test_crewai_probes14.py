@@ -178,9 +178,11 @@ def test_inputs_to_a_crashed_flows_restart_override_the_saved_state_or_are_refus
     assert loaded.ok and loaded.value == good.value["state"], loaded.summary()
 
 
-def till_flow(url: str, world: Path, *, points: dict[str, str] | None = None) -> type[Any]:
+def till_flow(
+    url: str, world: Path, *, points: dict[str, str] | None = None, required: tuple[str, ...] = ()
+) -> type[Any]:
     """prepare -> charge (effect "charge") -> ship; a dict state checked by a JSON Schema
-    (`amount` a non-negative integer); built in a child."""
+    (`amount` a non-negative integer; the keys `required`); built in a child."""
     from crewai.flow.flow import Flow, listen, start
     from crewai.flow.persistence import persist
 
@@ -189,6 +191,7 @@ def till_flow(url: str, world: Path, *, points: dict[str, str] | None = None) ->
     schema = {
         "type": "object",
         "properties": {"amount": {"type": "integer", "minimum": 0}},
+        "required": list(required),
     }
 
     @persist(RemitFlowPersistence(url, lease=1.0, state_schema=schema))
@@ -241,6 +244,28 @@ def test_an_invalid_input_to_a_crashed_dict_flows_restart_is_refused_before_any_
     assert good.ok, good.error_text()
     assert good.value["state"]["amount"] == 5 and good.value["state"]["shipped"] is True
     assert entered(world) == {"prepare": 1, "charge": 2, "ship": 1}
+    assert applied(world) == {"charge": 1}
+
+
+def test_an_invalid_input_to_a_new_dict_flow_is_refused_before_its_first_step(
+    url: str, world: Path
+) -> None:
+    """P4: a new dict flow kicked off with an `amount` its state schema refuses is
+    `CheckpointInvalid` naming `amount` before `prepare` runs (before, the steps ran, and
+    their effects applied, until the first save was refused); so is an input the codec
+    cannot read back. Rules on the whole state wait for the saves: a key the schema
+    requires that a step sets is not asked of the inputs."""
+    bad = run(lambda: kickoff(till_flow(url, world), inputs={"amount": -5}))
+    assert bad.raised("CheckpointInvalid") and "amount" in bad.error_text(), bad.summary()
+    odd = run(lambda: kickoff(till_flow(url, world), inputs={"amount": 1, "tag": object()}))
+    assert odd.raised("CheckpointInvalid") and "tag" in odd.error_text(), odd.summary()
+    assert entered(world) == {} and applied(world) == {}
+    late = run(lambda: kickoff(till_flow(url, world, required=("receipt",)), inputs={"amount": 5}))
+    assert late.raised("RuntimeError"), late.summary()  # `prepare`'s save lacks a receipt
+    assert entered(world) == {"prepare": 1}
+    fine = run(lambda: kickoff(till_flow(url, world, required=("amount",)), inputs={"note": "x"}))
+    assert fine.ok, fine.error_text()
+    assert fine.value["state"]["amount"] == 100 and fine.value["state"]["note"] == "x"
     assert applied(world) == {"charge": 1}
 
 
