@@ -59,7 +59,8 @@ a concurrent run gets `ResumeConflict` (P5, L1). Every write carries the
 claim's fence, so a paused holder whose lease was taken over gets `Fenced`
 (L2) and stops at its next step or effect. `Command(resume=v)` consumes the
 pending interrupt atomically, and a value for an interrupt already consumed is
-refused with `ResumeConflict` and not stored; `Command(resume={interrupt_id: v,
+refused with `ResumeConflict` and not stored, as is one for an interrupt whose node
+the running graph lacks (recompiled without it); `Command(resume={interrupt_id: v,
 ...})` consumes each named interrupt. An `update_state` of a pause makes the
 paused tasks ask again under new interrupt ids: a map by the old ids, or a plain
 value that would answer a node's earlier question in place of the pending one,

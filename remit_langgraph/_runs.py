@@ -784,7 +784,8 @@ class Runs:
             )
         if resume is not None:
             edited = any(i.checkpoint_id != record.checkpoint_id for i in here)
-            self._consume(run, here, resume, edited=edited)
+            gone = self._asked_by_absent_nodes(loop, run, writes)
+            self._consume(run, here, resume, edited=edited, gone=gone)
             return None
         # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
         if any(i.checkpoint_id != record.checkpoint_id for i in here):
@@ -892,11 +893,34 @@ class Runs:
         assert value is not None
         return self.saver._decode(value, run_id=run.thread)
 
+    def _asked_by_absent_nodes(
+        self, loop: PregelLoop, run: Run, writes: Sequence[WriteRecord]
+    ) -> dict[str, str]:
+        """The interrupts asked at a checkpoint (of its `writes`) by nodes that the
+        graph now running does not have (recompiled without them), with each node's
+        name: LangGraph has no task to give their values to, and drops them."""
+        pull = "~__pregel_pull, "
+        gone: dict[str, str] = {}
+        for w in writes:
+            node = w.task_path[len(pull) :]
+            if w.channel != INTERRUPT or not w.task_path.startswith(pull) or node in loop.nodes:
+                continue
+            for item in _interrupts_in(self.saver._decode(w.value, run_id=run.thread)):
+                gone[item.id] = node
+        return gone
+
     def _consume(
-        self, run: Run, here: Sequence[InterruptRecord], resume: Any, *, edited: bool = False
+        self,
+        run: Run,
+        here: Sequence[InterruptRecord],
+        resume: Any,
+        *,
+        edited: bool = False,
+        gone: Mapping[str, str] | None = None,
     ) -> None:
         """Consume the interrupts of `here` that `resume` answers (`edited`: they were
-        asked before an `update_state` that the head is, or follows)."""
+        asked before an `update_state` that the head is, or follows; `gone`: those
+        asked by nodes the running graph lacks, by id, whose values nothing reads)."""
         pending = {i.interrupt_id: i for i in here if i.status == "pending"}
         # An edit makes a checkpoint, and LangGraph gives the tasks it runs again new
         # ids: they ask under new interrupt ids, which a map by the old ones misses
@@ -954,6 +978,17 @@ class Runs:
                 f"{len(pending)} interrupts are pending ({', '.join(sorted(pending))}); {how}",
                 run_id=run.thread,
             )
+        for iid in answers:
+            if gone and iid in gone:
+                raise ResumeConflict(
+                    f"this interrupt was asked by node {gone[iid]!r}, which the graph that "
+                    "runs does not have (it was compiled without it): LangGraph would end "
+                    "the run with the value read by nothing. Nothing was stored; resume "
+                    "with the graph that has the node (a saver's workflow_version tells "
+                    "the two graphs apart)",
+                    run_id=run.thread,
+                    interrupt_id=iid,
+                )
         known = {i.interrupt_id: i for i in here}
         for iid, value in answers.items():
             interrupt = known.get(iid) or self.remit.interrupt(run.thread, iid, branch=run.branch)
