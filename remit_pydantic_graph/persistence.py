@@ -145,13 +145,16 @@ class _Resumer:
     """What an instance holds between its calls, whichever task or thread makes
     them: its claim, the node `load_next` handed out, the node it ran; and the
     snapshot it last made its branch's head or loaded (its driver's next node,
-    kept when the claim is given back)."""
+    kept when the claim is given back). `cut`: the node it ran whose end was being
+    stored as its task was cancelled; the claim is given back, and a retried step
+    stores that node's next one (`_snapshot_if_new`) until another claim is taken."""
 
     claim: ClaimHandle | None = None
     loaded: str | None = None
     ran: tuple[_Head, float] | None = None
     started: _Head | None = None
     own_head: str | None = None
+    cut: tuple[_Head, float] | None = None
 
 
 _T = TypeVar("_T")
@@ -439,6 +442,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Take (or keep) the resumer's leased claim on its branch: `ResumeConflict` if held."""
         if resumer.claim is not None:
             resumer.claim.abandon()
+        resumer.cut = None  # a new step: a node cut short is another resumer's to finish now
         resumer.claim = self.remit.claim(
             self.run_id, self.branch, lease=self.lease, heartbeat=heartbeat, holder=self._holder()
         )
@@ -447,7 +451,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     def _drop(self, resumer: _Resumer) -> None:
         """Give the resumer's claim back and forget it: it holds nothing now."""
         claim = resumer.claim
-        resumer.claim = resumer.loaded = resumer.ran = resumer.started = None
+        resumer.claim = resumer.loaded = resumer.ran = resumer.started = resumer.cut = None
         if claim is not None:
             claim.release()
 
@@ -777,8 +781,54 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     def _snapshot_if_new(
         self, resumer: _Resumer, snapshot_id: str, snapshot: NodeSnapshot[StateT, RunEndT]
     ) -> None:
-        if not self._stored(snapshot_id):
-            self._start(resumer, snapshot, keep_claim=True)
+        if self._stored(snapshot_id):
+            return
+        if resumer.cut is not None and self._may_follow(resumer.cut[0], snapshot):
+            self._after_cut(resumer, resumer.cut, snapshot)
+            return
+        self._start(resumer, snapshot, keep_claim=True)
+
+    def _may_follow(self, ran: _Head, snapshot: NodeSnapshot[StateT, RunEndT]) -> bool:
+        """Whether `snapshot`'s node is one the node of `ran` may return (a new start is not)."""
+        node = ran.top.snapshot.node if isinstance(ran.top.snapshot, NodeSnapshot) else None
+        edges = None if node is None else self._edges.get(node.get_node_id())
+        return edges is not None and (edges[1] or snapshot.node.get_node_id() in edges[0])
+
+    def _after_cut(
+        self, resumer: _Resumer, cut: tuple[_Head, float], snapshot: NodeSnapshot[StateT, RunEndT]
+    ) -> None:
+        """Store the next node of the node this resumer ran, whose task was cancelled as
+        that node's end was being stored (`asyncio.timeout` around `run.next()`): the
+        driver's retried step (pydantic-graph's `next()` then stores the node in hand with
+        `snapshot_node_if_new`) goes on where the node left the run, as with pydantic-graph's
+        own persistences; it is neither a fork nor a new start. The claim is kept for the
+        node's `record_run`. `ResumeConflict` if another resumer took the node over since."""
+        ran, duration = cut
+        try:
+            self._acquire(resumer, heartbeat=False)
+            head = self._read_head()
+            if (
+                head is None
+                or head.top.id != ran.top.id
+                or head.top.status_idx != ran.top.status_idx
+            ):
+                raise ResumeConflict(
+                    f"snapshot {ran.top.id!r} was this instance's node, and its task was "
+                    "cancelled as its end was being stored; another resumer has taken it over "
+                    f"since (branch {self.branch!r} is at "
+                    f"{'nothing' if head is None else head.top.describe()}). Nothing was written",
+                    run_id=self.run_id,
+                    checkpoint_id=ran.top.id,
+                )
+            try:
+                body = self._encode(snapshot)
+            except CheckpointInvalid:
+                self._set_status(resumer, head.top, "error", duration=duration)
+                raise
+            self._commit(resumer, snapshot, body, head)
+        except BaseException:
+            self._drop(resumer)
+            raise
 
     async def snapshot_end(self, state: StateT, end: End[RunEndT]) -> None:
         snapshot = EndSnapshot(state=state, result=_checked_end(end))
@@ -825,7 +875,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             try:
                 await _in_thread(self._finish_run, resumer, head, duration)
             except BaseException:
-                self._drop(resumer)  # no next snapshot will follow: let another resumer rerun it
+                ran = resumer.ran
+                self._drop(resumer)  # no next snapshot may follow: let another resumer rerun it
+                resumer.cut = ran  # ... unless this driver retries its step first (`_after_cut`)
                 raise
 
     def _run_reason(self, resumer: _Resumer, snapshot_id: str, head: _Head | None) -> str | None:
