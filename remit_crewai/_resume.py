@@ -10,7 +10,8 @@ the lease ran out. And a resume that failed before its feedback was consumed
 claim back at EXECUTION_END, while CrewAI lets the same instance `resume` again:
 that retry must claim the flow again and consume the pause, not run past it.
 The wrappers `install` puts on `from_pending` and `resume_async` do both, and
-refuse feedback that is not a str by name before anything runs. A resume also
+refuse feedback that is not a str by name before anything runs, and a flow class
+that no longer has the method the flow paused at (`VersionMismatch`). A resume also
 runs what was in flight beside the paused method (`Session.leftovers`): CrewAI
 resumes only the paused method's listeners, and a sibling step still running
 when the flow paused would never run (or its listeners never would). The
@@ -29,6 +30,8 @@ from crewai.flow import runtime
 from crewai.flow.flow import Flow
 from crewai.flow.types import FlowMethodName
 
+from remit_core.errors import VersionMismatch
+from remit_crewai._ledger import locate
 from remit_crewai._replay import _take
 from remit_crewai._session import current_from_pending, current_resumers
 from remit_crewai.persistence import RemitFlowPersistence
@@ -45,7 +48,10 @@ def install() -> None:
         before = current_resumers.get()
         claiming = current_from_pending.set(True)
         try:
-            return from_pending(cls, *args, **kwargs)  # type: ignore[no-any-return]
+            flow: Flow[Any] = from_pending(cls, *args, **kwargs)
+            if isinstance(flow.persistence, RemitFlowPersistence):
+                _check_paused_method(flow)
+            return flow
         except BaseException:
             for session in current_resumers.get():
                 if session not in before and not session.closed:
@@ -86,6 +92,23 @@ def install() -> None:
     engine.from_pending = classmethod(from_pending_releasing)  # type: ignore[assignment]
     engine.resume_async = resume_async_claiming  # type: ignore[assignment]
     engine._execute_listeners = execute_listeners  # type: ignore[assignment,method-assign]
+
+
+def _check_paused_method(flow: Flow[Any]) -> None:
+    """`VersionMismatch` naming the method the flow paused at if `flow`'s class has no
+    such method (renamed or removed since the pause): CrewAI would fail its resume with
+    a bare `KeyError` after taking the feedback. Raised in `from_pending`, whose claim is
+    given back: the pause stays pending for the class it paused under."""
+    context = flow.pending_feedback
+    if context is None or context.method_name in flow._definition.methods:
+        return
+    raise VersionMismatch(
+        f"flow {flow.flow_id!r} paused at method {context.method_name!r}, which "
+        f"{type(flow).__name__} does not define (renamed or removed since the pause?): "
+        "nothing was resumed, and the flow still waits for that feedback; resume it "
+        "with a flow class that has the method",
+        run_id=locate(flow.flow_id)[0],
+    )
 
 
 async def _run_again(flow: Flow[Any], method: FlowMethodName) -> None:

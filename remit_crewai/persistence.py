@@ -18,6 +18,7 @@ While a process drives a flow it holds a `Session` for it (`remit_crewai._sessio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import os
@@ -319,7 +320,11 @@ class RemitFlowPersistence(FlowPersistence):
         if record is None or body is None:
             return None
         interrupts = self.remit.interrupts(run_id, branch=branch)
-        pending = [i.prompt for i in interrupts if i.status == "pending"]
+        pending = [
+            self._as_paused(run_id, record.checkpoint_id, i).prompt
+            for i in interrupts
+            if i.status == "pending"
+        ]
         if not pending:
             unopened = self._paused_head(run_id, record.checkpoint_id)
             if unopened is not None and not any(i.interrupt_id == unopened[1] for i in interrupts):
@@ -359,7 +364,7 @@ class RemitFlowPersistence(FlowPersistence):
         except BaseException:
             session.handle.release()
             raise
-        session.pending = pending[-1]
+        session.pending = self._as_paused(run_id, session.head, pending[-1])
         sessions.add(session)
         add_resumer(session)
         assert session.pending.prompt is not None
@@ -388,6 +393,19 @@ class RemitFlowPersistence(FlowPersistence):
         )
         opened = self.remit.interrupt(session.run_id, interrupt_id, branch=session.branch)
         return [] if opened is None else [opened]
+
+    def _as_paused(
+        self, run_id: str, head: str | None, pending: InterruptRecord
+    ) -> InterruptRecord:
+        """`pending` with the context of the pause the head `head` records, when that pause
+        is `pending`'s: a paused flow kicked off again runs its feedback method again and
+        pauses at the same interrupt with a context made anew (the method's output, its
+        time), which CrewAI's own backend keeps in place of the first one; the interrupt
+        keeps the context it was opened with."""
+        paused = self._paused_head(run_id, head)
+        if paused is None or paused[1] != pending.interrupt_id or paused[2] == pending.prompt:
+            return pending
+        return dataclasses.replace(pending, prompt=paused[2])
 
     def _paused_head(self, run_id: str, checkpoint_id: str | None) -> tuple[str, str, bytes] | None:
         """The pause the head `checkpoint_id` records (through edits made on it): its
