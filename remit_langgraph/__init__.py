@@ -33,7 +33,8 @@ context manager for `with` and `async with`.
 
 Config keys (`config["configurable"]`):
 
-- `thread_id`: the Remit run id.
+- `thread_id`: the Remit run id (`str` of it); `None` or a missing id is refused
+  (`RemitError`) before any node runs.
 - `checkpoint_id`: continue from this checkpoint. If it is not the head of its
   branch, the run is a fork and needs `fork_token` (else `ForkWithoutIntent`
   before any node runs). Applies to time travel and to `update_state`. A head

@@ -46,7 +46,13 @@ _RESERVED = frozenset({RUN_INDEX, THREAD_LIVES})
 
 def thread_id(value: Any, what: str = "thread_id") -> str:
     """A thread id as stored (`str` of it); the ids of the saver's own runs are refused:
-    a thread with one would read, or `delete_thread` wipe, the saver's records."""
+    a thread with one would read, or `delete_thread` wipe, the saver's records. None
+    is refused too: as "None" it would be one thread (and one effect ledger) shared by
+    every config that lacks a thread id."""
+    if value is None:
+        raise RemitError(
+            f"config has no configurable.{what} (or it is None): Remit stores runs by thread"
+        )
     thread = str(value)
     if thread in _RESERVED:
         raise ValueError(f"{what} {thread!r} is reserved for Remit's own records; use another id")

@@ -73,6 +73,7 @@ from remit_core.errors import (
     ForkWithoutIntent,
     RemitError,
     ResumeConflict,
+    StoreUnavailable,
     UnknownRecord,
 )
 from remit_core.records import (
@@ -84,6 +85,7 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.schema import StateSchema
+from remit_core.stores.base import display_url
 from remit_langgraph._records import THREAD_LIVES, thread_id
 from remit_langgraph._schema import StateCheck, plain_record_types
 from remit_langgraph._serde import StrictSerializer
@@ -435,7 +437,7 @@ class Runs:
         self._release_dropped()
         loop = call.loop
         conf = config.get("configurable") or {}
-        thread = thread_id(conf["thread_id"])
+        thread = thread_id(conf.get("thread_id"))
         token = conf.get("fork_token")
         checkpoint_id = conf.get("checkpoint_id")
         writes = None
@@ -1371,7 +1373,7 @@ def effect_scope() -> StepScope | None:
     own id dropped, so a replay after a crash in "exit" durability keys the
     same), step number and task path. Registered with the core at import.
     """
-    run = current_run()
+    run = current_run() or _closed_under()
     if run is None:
         return None
     try:
@@ -1382,6 +1384,13 @@ def effect_scope() -> StepScope | None:
     meta = config.get("metadata") or {}
     if "langgraph_step" not in meta or str(conf.get("thread_id")) != run.thread:
         return None
+    if run.claim.given_up and run.remit.closed:
+        raise StoreUnavailable(
+            f"the saver over {display_url(run.remit.store.url)} was closed while this run "
+            "was in flight (its claim was given up): its effect was not applied, and "
+            "nothing more of it is stored; continue the thread with an open saver",
+            run_id=run.thread,
+        )
     run.settle()
     parts = str(conf.get("checkpoint_ns", "")).split("|")
     # The node's own task: its step and path below; each enclosing task by its place.
@@ -1399,6 +1408,16 @@ def effect_scope() -> StepScope | None:
     return SharedScope(
         run.remit, run.thread, step_key, run.fence, counts=calls.counts, shared=calls.shared
     )
+
+
+def _closed_under() -> Run | None:
+    """The run of this context if its saver was closed while its loop runs on
+    (`Remit.close` gave its claim up): `current_run` no longer names it, but a node
+    of it that calls an effect gets `StoreUnavailable`, as its writes do, not the
+    error of an effect called outside any run."""
+    run = _current.get()
+    loop = None if run is None or run.loop is None else run.loop()
+    return run if run is not None and loop is not None and run.remit.closed else None
 
 
 def _task_calls(run: Run, task_id: str, step: Any, place: str, step_key: str) -> TaskCalls:

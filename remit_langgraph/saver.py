@@ -70,10 +70,7 @@ def _ns(config: RunnableConfig | None) -> str:
 
 
 def _thread(config: RunnableConfig) -> str:
-    thread_id = _conf(config).get("thread_id")
-    if thread_id is None:
-        raise RemitError("config has no configurable.thread_id: Remit stores runs by thread")
-    return rec.thread_id(thread_id)
+    return rec.thread_id(_conf(config).get("thread_id"))
 
 
 class RemitSaver(BaseCheckpointSaver[str]):
