@@ -147,13 +147,18 @@ class _Resumer:
     snapshot it last made its branch's head or loaded (its driver's next node,
     kept when the claim is given back). `cut`: the node it ran whose end was being
     stored as its task was cancelled; the claim is given back, and a retried step
-    stores that node's next one (`_snapshot_if_new`) until another claim is taken."""
+    stores that node's next one (`_snapshot_if_new`) until another claim is taken.
+    `own_node`: the node object of that snapshot; `alias`: another id that object was
+    given (by another run holding it) when its driver asked to run it, and the
+    snapshot it runs as (`_snapshot_if_new`)."""
 
     claim: ClaimHandle | None = None
     loaded: str | None = None
     ran: tuple[_Head, float] | None = None
     started: _Head | None = None
     own_head: str | None = None
+    own_node: object = None
+    alias: tuple[str, str] | None = None
     cut: tuple[_Head, float] | None = None
 
 
@@ -535,6 +540,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             release=claim if release else None,
         )
         resumer.own_head = snapshot.id
+        resumer.own_node = snapshot.node if isinstance(snapshot, NodeSnapshot) else None
 
     def _refuse_fork(self, base_id: str, why: str) -> ForkWithoutIntent:
         return ForkWithoutIntent(
@@ -786,6 +792,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if resumer.cut is not None and self._may_follow(resumer.cut[0], snapshot):
             self._after_cut(resumer, resumer.cut, snapshot)
             return
+        if resumer.own_head is not None and snapshot.node is resumer.own_node:
+            # The very node object this instance stored last, under another id: another
+            # run holding the same object (a start node shared by concurrent runs, that
+            # returns itself) gave it a new id as it ran it again (`_advance`). It is
+            # still this run's stored node, not a new start: it runs as that snapshot.
+            resumer.alias = (snapshot_id, resumer.own_head)
+            return
         self._start(resumer, snapshot, keep_claim=True)
 
     def _may_follow(self, ran: _Head, snapshot: NodeSnapshot[StateT, RunEndT]) -> bool:
@@ -904,6 +917,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     def _begin_run(self, resumer: _Resumer, snapshot_id: str) -> tuple[_Head, str]:
         """Mark the head node running under the claim: the head, and the id its effects
         are keyed by."""
+        alias, resumer.alias = resumer.alias, None
+        if alias is not None and alias[0] == snapshot_id:
+            snapshot_id = alias[1]
         try:
             why = self._run_reason(resumer, snapshot_id, self._read_head())
             if why is not None and self.fork_token is None:
@@ -994,6 +1010,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 return None  # handed out by this instance's last load_next; still its to run
             self._set_status(resumer, head.top, "pending")
             resumer.loaded = resumer.own_head = head.top.id
+            resumer.own_node = head.top.snapshot.node
         except BaseException:
             self._drop(resumer)
             raise
