@@ -786,6 +786,8 @@ class Runs:
             )
         if resume is not None:
             edited = any(i.checkpoint_id != record.checkpoint_id for i in here)
+            if not edited and _is_resume_map(resume):
+                edited = not self._asked_in_edited_subgraphs(run, record).isdisjoint(resume)
             gone = self._asked_by_absent_nodes(loop, run, writes)
             self._consume(run, here, resume, edited=edited, gone=gone)
             return None
@@ -894,6 +896,31 @@ class Runs:
         value = consumed[0].value
         assert value is not None
         return self.saver._decode(value, run_id=run.thread)
+
+    def _asked_in_edited_subgraphs(self, run: Run, record: CheckpointRecord) -> set[str]:
+        """The interrupts of the pause at `record` that were asked in a subgraph at a
+        checkpoint `update_state` has since edited (an edit of the subgraph's
+        namespace, `get_state(config, subgraphs=True)`'s task config, leaves the top
+        head as it was). LangGraph runs the subgraph's task again from the edit, under
+        a new task id: it asks again under new interrupt ids, and drops a value by an
+        old one. Only the edits on the run's line of a namespace count: a task's
+        namespace (`name:task_id`) is its own line; one of its own (`checkpointer=True`)
+        has a line per branch."""
+        stale: set[str] = set()
+        for edit in self.remit.history(run.thread, verify=False):
+            if (
+                edit.ns == ""
+                or edit.parent_id is None
+                or edit.checkpoint_id <= record.checkpoint_id
+                or edit.metadata.get("source") != "update"
+                or (edit.branch != run.branch and NS_END not in edit.ns)
+            ):
+                continue
+            for w in self.remit.writes(run.thread, edit.parent_id, ns=edit.ns):
+                if w.channel == INTERRUPT:
+                    value = self.saver._decode(w.value, run_id=run.thread)
+                    stale.update(item.id for item in _interrupts_in(value))
+        return stale
 
     def _asked_by_absent_nodes(
         self, loop: PregelLoop, run: Run, writes: Sequence[WriteRecord]

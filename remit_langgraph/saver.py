@@ -478,15 +478,15 @@ class RemitSaver(BaseCheckpointSaver[str]):
         elif token and ns != "":
             self._runs.fork_in(thread, ns, token)  # the fork's own line of the subgraph
         edit = None
-        if by_graph and run is None and ns == "" and current_run() is None:
-            # A graph's edit from outside a run (`update_state`) takes the branch's
-            # claim for its commit: a run in flight on it refuses the edit
-            # (`ResumeConflict`) instead of losing it, or being refused by it, later.
-            # (A put of code that drives the saver itself has the head's
-            # compare-and-set alone, as any checkpointer gives it.)
+        if by_graph and run is None and current_run() is None:
+            # A graph's edit from outside a run (`update_state`, of the graph or of a
+            # subgraph's namespace) takes the claim of the branch its run would hold:
+            # a run in flight on it refuses the edit (`ResumeConflict`) instead of
+            # losing it, or being refused by it, later. (A put of code that drives the
+            # saver itself has the head's compare-and-set alone, as any checkpointer
+            # gives it.)
             if branch is None:
-                at = None if parent is None else self.remit.checkpoint(thread, parent)
-                branch = MAIN_BRANCH if at is None else at.branch
+                branch = self._edited_branch(thread, ns, parent, token)
             try:
                 edit = self.remit.claim(thread, branch, lease=self.lease, heartbeat=False)
             except ResumeConflict as exc:
@@ -527,6 +527,21 @@ class RemitSaver(BaseCheckpointSaver[str]):
         # A new version of a channel with no value (emptied) never gets a blob.
         self._blobs.put(thread, ns, rec.own_blobs(new_versions, blobs))
         return rec.run_config(thread, ns, checkpoint_id)
+
+    def _edited_branch(self, thread: str, ns: str, parent: str | None, token: Any) -> str:
+        """The top-level branch whose run an edit of checkpoint `parent` in namespace
+        `ns` would race: the checkpoint's own branch at the top; in a subgraph's
+        namespace, the fork its token names, else the branch of the top-level
+        checkpoint the subgraph's checkpoint was written under."""
+        if ns and token:
+            forked = self.remit.fork_branch(thread, token)
+            if forked is not None:
+                return forked.branch
+        at = None if parent is None else self.remit.checkpoint(thread, parent, ns=ns)
+        if at is not None and ns:
+            top = (at.metadata.get("parents") or {}).get("")
+            at = None if not isinstance(top, str) else self.remit.checkpoint(thread, top)
+        return MAIN_BRANCH if at is None else at.branch
 
     def put_writes(
         self,
