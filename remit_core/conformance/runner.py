@@ -39,7 +39,8 @@ REACH_TIMEOUT = 15.0
 class CellResult:
     """A cell on one target, over every run of its scenario.
 
-    `status`: PASS, FAIL, N/A or ERROR (the harness could not run it).
+    `status`: PASS, FAIL, N/A or ERROR (the harness could not run it, or a race's
+    racers were not in flight together, so the run tested nothing concurrent).
     `saturation` (concurrency cells): the worst (fired - 1) / (k - 1) seen.
     """
 
@@ -374,7 +375,17 @@ def _aggregate(cell_id: int, runs: list[dict[str, Any]]) -> CellResult:
         return CellResult(
             cell_id, "ERROR", errors[0]["error"], runs=len(runs), failed_runs=len(errors)
         )
-    failed = [r for r in runs if not r["passed"]]
+    failed = [r for r in runs if not r["passed"] and not r.get("inconclusive")]
+    # A race whose racers did not overlap proves nothing: never a PASS from timing luck.
+    untested = [r for r in runs if r.get("inconclusive")]
+    if untested and not failed:
+        return CellResult(
+            cell_id,
+            "ERROR",
+            untested[0]["measured"],
+            runs=len(runs),
+            failed_runs=len(untested),
+        )
     sats = [r["saturation"] for r in runs if r.get("saturation") is not None]
     shown = failed[0] if failed else runs[-1]
     measured = shown["measured"]

@@ -38,6 +38,8 @@ from remit_core.conformance.processes import (
 from remit_core.conformance.storage import discard_copy
 
 STEPS_ONCE = Counter({s: 1 for s in STEPS})
+#: How long a race waits for its k racers to reach the barrier before releasing those ready.
+RACE_BARRIER_TIMEOUT = 60.0
 EFFECTS_ONCE = Counter({e: 1 for e in EFFECTS})
 VALUE = "alice"
 OTHER_VALUE = "bob"
@@ -50,6 +52,8 @@ class Verdict:
     passed: bool
     measured: str
     saturation: float | None = None
+    #: The run proves nothing (a race whose racers were not in flight together): never PASS.
+    inconclusive: bool = False
 
 
 class ScenarioNotApplicable(Exception):
@@ -78,6 +82,7 @@ class Context:
         self.lease = lease
         self.workers: list[Worker] = []
         self.copies: list[Context] = []
+        self.ready = 0
 
     # -- processes -----------------------------------------------------------
     def spawn(
@@ -109,12 +114,20 @@ class Context:
         self.workers.append(worker)
         return worker
 
-    def start_ops(self, *ops: Op, stop_on_error: bool = True, **spawn: Any) -> Worker:
-        """Fork a worker running `ops` in turn; see `ops`."""
+    def start_ops(
+        self, *ops: Op, stop_on_error: bool = True, timed: bool = False, **spawn: Any
+    ) -> Worker:
+        """Fork a worker running `ops` in turn; see `ops`.
+
+        `timed`: journal when each operation begins and ends (kind "race"), so
+        that a race's verdict can tell whether its racers were in flight together.
+        """
 
         def script(session: ProbeSession, env: ProbeEnv) -> list[dict[str, Any]]:
             out: list[dict[str, Any]] = []
             for name, args, kwargs in ops:
+                if timed:
+                    env.journal.record("race", "begin")
                 try:
                     value = getattr(session, name)(*args, **kwargs)
                     out.append({"ok": True, "value": to_plain(value)})
@@ -122,6 +135,9 @@ class Context:
                     out.append({"ok": False, "error": describe_error(exc)})
                     if stop_on_error:
                         break
+                finally:
+                    if timed:
+                        env.journal.record("race", "end")
             return out
 
         return self.spawn(script, **spawn)
@@ -161,9 +177,10 @@ class Context:
         """k workers, released at once by a barrier, each running one operation."""
         barrier = Barrier(k)
         workers = [
-            self.start_ops(make_ops(i), arm=arm, resumer=f"r{i}", barrier=barrier) for i in range(k)
+            self.start_ops(make_ops(i), arm=arm, resumer=f"r{i}", barrier=barrier, timed=True)
+            for i in range(k)
         ]
-        barrier.release()
+        self.ready = barrier.release(RACE_BARRIER_TIMEOUT)
         outcomes = []
         for w in workers:
             whole = w.wait(stopped_counts=stopped_counts)
@@ -223,6 +240,32 @@ class Context:
 
     def reached(self, point: str) -> bool:
         return any(e.kind == "point" and e.name == point for e in self.env.journal.entries())
+
+    def race_gap(self, after: int, k: int, ready: int) -> str:
+        """Why the race after journal seq `after` was not a race ('' if its racers overlapped).
+
+        Every racer must have passed the barrier and begun its operation, and at
+        least one besides the one that proceeded (entered a step) must have begun
+        before that one had finished: racers that all began later met a settled
+        run, which tests nothing concurrent. (One that began late on a loaded
+        machine, while others overlapped, leaves the race a race.)
+        """
+        if ready < k:
+            return f"only {ready} of {k} racers reached the barrier"
+        entries = [e for e in self.env.journal.entries() if e.seq > after]
+        begins = {e.resumer: e.t for e in entries if e.kind == "race" and e.name == "begin"}
+        ends = {e.resumer: e.t for e in entries if e.kind == "race" and e.name == "end"}
+        if len(begins) < k:
+            return f"only {len(begins)} of {k} racers began their operation"
+        winners = {e.resumer for e in entries if e.kind == "enter" and e.resumer in begins}
+        if len(winners) != 1:
+            return ""  # none or several proceeded: the verdict fails on its own
+        (winner,) = winners
+        finished = ends.get(winner, float("inf"))  # killed or stopped: still in flight
+        late = sorted(str(r) for r, t in begins.items() if t > finished)
+        if len(late) == k - 1:
+            return f"every other racer ({', '.join(late)}) began after the winner finished"
+        return ""
 
     def proceeded(self, after: int) -> int:
         """How many resumers entered any step after journal seq `after`."""
@@ -310,6 +353,15 @@ def checkpoint_before(snapshot: Outcome, step: str) -> str | None:
 
 def saturation(fired: int, k: int) -> float:
     return max(0.0, (fired - 1) / (k - 1))
+
+
+def raced(verdict: Verdict, gap: str) -> Verdict:
+    """A race's verdict: a PASS whose racers did not overlap is no PASS (timing luck)."""
+    if not verdict.passed or not gap:
+        return verdict
+    return Verdict(
+        False, f"racers did not overlap ({gap}): {verdict.measured}", verdict.saturation, True
+    )
 
 
 # -- the scenarios ------------------------------------------------------------------
@@ -441,7 +493,8 @@ def crash_before_effect(ctx: Context) -> dict[int, Verdict]:
     failed = failures(recover, names=("recover",))
     e, c = ctx.entered(), ctx.counts()
     done = complete(state_of(snap), VALUE)
-    prefix_once = all(e[s] == 1 for s in ("prepare", "approve", "notify")) and 1 <= e["charge"] <= 2
+    # charge was in flight (entered, not completed): recovery runs it again, exactly once.
+    prefix_once = all(e[s] == 1 for s in ("prepare", "approve", "notify")) and e["charge"] == 2
     state = "" if done else f"final state {state_of(snap)!r}"
     return {
         9: Verdict(not failed and done and prefix_once, joined(steps_text(e), state, failed)),
@@ -491,9 +544,12 @@ def crash_during_resume(ctx: Context) -> dict[int, Verdict]:
     if no_crash:
         return {15: Verdict(False, no_crash), 16: Verdict(False, no_crash)}
     recover, snap = _recover(ctx)
+    recovered = ctx.counts()  # what the recovery applied, before anyone sends a second value
+    mark = ctx.mark()
     again, after = ctx.ops(
         op("resume", ctx.run, OTHER_VALUE), op("inspect", ctx.run), stop_on_error=False
     )
+    ran = ctx.entered(after=mark)
     c = ctx.counts()
     failed = failures(recover, names=("recover",))
     state = state_of(snap)
@@ -507,11 +563,29 @@ def crash_during_resume(ctx: Context) -> dict[int, Verdict]:
         )
     elif not again.raised():
         v15 = Verdict(False, f"a second value was accepted after recovery ({status_of(again)})")
-    elif state_of(after) != state:
-        v15 = Verdict(False, f"second value rejected but {store_diff(snap, after)}")
+    elif not same_store(snap, after) or ran:
+        v15 = Verdict(
+            False,
+            joined(
+                "second value rejected but",
+                store_diff(snap, after) if not same_store(snap, after) else "",
+                steps_text(ran) if ran else "",
+            ),
+        )
     else:
         v15 = Verdict(True, f"recovered with {VALUE!r}; second value: {again.summary()}")
-    return {15: v15, 16: Verdict(not failed and c == EFFECTS_ONCE, joined(effects_text(c), failed))}
+    # The effects are the recovery's: once when it ends, and not again for a second value.
+    done = complete(state, VALUE)
+    v16 = Verdict(
+        not failed and done and recovered == EFFECTS_ONCE and c == EFFECTS_ONCE,
+        joined(
+            f"after recovery {effects_text(recovered)}",
+            "" if c == recovered else f"after a second value {effects_text(c)}",
+            "" if done else f"recovery ended {status_of(recover)}",
+            failed,
+        ),
+    )
+    return {15: v15, 16: v16}
 
 
 def recover_twice(ctx: Context) -> dict[int, Verdict]:
@@ -743,6 +817,7 @@ def fork_token_again(ctx: Context) -> dict[int, Verdict]:
     if failed or base is None:
         return {26: Verdict(False, failed or "no stored checkpoint before charge")}
     first = ctx.one("fork", ctx.run, base, "fork-token-2")
+    applied = ctx.counts()
     second, after = ctx.ops(op("fork", ctx.run, base, "fork-token-2"), op("inspect", ctx.run))
     failed = failures(first, second, after, names=("first fork", "second fork", "inspect"))
     if failed:
@@ -750,11 +825,14 @@ def fork_token_again(ctx: Context) -> dict[int, Verdict]:
     grew = after.value["branches"] - before.value["branches"]
     same_branch = first.value["branch"] == second.value["branch"]
     same_out = state_of(first) == state_of(second)
+    # The same branch again: its effects are in the ledger, none is applied a second time.
+    reapplied = ctx.counts() - applied
     text = (
         f"{grew} new branch(es); branch {'same' if same_branch else 'different'}; "
         f"outputs {'identical' if same_out else 'differ'}"
+        + (f"; the second presentation {effects_text(reapplied)}" if reapplied else "")
     )
-    return {26: Verdict(grew == 1 and same_branch and same_out, text)}
+    return {26: Verdict(grew == 1 and same_branch and same_out and not reapplied, text)}
 
 
 def fork_effects(ctx: Context) -> dict[int, Verdict]:
@@ -766,10 +844,16 @@ def fork_effects(ctx: Context) -> dict[int, Verdict]:
     forked = ctx.one("fork", ctx.run, base, "fork-token-3")
     c = ctx.counts()
     failed = failures(forked, names=("fork",))
+    # The fork must really continue (to the end): a fork that runs nothing applies nothing.
+    ran = complete(state_of(forked), VALUE)
     return {
         27: Verdict(
-            not failed and c["charge"] == 1,
-            joined(f"charge applied {c['charge']} after the fork", failed),
+            not failed and ran and c["charge"] == 1,
+            joined(
+                f"charge applied {c['charge']} after the fork",
+                "" if ran or failed else f"the fork ended {status_of(forked)}",
+                failed,
+            ),
         )
     }
 
@@ -822,15 +906,26 @@ def fork_race(ctx: Context) -> dict[int, Verdict]:
     base = checkpoint_before(before, "charge")
     if failed or base is None:
         return {29: Verdict(False, failed or "no stored checkpoint before charge")}
+    mark = ctx.mark()
     _, outcomes = ctx.race(2, lambda i: op("fork", ctx.run, base, "fork-token-5"))
+    # How many times the fork was run from its base: its most-entered step's count (two
+    # racers may share the work of one run, one step each, without running any twice).
+    ran = ctx.entered(after=mark)
+    fired = max(ran.values(), default=0)
+    gap = ctx.race_gap(mark, 2, ctx.ready)
     after = ctx.one("inspect", ctx.run)
+    sat = saturation(max(fired, 1), 2)
     if not after.ok:
-        return {29: Verdict(False, f"inspect: {after.summary()}")}
+        return {29: Verdict(False, f"inspect: {after.summary()}", sat)}
     grew = after.value["branches"] - before.value["branches"]
     results = ", ".join(o.summary() if not o.ok else "ok" for o in outcomes)
-    return {
-        29: Verdict(grew == 1, f"{grew} new branch(es) ({results})", saturation(max(grew, 1), 2))
-    }
+    # One token, one branch, run once: the racers told "ok" were handed that branch.
+    handed = {str(o.value.get("branch")) for o in outcomes if o.ok}
+    ok = grew == 1 and fired == 1 and len(handed) <= 1
+    text = f"{grew} new branch(es) ({results}); fork run {fired} time(s): {steps_text(ran)}"
+    if len(handed) > 1:
+        text += f"; handed different branches {sorted(handed)}"
+    return {29: raced(Verdict(ok, text, sat), gap)}
 
 
 def _k_proc(ctx: Context, k: int, p5: int, p2: int | None) -> dict[int, Verdict]:
@@ -842,12 +937,16 @@ def _k_proc(ctx: Context, k: int, p5: int, p2: int | None) -> dict[int, Verdict]
     mark = ctx.mark()
     _, outcomes = ctx.race(k, lambda i: op("resume", ctx.run, VALUE))
     fired = ctx.proceeded(mark)
+    gap = ctx.race_gap(mark, k, ctx.ready)
     acks = sum(o.ok for o in outcomes)
     c = ctx.counts()
     sat = saturation(max(fired, 1), k)
-    out = {p5: Verdict(fired == 1, f"{fired} of {k} proceeded, {acks} acknowledged", sat)}
+    # Exactly one proceeds, and only that one is told its value was taken: the
+    # others are refused (a loser acknowledged without running lost its value).
+    p5_ok = fired == 1 and acks == 1
+    out = {p5: raced(Verdict(p5_ok, f"{fired} of {k} proceeded, {acks} acknowledged", sat), gap)}
     if p2 is not None:
-        out[p2] = Verdict(c == EFFECTS_ONCE, effects_text(c), sat)
+        out[p2] = raced(Verdict(c == EFFECTS_ONCE, effects_text(c), sat), gap)
     return out
 
 
@@ -883,11 +982,14 @@ def k8_threads(ctx: Context) -> dict[int, Verdict]:
         def resumer(i: int) -> None:
             with env.operating(run, f"t{i}"):
                 barrier.wait()
+                env.journal.record("race", "begin")
                 try:
                     session.resume(run, VALUE)
                     results[i] = {"ok": True}
                 except Exception as exc:
                     results[i] = {"ok": False, "error": describe_error(exc)}
+                finally:
+                    env.journal.record("race", "end")
 
         threads = [threading.Thread(target=resumer, args=(i,)) for i in range(k)]
         for t in threads:
@@ -900,14 +1002,15 @@ def k8_threads(ctx: Context) -> dict[int, Verdict]:
     if not whole.ok:
         return {36: Verdict(False, f"worker: {whole.summary()}")}
     fired = ctx.proceeded(mark)
+    gap = ctx.race_gap(mark, k, k)  # a threading.Barrier released all k threads
     acks = sum(r.get("ok", False) for r in whole.value)
     text = f"{fired} of {k} proceeded, {acks} acknowledged"
-    if fired != 1:  # what the resumers were told, to tell a refusal from a failure
+    if fired != 1 or acks != 1:  # what the resumers were told, to tell a refusal from a failure
         told = sorted(
             {f"{r['error']['class']}: {r['error']['message']}" for r in whole.value if "error" in r}
         )
         text += f"; errors: {told}"
-    return {36: Verdict(fired == 1, text, saturation(max(fired, 1), k))}
+    return {36: raced(Verdict(fired == 1 and acks == 1, text, saturation(max(fired, 1), k)), gap)}
 
 
 def k8_values(ctx: Context) -> dict[int, Verdict]:
@@ -919,6 +1022,7 @@ def k8_values(ctx: Context) -> dict[int, Verdict]:
     mark = ctx.mark()
     _, outcomes = ctx.race(k, lambda i: op("resume", ctx.run, f"value-{i}"))
     fired = ctx.proceeded(mark)
+    gap = ctx.race_gap(mark, k, ctx.ready)
     snap = ctx.one("inspect", ctx.run)
     held = (state_of(snap) or {}).get("approved_by")
     acked = [f"value-{i}" for i, o in enumerate(outcomes) if o.ok]
@@ -927,7 +1031,7 @@ def k8_values(ctx: Context) -> dict[int, Verdict]:
     text = f"{len(acked)} acknowledged, {conflicts} conflicts, state holds {held!r}"
     if len(acked) == 1 and held != acked[0]:
         text += f" but the winner was told {acked[0]!r}"
-    return {37: Verdict(ok, text, saturation(max(fired, 1), k))}
+    return {37: raced(Verdict(ok, text, saturation(max(fired, 1), k)), gap)}
 
 
 def k8_dead_winner(ctx: Context) -> dict[int, Verdict]:
@@ -941,6 +1045,7 @@ def k8_dead_winner(ctx: Context) -> dict[int, Verdict]:
         k, lambda i: op("resume", ctx.run, VALUE), arm=[("charge.before_effect", "kill")]
     )
     fired = ctx.proceeded(mark)
+    gap = ctx.race_gap(mark, k, ctx.ready)
     killed = sum(o.status == "killed" for o in outcomes)
     recover, snap = _recover(ctx)
     c = ctx.counts()
@@ -953,7 +1058,7 @@ def k8_dead_winner(ctx: Context) -> dict[int, Verdict]:
         effects_text(c),
         failed,
     )
-    return {38: Verdict(ok, text, saturation(max(fired, 1), k))}
+    return {38: raced(Verdict(ok, text, saturation(max(fired, 1), k)), gap)}
 
 
 def k8_zombie(ctx: Context) -> dict[int, Verdict]:
@@ -970,6 +1075,7 @@ def k8_zombie(ctx: Context) -> dict[int, Verdict]:
         stopped_counts=True,
     )
     fired = ctx.proceeded(mark)
+    gap = ctx.race_gap(mark, k, ctx.ready)
     zombies = [w for w, o in zip(workers, outcomes, strict=True) if o.status == "stopped"]
     sat = saturation(max(fired, 1), k)
     if not zombies:
@@ -983,23 +1089,30 @@ def k8_zombie(ctx: Context) -> dict[int, Verdict]:
     done = complete(state_of(before), VALUE)
     failed = failures(recover, names=("recovery",))
     fenced = same_store(before, after)
-    zombie_ends = ", ".join(_batch_summary(ctx, z, e) for z, e in zip(zombies, ends, strict=True))
-    ok = not failed and done and fenced and c == EFFECTS_ONCE
+    finals = [_zombie_end(ctx, z, e) for z, e in zip(zombies, ends, strict=True)]
+    zombie_ends = ", ".join(f.summary() for f in finals)
+    # Fenced means refused: no zombie, continued, may be told its work went through
+    # ("ok"). (One that never ends is killed by the harness and wrote nothing: the
+    # store comparison above tells; its end shows in the measured text.)
+    refused = not any(f.ok for f in finals)
+    ok = not failed and done and fenced and refused and c == EFFECTS_ONCE
     text = joined(
         f"{len(zombies)} zombie(s): {zombie_ends}",
         "" if fenced else store_diff(before, after),
+        "" if refused else "a zombie was told its work went through",
         "" if done else f"recovery ended {status_of(recover)}",
         effects_text(c),
         failed,
     )
-    return {39: Verdict(ok, text, sat)}
+    return {39: raced(Verdict(ok, text, sat), gap)}
 
 
-def _batch_summary(ctx: Context, worker: Worker, whole: Outcome) -> str:
+def _zombie_end(ctx: Context, worker: Worker, whole: Outcome) -> Outcome:
+    """How a continued zombie's operation ended."""
     if not whole.ok:
-        return whole.summary()
+        return whole
     (outcome,) = ctx.finish_ops(worker, 1)
-    return outcome.summary()
+    return outcome
 
 
 #: Scenario name -> the function that runs and judges it.
