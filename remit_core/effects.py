@@ -472,7 +472,11 @@ async def _adrive(
                     result = await fn(op.idem)
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
-                result = reconcile(op.idem)
+                # A plain function's lookup (an HTTP call, say) runs off the event loop.
+                if inspect.iscoroutinefunction(reconcile):
+                    result = await reconcile(op.idem)
+                else:
+                    result = await asyncio.to_thread(reconcile, op.idem)
                 if inspect.isawaitable(result):
                     result = await result
             else:

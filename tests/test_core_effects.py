@@ -320,6 +320,41 @@ def test_async_effect_records_and_replays(remit: Remit, run_id: str) -> None:
     assert len(sink.calls) == 3
 
 
+def test_async_effect_runs_a_plain_reconcile_off_the_event_loop(remit: Remit, run_id: str) -> None:
+    """An async effect in doubt asks a plain (blocking) `reconcile` in a worker thread:
+    the event loop goes on meanwhile. An async hook is awaited on the loop."""
+    sink = Sink()
+    seen: list[str] = []
+
+    def plain(key: str) -> Any:
+        try:
+            asyncio.get_running_loop()
+            seen.append("plain on the loop")
+        except RuntimeError:
+            seen.append("plain in a thread")
+        return sink.happened(key)
+
+    async def hook(key: str) -> Any:
+        asyncio.get_running_loop()  # raises off the loop
+        seen.append("async on the loop")
+        return sink.happened(key)
+
+    async def boom(key: str) -> None:
+        sink.apply(key)
+        raise ConnectionError
+
+    async def in_doubt(step: str, reconcile: Any) -> Any:
+        with step_scope(remit, run_id, step), pytest.raises(ConnectionError):
+            await arun_effect("pay", boom)
+        with step_scope(remit, run_id, step):
+            return await arun_effect("pay", boom, reconcile=reconcile)
+
+    assert asyncio.run(in_doubt("plain", plain)) == "receipt-1"
+    assert asyncio.run(in_doubt("async", hook)) == "receipt-2"
+    assert seen == ["plain in a thread", "async on the loop"]
+    assert len(sink.calls) == 2
+
+
 def _locked_store(tmp_path: Path) -> tuple[Remit, sqlite3.Connection]:
     """A SQLite-backed Remit whose database another connection holds write-locked."""
     remit = Remit(f"sqlite:///{tmp_path}/loop.db?busy_timeout=1500")
