@@ -971,11 +971,32 @@ class RemitFlowPersistence(FlowPersistence):
             ledger = ledger.accepting(codec.loads(i.value))  # type: ignore[arg-type]
         session.ledger, session.replay = ledger, Replay(ledger)
         session.keys_from = self._paused_on(session)
+        before = self._state_before_asks(session)
+        if before is not None:
+            session.state = before
         waiting = {_interrupt_method(i.interrupt_id) for i in interrupts if i.status == "pending"}
         flow._completed_methods = {m for m in ledger.completed if m not in waiting}
         history = _history(ledger)
         flow.human_feedback_history = history
         flow.last_human_feedback = history[-1] if history else None
+
+    def _state_before_asks(self, session: Session) -> dict[str, Any] | None:
+        """The state a restart continues with when the head is the checkpoint CrewAI takes
+        as a step calls `ask()` (None if it is not): the state of the checkpoint before it
+        (empty if none). That checkpoint holds what the step had changed before asking,
+        and the restart runs the step again from its start: from that state it would
+        change it twice (P1, P6: recovery ends where an uninterrupted run ends). A read
+        outside a kickoff still returns the state as it was saved."""
+        checkpoint_id, asked = session.head, False
+        while checkpoint_id is not None:
+            record = self.remit.checkpoint(session.run_id, checkpoint_id)
+            if record is None:
+                break
+            body = decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
+            if body.kind != "ask":
+                return body.state if asked else None
+            asked, checkpoint_id = True, record.parent_id
+        return {} if asked else None
 
     def _given_at_base(self, session: Session) -> list[InterruptRecord]:
         """The feedback a fork's head was given, consumed on the line it was forked from.
