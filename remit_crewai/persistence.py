@@ -34,7 +34,7 @@ from crewai.flow.human_feedback import HumanFeedbackResult
 from crewai.flow.persistence.base import FlowPersistence
 from crewai.flow.runtime import _condition_satisfied
 from crewai.flow.types import FlowMethodName, PendingListenerKey
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from remit_core import codec, policy
 from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_id
@@ -48,7 +48,7 @@ from remit_core.errors import (
 )
 from remit_core.records import MAIN_BRANCH, CheckpointRecord, InterruptRecord
 from remit_core.schema import StateSchema
-from remit_core.stores import open_store
+from remit_core.stores import check_url, open_store
 from remit_crewai._ledger import (
     ASK_CHECKPOINT,
     Body,
@@ -174,6 +174,11 @@ class RemitFlowPersistence(FlowPersistence):
         if url is not None:
             data["url"] = url
         super().__init__(**data)
+
+    @field_validator("url")
+    @classmethod
+    def _known_engine(cls, url: str) -> str:
+        return check_url(url)
 
     def model_post_init(self, context: Any, /) -> None:
         from remit_crewai._hooks import install

@@ -18,6 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
 from test_crewai_flows import child, kickoff
 
 from remit_core.conformance.world import EffectSink, Journal, WorldDB
@@ -234,3 +236,13 @@ def test_a_step_killed_while_it_asks_runs_again_from_the_state_before_it(
         assert done.ok, done.error_text()
         assert done.value["state"] == {"n": 11, "answer": "yes", "id": flow_id}, done.value
     assert journalled(world, "enter") == {"count": 1, "query": 2}
+
+
+def test_a_persistence_naming_an_unknown_engine_is_refused_where_it_is_made() -> None:
+    """A mistyped URL is refused as the persistence is made, naming it; before, the first
+    kickoff failed with "could not prepare step"."""
+    with pytest.raises(ValidationError, match=r"unsupported store URL 'mysql://h/db'"):
+        RemitFlowPersistence("mysql://h/db")
+    assert RemitFlowPersistence("postgres://postgres@127.0.0.1:5432/test").url.startswith(
+        "postgres"
+    )

@@ -7,14 +7,27 @@ import threading
 
 from remit_core.stores.base import Store
 
-__all__ = ["Store", "open_store"]
+__all__ = ["Store", "check_url", "open_store"]
 
 _cache: dict[tuple[str, int], Store] = {}
 _cache_lock = threading.Lock()
 
 
+def check_url(url: str) -> str:
+    """`url` if it names an engine Remit has (`ValueError` naming it if not); connects to
+    nothing, so a persistence made with a mistyped URL is refused where it is made."""
+    if not isinstance(url, str) or url.split(":", 1)[0].lower() not in _SCHEMES:
+        raise ValueError(
+            f"unsupported store URL {url!r}: use sqlite:///file.db, postgresql://... or redis://..."
+        )
+    return url
+
+
+_SCHEMES = frozenset({"sqlite", "postgresql", "postgres", "redis", "rediss"})
+
+
 def _build(url: str) -> Store:
-    scheme = url.split(":", 1)[0].lower()
+    scheme = check_url(url).split(":", 1)[0].lower()
     if scheme == "sqlite":
         from remit_core.stores.sqlite import SQLiteStore
 
@@ -23,13 +36,9 @@ def _build(url: str) -> Store:
         from remit_core.stores.postgres import PostgresStore
 
         return PostgresStore(url)
-    if scheme in ("redis", "rediss"):
-        from remit_core.stores.redis import RedisStore
+    from remit_core.stores.redis import RedisStore  # "redis" or "rediss"
 
-        return RedisStore(url)
-    raise ValueError(
-        f"unsupported store URL {url!r}: use sqlite:///file.db, postgresql://... or redis://..."
-    )
+    return RedisStore(url)
 
 
 def open_store(url: str, *, setup: bool = True) -> Store:
