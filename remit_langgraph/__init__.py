@@ -12,7 +12,9 @@ context manager for `with` and `async with`.
 
 - `store`: a Remit store URL or a `remit_core.Remit`.
 - `state_schema`: the state type to validate every write against (P4). By
-  default the schema of the graph that runs is used (`StateGraph(State)`); pass
+  default the schema of the graph that runs is used (`StateGraph(State)`, with
+  the private keys its input and output schemas and its nodes' input types
+  declare; an `update_state` of a subgraph's state, by the subgraph's); pass
   one (a type or a `remit_core.StateSchema` with a version and migrations) to
   override it or for graphs without one (its keys are state channels: an
   `@entrypoint` has none, and is not checked). A node's output is checked as the node
@@ -38,7 +40,8 @@ Config keys (`config["configurable"]`):
 - `checkpoint_id`: continue from this checkpoint. If it is not the head of its
   branch, the run is a fork and needs `fork_token` (else `ForkWithoutIntent`
   before any node runs). Applies to time travel and to `update_state`. A head
-  (or a token's branch) is continued as without the id: not replayed.
+  (or a token's branch) is continued as without the id: not replayed. An id the
+  thread does not have (another thread's, a typo) is `UnknownRecord`.
 - `fork_token`: the fork-intent token (P3). With `checkpoint_id` (a head
   included) its first use forks one named branch from that checkpoint; the
   same token again, from any process, returns that branch at its head instead

@@ -36,7 +36,7 @@ import functools
 import threading
 import typing
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -393,7 +393,13 @@ class Runs:
     def _study(self, graph: Pregel[Any, Any, Any, Any]) -> StateCheck | None:
         builder = getattr(graph, "builder", None)
         state_type = getattr(builder, "state_schema", None)
-        check = self.declared or (None if state_type is None else StateCheck.of(state_type))
+        check = self.declared or (
+            None
+            if state_type is None
+            else StateCheck.of(
+                state_type, [t for t in _schema_types(graph, builder) if t is not None]
+            )
+        )
         channels = getattr(builder, "channels", None) or graph.channels
         if check is not None:
             check.with_channels(channels)
@@ -785,9 +791,12 @@ class Runs:
                 checkpoint_id=record.checkpoint_id,
             )
         if resume is not None:
+            here = self._still_raised(run, here)
             edited = any(i.checkpoint_id != record.checkpoint_id for i in here)
             if not edited and _is_resume_map(resume):
                 edited = not self._asked_in_edited_subgraphs(run, record).isdisjoint(resume)
+            elif not edited:
+                self._refuse_later_question_of_edited_subgraph(run, record, here)
             gone = self._asked_by_absent_nodes(loop, run, writes)
             self._consume(run, here, resume, edited=edited, gone=gone)
             return None
@@ -841,6 +850,31 @@ class Runs:
                 return []
             at = self.remit.checkpoint(run.thread, at.parent_id)
         return []
+
+    def _still_raised(self, run: Run, here: Sequence[InterruptRecord]) -> list[InterruptRecord]:
+        """`here` without the pending interrupts that their checkpoint's tasks no longer
+        raise: a subgraph task run again after an edit of its namespace asks under a
+        new interrupt id, and its new interrupt write replaces the old one (LangGraph
+        drops a value by the old id). Values go to what the thread asks now (P5)."""
+        raised: dict[str | None, set[str] | None] = {}
+        for i in here:
+            if i.status != "pending" or i.checkpoint_id in raised or i.checkpoint_id is None:
+                continue
+            ids: set[str] = set()
+            asking = False
+            for w in self.remit.writes(run.thread, i.checkpoint_id):
+                if w.channel == INTERRUPT:
+                    asking = True
+                    value = self.saver._decode(w.value, run_id=run.thread)
+                    ids.update(item.id for item in _interrupts_in(value))
+            raised[i.checkpoint_id] = ids if asking else None
+        return [
+            i
+            for i in here
+            if i.status != "pending"
+            or (asked := raised.get(i.checkpoint_id)) is None
+            or i.interrupt_id in asked
+        ]
 
     def _still_asked(self, thread: str, head: CheckpointRecord, paused: CheckpointRecord) -> bool:
         """Whether the nodes that asked at `paused` are still to run at `head`: an edit
@@ -907,6 +941,18 @@ class Runs:
         namespace (`name:task_id`) is its own line; one of its own (`checkpointer=True`)
         has a line per branch."""
         stale: set[str] = set()
+        for writes in self._edited_subgraph_writes(run, record):
+            for w in writes:
+                if w.channel == INTERRUPT:
+                    value = self.saver._decode(w.value, run_id=run.thread)
+                    stale.update(item.id for item in _interrupts_in(value))
+        return stale
+
+    def _edited_subgraph_writes(
+        self, run: Run, record: CheckpointRecord
+    ) -> Iterator[list[WriteRecord]]:
+        """The writes of each subgraph checkpoint that an `update_state` after `record`
+        edited, on the run's line of its namespace (see `_asked_in_edited_subgraphs`)."""
         for edit in self.remit.history(run.thread, verify=False):
             if (
                 edit.ns == ""
@@ -916,11 +962,39 @@ class Runs:
                 or (edit.branch != run.branch and NS_END not in edit.ns)
             ):
                 continue
-            for w in self.remit.writes(run.thread, edit.parent_id, ns=edit.ns):
-                if w.channel == INTERRUPT:
-                    value = self.saver._decode(w.value, run_id=run.thread)
-                    stale.update(item.id for item in _interrupts_in(value))
-        return stale
+            yield list(self.remit.writes(run.thread, edit.parent_id, ns=edit.ns))
+
+    def _refuse_later_question_of_edited_subgraph(
+        self, run: Run, record: CheckpointRecord, here: Sequence[InterruptRecord]
+    ) -> None:
+        """`ResumeConflict` for a plain value whose one pending interrupt is a later
+        question of a subgraph task whose namespace `update_state` has since edited:
+        LangGraph runs that task again from its first question, which the value would
+        answer in place of the one the resumer was shown (P5)."""
+        pending = [i.interrupt_id for i in here if i.status == "pending"]
+        if len(pending) != 1:
+            return
+        for writes in self._edited_subgraph_writes(run, record):
+            askers = {
+                w.task_id
+                for w in writes
+                if w.channel == INTERRUPT
+                and any(
+                    item.id == pending[0]
+                    for item in _interrupts_in(self.saver._decode(w.value, run_id=run.thread))
+                )
+            }
+            if any(w.channel == RESUME and w.task_id in askers for w in writes):
+                raise ResumeConflict(
+                    "the subgraph that asked was edited (update_state of its namespace) "
+                    "after its task had answers to its earlier interrupts: LangGraph runs "
+                    "the task again from its first question, which this value would answer "
+                    "instead of the one pending; continue with invoke(None, config), which "
+                    "asks them again under new interrupt ids, then resume each in turn. "
+                    "Nothing was stored",
+                    run_id=run.thread,
+                    interrupt_id=pending[0],
+                )
 
     def _asked_by_absent_nodes(
         self, loop: PregelLoop, run: Run, writes: Sequence[WriteRecord]
@@ -1160,9 +1234,11 @@ class Runs:
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         # LangGraph chains its puts: a put after a refused one fails with it. A
         # put after a refused task write carries the refused value, and fails here.
-        # The schema is the top graph's: a subgraph's namespace has its own keys.
+        # A run's schema is the top graph's: a subgraph's namespace has its own keys.
+        # An edit's is the graph that edits: a subgraph's, for its namespace (LangGraph
+        # hands `update_state` of a subgraph's task config to the subgraph itself).
         check = run.check if run is not None else caller
-        if check is not None and ns == "":
+        if check is not None and (ns == "" or run is None):
             try:
                 check.values(values, keys=changed, **ids)
             except RemitError as exc:

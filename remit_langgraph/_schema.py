@@ -215,6 +215,8 @@ class StateCheck:
         self.declared = declared
         self.version = declared.version if declared is not None else 1
         self.fields = frozenset(fields)
+        #: The keys the state type itself declares, which its own checks hold of.
+        self._own = self.fields
         self._partial = StateSchema(
             TypedDict("PartialState", dict(fields), total=False),  # type: ignore[operator]
             version=self.version,
@@ -244,8 +246,11 @@ class StateCheck:
         }
 
     @classmethod
-    def of(cls, state: Any) -> StateCheck | None:
-        """From a state type or a `StateSchema`; None for a JSON Schema dict or no fields."""
+    def of(cls, state: Any, others: Iterable[Any] = ()) -> StateCheck | None:
+        """From a state type or a `StateSchema`; None for a JSON Schema dict or no fields.
+        `others`: the graph's other schemas (its input and output schemas, the input
+        types of its nodes), whose keys the state type lacks are state channels too
+        (private state): each is checked by the type the first of them declares."""
         declared = state if isinstance(state, StateSchema) else None
         state_type = declared.type_ if declared is not None else state
         if isinstance(state_type, Mapping):
@@ -254,9 +259,17 @@ class StateCheck:
             fields = _field_types(state_type)
         except TypeError:
             return None
+        own = frozenset(fields)
+        for other in others:
+            try:
+                more = _field_types(other)
+            except (TypeError, NameError):  # (no fields, or hints that do not resolve)
+                continue
+            fields = {**more, **fields}
         if not fields:
             return None
         check = cls({k: _checkable(t) for k, t in fields.items()}, declared)
+        check._own = own
         if isinstance(state_type, type) and _has_own_checks(state_type):
             check._whole = StateSchema(state_type, version=check.version)
             check._required = frozenset(_required_fields(state_type))
@@ -331,7 +344,7 @@ class StateCheck:
                         rest[k] = v
             if rest and not self._partial.holds_as_is(rest):
                 _as_declared(rest, self._partial.validate(rest, **ids), ids)
-            self._check_whole({k: _unwrapped(values[k]) for k in self.fields if k in values}, ids)
+            self._check_whole({k: _unwrapped(values[k]) for k in self._own if k in values}, ids)
 
     @property
     def checks_whole(self) -> bool:
@@ -345,14 +358,14 @@ class StateCheck:
         if self._whole is None or channels is None:
             return
         state: dict[str, Any] = {}
-        for key in self.fields:
+        for key in self._own:
             channel = channels.get(key)
             with contextlib.suppress(Exception):  # (an empty channel has no value)
                 state[key] = channel.get() if channel is not None else MISSING
         state = {k: v for k, v in state.items() if v is not MISSING}
         grouped: dict[str, list[Any]] = {}
         for key, value in writes:
-            if key in self.fields:
+            if key in self._own:
                 grouped.setdefault(key, []).append(value)
         for key, values in grouped.items():
             channel = channels.get(key)

@@ -18,9 +18,10 @@ import copy
 import dataclasses
 import random
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -111,6 +112,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
         self._runs = Runs(self, state_schema)
         self._indexed: set[tuple[str, Any]] = set()
         self._blobs = rec.BlobCache()
+        #: An edit's writes held for its commit (`_hold_edit_writes`), by the id of the
+        #: `update_state` superstep frame that stores them and then commits: the frame
+        #: (kept, so no later frame takes its id), where they go, the writes.
+        self._held: dict[int, _Held] = {}
+        self._held_lock = threading.Lock()
 
     @classmethod
     def from_conn_string(cls, url: str, **options: Any) -> _Opened:
@@ -368,13 +374,16 @@ class RemitSaver(BaseCheckpointSaver[str]):
         run = self._runs.active(_thread(config))
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
+        held = self._take_edit_writes(frame, config) if run is None else ()
         if run is None:
             copied = self._copy_target(frame, config)
             if copied is not None and copied.get("done"):
                 return copied["done"]
             config = config if copied is None else copied["config"]
         try:
-            return self._put(config, checkpoint, metadata, new_versions, caller, last, by_graph)
+            return self._put(
+                config, checkpoint, metadata, new_versions, caller, last, by_graph, held
+            )
         except ForkWithoutIntent as exc:
             if _read_as_head(frame, config) or _later_superstep(frame):
                 raise _head_moved(config, later=_later_superstep(frame)) from exc
@@ -444,9 +453,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
         caller: StateCheck | None,
         last: bool = False,
         by_graph: bool = False,
+        held: Sequence[WriteRecord] = (),
     ) -> RunnableConfig:
         """`put`; `last`: the run's last write, whose commit gives its claim up;
-        `by_graph`: an edit a graph makes outside a run (`update_state`)."""
+        `by_graph`: an edit a graph makes outside a run (`update_state`); `held`: its
+        writes on the checkpoint it continues, stored by this commit or not at all."""
         conf = _conf(config)
         thread, ns = _thread(config), _ns(config)
         checkpoint_id = checkpoint["id"]
@@ -485,6 +496,16 @@ class RemitSaver(BaseCheckpointSaver[str]):
             # losing it, or being refused by it, later. (A put of code that drives the
             # saver itself has the head's compare-and-set alone, as any checkpointer
             # gives it.)
+            if branch is None and parent and self.remit.checkpoint(thread, parent, ns=ns) is None:
+                # (LangGraph reads such a config as a thread with no checkpoint, and
+                # would store the edit as a root under a parent the thread lacks.)
+                raise UnknownRecord(
+                    f"update_state names checkpoint {parent!r}, which thread {thread!r} "
+                    f"does not have{f' in namespace {ns!r}' if ns else ''} (a typo, a "
+                    "deleted checkpoint, or another thread's id); nothing was stored",
+                    run_id=thread,
+                    checkpoint_id=parent,
+                )
             if branch is None:
                 branch = self._edited_branch(thread, ns, parent, token)
             try:
@@ -513,7 +534,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 workflow_version=self.workflow_version,
                 blobs=blobs,
                 # The run index's entry commits with the checkpoint: no round trip of its own.
-                writes=() if index is None else (index,),
+                writes=(*held, *(() if index is None else (index,))),
                 fence=run.fence if run is not None else None if edit is None else edit.fence,
                 allow_new_root=True,
                 release=run.claim if run is not None and last else edit,
@@ -555,11 +576,16 @@ class RemitSaver(BaseCheckpointSaver[str]):
         thread, ns = _thread(config), _ns(config)
         checkpoint_id = conf["checkpoint_id"]
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
-        if self._runs.active(thread) is None and _later_superstep(above_saver(sys._getframe(1))):
-            # A later superstep of `bulk_update_state` stores its writes on the checkpoint
-            # it continues before committing after it: if another write moved the head
-            # since, its commit is refused, and these writes would stay behind.
-            self._still_head(thread, ns, checkpoint_id, config)
+        if self._runs.active(thread) is None:  # (a run's writes skip the frame walk)
+            caller = above_saver(sys._getframe(1))
+            if self._hold_edit_writes(_edit_superstep(caller), config, writes, task_id, task_path):
+                return
+            if _later_superstep(caller):
+                # A later superstep of `bulk_update_state` stores its writes on the
+                # checkpoint it continues before committing after it: if another write
+                # moved the head since, its commit is refused, and these writes would
+                # stay behind.
+                self._still_head(thread, ns, checkpoint_id, config)
         run = self._runs.before_writes(thread, ns, checkpoint_id, task_id, writes)
         if run is not None and run.refused:
             writes = run.unrefused(writes)
@@ -594,6 +620,68 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 fence=None if run is None else run.fence,
             )
         self._runs.after_writes(run, thread, ns, checkpoint_id, writes)
+
+    def _hold_edit_writes(
+        self,
+        superstep: FrameType | None,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str,
+    ) -> bool:
+        """Hold, for the commit that follows, the writes an `update_state` stores on the
+        checkpoint it continues (LangGraph stores them first, for its `DeltaChannel`
+        keys, then commits the edit's checkpoint): stored at once, a refused edit (an
+        invalid value, a run in flight, a lost race) would leave them there, where
+        they finish the task they name and every later read applies them. Checked
+        and encoded now; False if there is no such edit (`superstep`: its frame that
+        commits next, `_edit_superstep`)."""
+        thread = _thread(config)
+        if superstep is None or self._runs.active(thread) is not None or current_run() is not None:
+            return False
+        ns, checkpoint_id = _ns(config), _conf(config)["checkpoint_id"]
+        if _later_superstep(superstep):
+            self._still_head(thread, ns, checkpoint_id, config)
+        # (The commit checks the values the writes make, as of the graph that edits.)
+        ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
+        records = [
+            WriteRecord(
+                run_id=thread,
+                checkpoint_id=checkpoint_id,
+                task_id=task_id,
+                idx=WRITES_IDX_MAP.get(channel, idx),
+                channel=channel,
+                value=self._dump(value, channel, **ids),
+                ns=ns,
+                task_path=task_path,
+            )
+            for idx, (channel, value) in enumerate(writes)
+        ]
+        at = (thread, ns, checkpoint_id)
+        with self._held_lock:
+            held = self._held.pop(id(superstep), None)
+            if held is not None and (held.frame is not superstep or held.at != at):
+                held = None
+            while len(self._held) >= _HELD_KEPT:  # (edits that failed before their commit)
+                del self._held[next(iter(self._held))]
+            self._held[id(superstep)] = _Held(
+                superstep, at, [*(() if held is None else held.writes), *records]
+            )
+        return True
+
+    def _take_edit_writes(
+        self, caller: FrameType | None, config: RunnableConfig
+    ) -> builtins.list[WriteRecord]:
+        """The writes held for the commit `caller` (an `update_state` superstep) makes
+        after `config`'s checkpoint (`_hold_edit_writes`); none for any other put."""
+        if caller is None or not self._held:
+            return []
+        with self._held_lock:
+            held = self._held.pop(id(caller), None)
+        at = (_thread(config), _ns(config), _conf(config).get("checkpoint_id"))
+        if held is None or held.frame is not caller or held.at != at:
+            return []
+        return held.writes
 
     def _still_head(self, thread: str, ns: str, checkpoint_id: str, config: RunnableConfig) -> None:
         """Raise `HeadMoved` unless `checkpoint_id` is the head of its branch."""
@@ -871,6 +959,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         run = self._runs.active(_thread(config))
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
+        held = self._take_edit_writes(frame, config) if run is None else ()
         if run is None:
             copied = await asyncio.to_thread(self._copy_target, frame, config)
             if copied is not None and copied.get("done"):
@@ -878,7 +967,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             config = config if copied is None else copied["config"]
         try:
             return await asyncio.to_thread(
-                self._put, config, checkpoint, metadata, new_versions, caller, last, by_graph
+                self._put, config, checkpoint, metadata, new_versions, caller, last, by_graph, held
             )
         except ForkWithoutIntent as exc:
             if _read_as_head(frame, config) or _later_superstep(frame):
@@ -892,6 +981,17 @@ class RemitSaver(BaseCheckpointSaver[str]):
         task_id: str,
         task_path: str = "",
     ) -> None:
+        superstep = (
+            _edit_superstep(above_saver(sys._getframe(1)))
+            if self._runs.active(_thread(config)) is None
+            else None
+        )
+        if superstep is not None:
+            held = await asyncio.to_thread(
+                self._hold_edit_writes, superstep, config, writes, task_id, task_path
+            )
+            if held:
+                return
         await asyncio.to_thread(self.put_writes, config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:
@@ -958,6 +1058,22 @@ def _head_moved(config: RunnableConfig, *, later: bool = False) -> HeadMoved:
 #: The graph methods whose saver reads are a user's state reads.
 _STATE_READS = ("get_state", "aget_state")
 
+
+class _Held(NamedTuple):
+    """An edit's writes held for its commit (`RemitSaver._hold_edit_writes`)."""
+
+    frame: FrameType
+    at: tuple[str, str, str]
+    writes: builtins.list[WriteRecord]
+
+
+#: How many edits' held writes are kept at most (only edits that fail between
+#: storing their writes and their commit leave theirs).
+_HELD_KEPT = 64
+
+#: The frames of `bulk_update_state` that store an edit's writes before its commit.
+_EDIT_WRITE_FRAMES = ("_store_or_fork_delta_writes", "_astore_or_fork_delta_writes")
+
 #: The frames of `bulk_update_state` (and `update_state`) that call the saver.
 _SUPERSTEP_FRAMES = (
     "perform_superstep",
@@ -965,6 +1081,14 @@ _SUPERSTEP_FRAMES = (
     "_store_or_fork_delta_writes",
     "_astore_or_fork_delta_writes",
 )
+
+
+def _edit_superstep(caller: FrameType | None) -> FrameType | None:
+    """The superstep frame of `bulk_update_state` that commits next, if `caller` (a
+    saver call's caller) stores that edit's writes before its commit."""
+    if caller is None or caller.f_code.co_name not in _EDIT_WRITE_FRAMES:
+        return None
+    return caller.f_back
 
 
 def _later_superstep(caller: FrameType | None) -> bool:
