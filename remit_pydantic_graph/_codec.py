@@ -16,6 +16,7 @@ reading recomputes them. No I/O here.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 import types
@@ -36,6 +37,9 @@ __all__ = ["ForeignNode", "SnapshotCodec", "Unfit"]
 _Path = tuple[str | int, ...]
 #: How deep `_unfit` looks for the bad part of a value.
 _DEEPEST = 32
+
+#: Types whose values `_difference` compares by `==` alone (no subclass, no enum).
+_SCALARS = frozenset((int, float, str, bool, bytes, type(None)))
 
 _UNEXPECTED = re.compile(
     r"Expected `([^`]+)`[^\[]*\[(?:field_name='[^']*', )?input_value=(.*?), input_type=(\w+)\]"
@@ -129,8 +133,8 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
                 f"does not satisfy the graph's types: {errors[0].get('msg')}",
             )
             return unfit, exc, sum(e["type"] == "missing" for e in errors)
-        if _equal(back, snapshot):
-            return None
+        # Walked also when equal: an enum member in an `Any` field reads back as its plain
+        # value, which a `StrEnum` or an `IntEnum` member equals.
         found = _difference(snapshot, back, (), self.declared)
         if found is None:
             return None
@@ -149,6 +153,10 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
                 "node",
                 f"{node_id} is not a node of this graph ({', '.join(sorted(self.node_ids))})",
             )
+
+    def where(self, loc: Sequence[int | str]) -> str:
+        """A pydantic validation path as a snapshot's dotted path (`state.inner.amount`)."""
+        return _dotted(self._path_of(loc))
 
     def _path_of(self, loc: Sequence[int | str]) -> _Path:
         """A pydantic validation path without its union tags (`kind`, then the node's id)."""
@@ -342,18 +350,74 @@ def _difference(
     if children is None:
         if isinstance(ours, float) and isinstance(read, float) and math.isnan(ours):
             return None if math.isnan(read) else (path, ours, read)
-        return None if _equal(ours, read) else (path, ours, read)
+        if not _equal(ours, read) or _demoted(ours, read, declared):
+            return path, ours, read
+        return None
     if type(ours) is not type(read) and not isinstance(ours, (Mapping, list, tuple)):
         return path, ours, read
+    if children in (dict, _indexed) and _plain(ours) and _equal(ours, read):
+        return None  # builtin scalars only: equal is the same (a large list, at C speed)
     mine, theirs = children(ours), children(read)
     if mine.keys() != theirs.keys():
         return path, ours, read
+    if children is dict:
+        read_keys = {key: key for key in theirs}
+        key_type = _key_type(declared)
+        for key in mine:
+            if _demoted(key, read_keys[key], key_type):
+                return (*path, key), key, read_keys[key]
     declared_parts = {key: part for key, _, part in _parts(ours, declared)}
     for key, value in mine.items():
         found = _difference(value, theirs[key], (*path, key), declared_parts.get(key, Any))
         if found is not None:
             return found
     return None
+
+
+def _plain(items: Collection[Any]) -> bool:
+    """Whether `items` (a mapping's keys and values) are all builtin scalars, which read
+    back equal only as themselves, or as the type their field declares."""
+    if isinstance(items, Mapping):
+        return _plain(items.keys()) and _plain(items.values())
+    return all(type(item) in _SCALARS for item in items)
+
+
+def _demoted(ours: Any, read: Any, declared: Any) -> bool:
+    """Whether `read`, equal to the enum member `ours`, came back as another type that
+    `declared` does not make it (a `StrEnum` member in an `Any` field reads back as its
+    str). A member read back as what its field declares (a `str` field) follows the
+    declared type."""
+    if not isinstance(ours, enum.Enum) or type(read) is type(ours):
+        return False
+    return not _admits(declared, read)
+
+
+def _admits(declared: Any, value: Any) -> bool:
+    """Whether `declared` names `value`'s type (a class it is an instance of, a union
+    member that does, or a `Literal` holding it); `Any` and unknown types do not."""
+    while typing.get_origin(declared) is Annotated:
+        declared = typing.get_args(declared)[0]
+    origin = typing.get_origin(declared) or declared
+    if origin in (Union, types.UnionType):
+        return any(_admits(m, value) for m in typing.get_args(declared))
+    if origin is typing.Literal:
+        return any(type(v) is type(value) and _equal(v, value) for v in typing.get_args(declared))
+    return (
+        isinstance(origin, type)
+        and origin is not object
+        and origin is not Any
+        and isinstance(value, origin)
+    )
+
+
+def _key_type(declared: Any) -> Any:
+    """The key type a mapping type declares (`Any` if none)."""
+    while typing.get_origin(declared) is Annotated:
+        declared = typing.get_args(declared)[0]
+    origin, args = typing.get_origin(declared) or declared, typing.get_args(declared)
+    if isinstance(origin, type) and issubclass(origin, Mapping) and len(args) == 2:
+        return args[0]
+    return Any
 
 
 def _declares(declared: Any, kind: type) -> bool:

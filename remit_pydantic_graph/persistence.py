@@ -14,6 +14,9 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
 - P2: a node's body runs under `remit_core.step_scope` keyed by its snapshot
   id (a node an operator's edit committed again: the edited node's; on a fork,
   also by the fork's branch), so `remit_core.effect` functions inside it apply once.
+- P6: a node's next snapshot (a node or the `End`) that pydantic-graph gave a random id
+  is named after the node it follows: every recovery of one store stores it under one
+  id, and keys its effects alike.
 - P3: starting a new node on a run that already has a head, or running a
   snapshot that is not the head, is a fork and needs `fork_token`. A token
   that starts a run names that run's line; no node starts after an `End`.
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import threading
 import time
 import uuid
@@ -207,6 +211,15 @@ def _check_versions(workflow_version: object, accept_versions: object) -> frozen
     return versions | {workflow_version}
 
 
+def _generated(kind: str, snapshot_id: object) -> bool:
+    """Whether `snapshot_id` has the form pydantic-graph gives a new node or End of
+    `kind` (`generate_snapshot_id`), not one a user chose."""
+    return (
+        isinstance(snapshot_id, str)
+        and re.fullmatch(rf"{re.escape(kind)}:[0-9a-f]{{32}}", snapshot_id) is not None
+    )
+
+
 def _checked_node(call: str, next_node: object) -> BaseNode[Any, Any, Any]:
     """`next_node` if it is a node: anything else would fail deep inside pydantic-graph's
     `NodeSnapshot` with an AttributeError that names neither the call nor the argument."""
@@ -313,8 +326,21 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         return self._codec
 
+    def _check_id(self, snapshot_id: object) -> None:
+        """`CheckpointInvalid` at `id` for a snapshot id no engine stores (a node given
+        one with `set_snapshot_id`): refused as the snapshot's other misfits are."""
+        try:
+            checked_id("snapshot id", snapshot_id)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointInvalid(
+                f"snapshot refused at id: {exc}; nothing was written",
+                field="id",
+                run_id=self.run_id,
+            ) from exc
+
     def _encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:
         """The snapshot's bytes, if they read back as this snapshot (P4)."""
+        self._check_id(snapshot.id)
         if isinstance(snapshot, NodeSnapshot):  # status lives in the log, not in the bytes
             snapshot = dataclasses.replace(snapshot, status="created", start_ts=None, duration=None)
         try:
@@ -350,23 +376,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         policy.check_workflow_version(record, self.accept_versions)
         self._check_graph(record)
-        try:
-            snapshot = self._types().decode(record.state)
-        except ForeignNode as exc:
-            raise VersionMismatch(
-                f"stored snapshot is of node {exc.node_id!r}, which is not a node of this "
-                f"graph ({', '.join(sorted(exc.node_ids))}); it was written by another graph, "
-                "or another version of this one",
-                run_id=self.run_id,
-                checkpoint_id=checkpoint_id,
-            ) from exc
-        except pydantic.ValidationError as exc:
-            raise VersionMismatch(
-                f"stored snapshot does not fit this graph's types ({exc.errors()[0].get('msg')}); "
-                "it was written by another version of the graph",
-                run_id=self.run_id,
-                checkpoint_id=checkpoint_id,
-            ) from exc
+        snapshot = self._decode(record.state, "stored snapshot", checkpoint_id=checkpoint_id)
         idx = -1
         if isinstance(snapshot, NodeSnapshot):
             snapshot.node.set_snapshot_id(snapshot.id)
@@ -382,6 +392,29 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 snapshot.duration = entry["duration"]
                 idx = last.idx
         return _Stored(record, snapshot, idx)
+
+    def _decode(self, body: bytes, what: str, **ids: str) -> Snapshot[StateT, RunEndT]:
+        """Stored snapshot bytes read with this graph's types: `VersionMismatch` naming
+        `what` and where it does not fit, if another graph or version wrote them."""
+        try:
+            return self._types().decode(body)
+        except ForeignNode as exc:
+            raise VersionMismatch(
+                f"{what} is of node {exc.node_id!r}, which is not a node of this graph "
+                f"({', '.join(sorted(exc.node_ids))}); it was written by another graph, "
+                "or another version of this one",
+                run_id=self.run_id,
+                **ids,
+            ) from exc
+        except pydantic.ValidationError as exc:
+            error = exc.errors()[0]
+            raise VersionMismatch(
+                f"{what} does not fit this graph's types at "
+                f"{self._types().where(error.get('loc', ()))} ({error.get('msg')}); it was "
+                "written by another version of the graph",
+                run_id=self.run_id,
+                **ids,
+            ) from exc
 
     def _check_graph(self, record: CheckpointRecord) -> None:
         """`VersionMismatch` for a snapshot another graph wrote under this workflow version.
@@ -743,15 +776,26 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return
         ran, duration = resumer.ran
         try:
-            if self._stored(snapshot.id):
-                # An object returned again is a new snapshot, as with pydantic-graph's default
-                # persistence: a node returning itself, or a shared `End` (a module constant)
-                # that a fork returns after its main line did. It gets a new id.
-                node = snapshot.node
-                kind = node.get_node_id() if isinstance(node, BaseNode) else "end"
-                node.set_snapshot_id(generate_snapshot_id(kind))
-                snapshot.id = node.get_snapshot_id()
             try:
+                self._check_id(snapshot.id)
+                # pydantic-graph names a new node (or End) with a random id, and a node's
+                # effects are keyed by its id. Named after the node it follows instead, it
+                # gets the same id and effect keys in every recovery of one store (P6). An
+                # id the user gave it (`set_snapshot_id`) is kept.
+                follower = snapshot.node if isinstance(snapshot, NodeSnapshot) else snapshot.result
+                kind = follower.get_node_id() if isinstance(follower, BaseNode) else "end"
+                if _generated(kind, snapshot.id):
+                    follower.set_snapshot_id(self._successor_id(ran, kind))
+                    snapshot.id = follower.get_snapshot_id()
+                if self._stored(snapshot.id):
+                    # An object returned again is a new snapshot, as with pydantic-graph's
+                    # default persistence: a node returning itself, or a shared `End` (a
+                    # module constant) that a fork returns after its main line did. It gets
+                    # a new id.
+                    node = snapshot.node
+                    kind = node.get_node_id() if isinstance(node, BaseNode) else "end"
+                    node.set_snapshot_id(generate_snapshot_id(kind))
+                    snapshot.id = node.get_snapshot_id()
                 body = self._encode(snapshot)
             except CheckpointInvalid:
                 self._set_status(resumer, ran.top, "error", duration=duration)
@@ -759,6 +803,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             self._commit(resumer, snapshot, body, ran, release=True)
         finally:
             self._drop(resumer)
+
+    def _successor_id(self, ran: _Head, kind: str) -> str:
+        """The snapshot id of the node (`kind`, its node id, or "end") that follows `ran`
+        on this branch: the same whichever process runs `ran` (a line has one snapshot
+        after each node), in pydantic-graph's form (`{node_id}:{hex}`)."""
+        name = "\x1f".join(("remit", self.run_id, self.branch, ran.top.id))
+        return f"{kind}:{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}"
 
     # -- the interface pydantic-graph calls ----------------------------------------
     async def snapshot_node(self, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]) -> None:
@@ -1109,6 +1160,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         while True:
             paused = self._paused_head(pause_id)
             self._check_successor(paused.top, node, pause_id)
+            self._check_id(node.get_snapshot_id())
             taken = self.remit.checkpoint(self.run_id, node.get_snapshot_id())
             if taken is not None and self._on_line(taken):
                 raise ResumeConflict(
@@ -1354,7 +1406,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         pause = self.remit.interrupt(self.run_id, head.top.id, branch=self.branch)
         if pause is None or pause.status != "consumed" or pause.value is None:
             return head
-        snapshot = self._types().decode(pause.value)
+        snapshot = self._decode(
+            pause.value,
+            "the answer taken at this pause (kept, not yet stored as the run's head)",
+            checkpoint_id=head.top.id,
+            interrupt_id=head.top.id,
+        )
         self._commit(resumer, snapshot, pause.value, head, via="resume", replaces=head.top.id)
         settled = self._read_head()
         assert settled is not None
