@@ -39,7 +39,10 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
                 "message": str(current),
             }
         )
-        current = current.__cause__ or current.__context__
+        # As a traceback shows it: `raise ... from None` hides the context.
+        current = current.__cause__ or (
+            None if current.__suppress_context__ else current.__context__
+        )
     return {
         "class": chain[0]["class"],
         "message": chain[0]["message"],
@@ -81,6 +84,15 @@ class Outcome:
         if not class_names:
             return True
         return any(name in link["bases"] for link in self.error["chain"] for name in class_names)
+
+    def message_of(self, class_name: str) -> str | None:
+        """The message of the first exception in the chain that is a `class_name`."""
+        if self.error is None:
+            return None
+        for link in self.error["chain"]:
+            if class_name in link["bases"]:
+                return str(link["message"])
+        return None
 
     def error_text(self) -> str:
         """Every message of the exception chain, joined."""

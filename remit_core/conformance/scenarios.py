@@ -238,6 +238,10 @@ class Context:
     def counts(self) -> Counter[str]:
         return self.env.sink.counts()
 
+    def ledger(self) -> Counter[tuple[str, str | None]]:
+        """Every application the sink counted, as (effect name, idempotency key)."""
+        return Counter((name, key) for name, key, _ in self.env.sink.applications())
+
     def reached(self, point: str) -> bool:
         return any(e.kind == "point" and e.name == point for e in self.env.journal.entries())
 
@@ -417,6 +421,8 @@ def resume_twice(ctx: Context) -> dict[int, Verdict]:
                 steps_text(ran) if ran else "",
             ),
         )
+    elif ctx.run not in second.error_text():
+        v5 = Verdict(False, f"rejected, but the error does not name the run: {second.summary()}")
     else:
         v5 = Verdict(True, f"rejected: {second.summary()}")
     return {5: v5, 6: Verdict(not failed and c == EFFECTS_ONCE, joined(effects_text(c), failed))}
@@ -603,9 +609,12 @@ def recover_twice(ctx: Context) -> dict[int, Verdict]:
     (ra, sa), (rb, sb) = (cp.finish_ops(w, 2) for cp, w in zip(copies, workers, strict=True))
     failed = failures(ra, rb, names=("recovery a", "recovery b"))
     ca, cb = copies[0].counts(), copies[1].counts()
-    same = state_of(sa) == state_of(sb) and ca == cb
+    la, lb = copies[0].ledger(), copies[1].ledger()
+    same = state_of(sa) == state_of(sb) and ca == cb and la == lb
     done = complete(state_of(sa), VALUE)
     text = f"a: {effects_text(ca)}; b: {effects_text(cb)}" if ca != cb else effects_text(ca)
+    if ca == cb and la != lb:
+        text = joined(text, f"idempotency keys differ: {sorted(la - lb)} vs {sorted(lb - la)}")
     if state_of(sa) != state_of(sb):
         text = joined(text, f"states differ: {state_of(sa)!r} vs {state_of(sb)!r}")
     elif not done:
@@ -659,7 +668,12 @@ def invalid_step_write(ctx: Context) -> dict[int, Verdict]:
     if not head_ok:
         text = f"{start.summary()}; head amount={amount!r}" if snap.ok else snap.summary()
         return {19: Verdict(False, text)}
-    return {19: Verdict(start.raised("CheckpointInvalid"), start.summary())}
+    refusal = start.message_of("CheckpointInvalid")
+    if refusal is None:
+        return {19: Verdict(False, f"not CheckpointInvalid: {start.summary()}")}
+    if "amount" not in refusal:
+        return {19: Verdict(False, f"error does not name the field amount: {start.summary()}")}
+    return {19: Verdict(True, start.summary())}
 
 
 def invalid_external_update(ctx: Context) -> dict[int, Verdict]:
@@ -678,15 +692,24 @@ def invalid_external_update(ctx: Context) -> dict[int, Verdict]:
                 False, joined(f"rejected ({edit.summary()}) but", store_diff(before, after))
             )
         }
+    refusal = edit.message_of("CheckpointInvalid")
+    if refusal is None or "amount" not in refusal:
+        return {
+            20: Verdict(
+                False, f"rejected, but not as CheckpointInvalid naming amount: {edit.summary()}"
+            )
+        }
     return {20: Verdict(True, f"rejected: {edit.summary()}")}
 
 
 def invalid_resume_value(ctx: Context) -> dict[int, Verdict]:
     """INVALID-RESUME-VALUE: 12345 instead of a non-empty str."""
-    start = ctx.one("start", ctx.run)
+    start, before = ctx.ops(op("start", ctx.run), op("inspect", ctx.run))
+    mark, prior = ctx.mark(), ctx.counts()
     bad, mid = ctx.ops(op("resume", ctx.run, 12345), op("inspect", ctx.run), stop_on_error=False)
+    ran, applied = ctx.entered(after=mark), ctx.counts() - prior
     good, end = ctx.ops(op("resume", ctx.run, VALUE), op("inspect", ctx.run))
-    failed = failures(start, names=("start",))
+    failed = failures(start, before, names=("start", "inspect"))
     pending = mid.value.get("pending_interrupts", 0) if mid.ok else 0
     if failed:
         v = Verdict(False, failed)
@@ -698,6 +721,17 @@ def invalid_resume_value(ctx: Context) -> dict[int, Verdict]:
         )
     elif not pending:
         v = Verdict(False, f"rejected ({bad.summary()}) but no interrupt left pending")
+    elif ran or applied:
+        v = Verdict(
+            False,
+            joined(
+                f"rejected ({bad.summary()}) after the value reached a step",
+                steps_text(ran) if ran else "",
+                effects_text(applied) if applied else "",
+            ),
+        )
+    elif not same_store(before, mid):
+        v = Verdict(False, joined(f"rejected ({bad.summary()}) but", store_diff(before, mid)))
     elif not (good.ok and complete(state_of(end), VALUE)):
         v = Verdict(
             False, f"rejected, then a valid value failed: {good.summary()} {status_of(good)}"
@@ -738,19 +772,36 @@ def corrupt_record(ctx: Context) -> dict[int, Verdict]:
 
 def version_mismatch(ctx: Context) -> dict[int, Verdict]:
     """VERSION-MISMATCH: a v1 run resumed by the v2 workflow."""
-    start = ctx.one("start", ctx.run)
-    if not start.ok:
-        return {23: Verdict(False, f"start: {start.summary()}")}
+    start, before = ctx.ops(op("start", ctx.run), op("inspect", ctx.run))
+    failed = failures(start, before, names=("start", "inspect"))
+    if failed:
+        return {23: Verdict(False, failed)}
     mark = ctx.mark()
     v2 = ctx.env.with_variant(workflow_version="v2")
     resume = ctx.ops(op("resume", ctx.run, VALUE), env=v2)[0]
     ran = ctx.entered(after=mark)
+    after = ctx.one("inspect", ctx.run)
     if not resume.raised():
         return {
             23: Verdict(False, f"v2 resumed the v1 run ({status_of(resume)}); {steps_text(ran)}")
         }
     if ran:
         return {23: Verdict(False, f"refused after running steps: {steps_text(ran)}")}
+    if not same_store(before, after):
+        return {
+            23: Verdict(
+                False, joined(f"refused ({resume.summary()}) but", store_diff(before, after))
+            )
+        }
+    text, head = resume.error_text(), str(before.value.get("head"))
+    if ctx.run not in text or head not in text:
+        return {
+            23: Verdict(
+                False,
+                f"refused, but the error does not name the run and its head checkpoint "
+                f"{head!r}: {resume.summary()}",
+            )
+        }
     return {23: Verdict(True, f"refused: {resume.summary()}")}
 
 
@@ -1035,7 +1086,13 @@ def k8_values(ctx: Context) -> dict[int, Verdict]:
 
 
 def k8_dead_winner(ctx: Context) -> dict[int, Verdict]:
-    """K8-DEAD-WINNER: the winner is SIGKILLed in charge; a recovery takes over after the lease."""
+    """K8-DEAD-WINNER: the winner is SIGKILLed in charge; after its lease k - 1 recover.
+
+    The recoveries race behind the barrier. Between them the run's remaining
+    steps (charge, in flight when the winner died, and notify) are entered once
+    each: one recovery takes the run over (L1), or hands it on whole between two
+    steps where a framework's driver holds no claim there.
+    """
     k = 8
     start = ctx.one("start", ctx.run)
     if not start.ok:
@@ -1047,17 +1104,33 @@ def k8_dead_winner(ctx: Context) -> dict[int, Verdict]:
     fired = ctx.proceeded(mark)
     gap = ctx.race_gap(mark, k, ctx.ready)
     killed = sum(o.status == "killed" for o in outcomes)
-    recover, snap = _recover(ctx)
+    ctx.wait_lease()
+    takeover = ctx.mark()
+    _, recoveries = ctx.race(k - 1, lambda i: op("recover", ctx.run))
+    took_over, rest = ctx.proceeded(takeover), ctx.entered(after=takeover)
+    gap = gap or ctx.race_gap(takeover, k - 1, ctx.ready)
+    snap = ctx.one("inspect", ctx.run)
     c = ctx.counts()
     done = complete(state_of(snap), VALUE)
-    failed = failures(recover, names=("recovery",))
-    ok = fired == 1 and killed == 1 and done and c == EFFECTS_ONCE and not failed
+    failed = failures(snap, names=("inspect",))
+    ok = (
+        fired == 1
+        and killed == 1
+        and rest == Counter({"charge": 1, "notify": 1})
+        and done
+        and c == EFFECTS_ONCE
+        and not failed
+    )
     text = joined(
         f"{fired} of {k} proceeded, {killed} killed in charge",
-        "recovery completed" if done else f"recovery ended {status_of(recover)}",
+        f"after the lease {took_over} of {k - 1} recoveries entered steps, {steps_text(rest)}",
+        "the run completed" if done else f"the run ended {status_of(snap)}",
         effects_text(c),
         failed,
     )
+    if not ok:
+        told = sorted({o.summary() for o in recoveries})
+        text += f"; recoveries: {told}"
     return {38: raced(Verdict(ok, text, saturation(max(fired, 1), k)), gap)}
 
 
