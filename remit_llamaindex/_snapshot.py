@@ -7,14 +7,17 @@ Everything here is pure: no store, no event loop.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from pydantic import BaseModel
 from workflows._event_matching import event_matches, step_accepts_event
 from workflows.context.context_types import SerializedContext
 from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
+from workflows.context.state_store import decode_seed_state
 from workflows.errors import WorkflowCancelledByUser
 from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StopEvent
 from workflows.runtime.types.commands import CommandCompleteRun, CommandFailWorkflow, CommandHalt
@@ -25,7 +28,7 @@ from workflows.runtime.types.ticks import TickStepResult, TickWaiterTimeout, Wor
 from workflows.workflow import Workflow
 
 from remit_core import codec
-from remit_core.errors import CorruptRecord, RemitError, VersionMismatch
+from remit_core.errors import CheckpointInvalid, CorruptRecord, RemitError, VersionMismatch
 from remit_core.records import CheckpointRecord
 
 #: Store-type tag of the state payload a Remit-backed context serializes to.
@@ -451,3 +454,45 @@ def state_fields(payload: dict[str, Any]) -> dict[str, Any] | None:
             value = parsed["value"]
             return value if isinstance(value, dict) else None
     return None
+
+
+def seed_state(payload: dict[str, Any], serializer: JsonSerializer, **ids: Any) -> BaseModel:
+    """The state a context of the framework's own (`ctx.to_dict()`, or a dict written by
+    hand) carries, decoded; one that does not decode (a `PickleSerializer` value, which
+    Remit never unpickles, or no state payload at all) is `CheckpointInvalid` naming the
+    key that fails, rather than the framework's bare decoding error."""
+    try:
+        return decode_seed_state(payload, serializer)
+    except (ValueError, TypeError) as exc:
+        failed = exc
+    data = payload.get("state_data")
+    values = data.get("_data") if isinstance(data, dict) else None
+    for key, value in values.items() if isinstance(values, dict) else ():
+        if not isinstance(value, str):
+            continue
+        try:
+            serializer.deserialize(value)
+        except (ValueError, TypeError):
+            pickled = _is_pickle(value)
+            raise CheckpointInvalid(
+                f"the context's state value {key!r} does not decode as JSON"
+                + (
+                    " (it was written by PickleSerializer, and Remit never unpickles)"
+                    if pickled
+                    else f" ({failed})"
+                )
+                + "; nothing was stored",
+                field=str(key),
+                **ids,
+            ) from failed
+    raise CheckpointInvalid(
+        f"the context's state does not decode ({failed}); nothing was stored", **ids
+    ) from failed
+
+
+def _is_pickle(value: str) -> bool:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        return False
+    return raw[:1] == b"\x80"  # (the opcode that opens every pickle since protocol 2)

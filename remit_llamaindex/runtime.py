@@ -313,18 +313,40 @@ class RemitRuntime(BaseRuntimeDecorator):
             assert serialized_state is not None
             state = self._carried_state(workflow, serialized_state, serializer)
         elif serialized_state:
-            # A seed's fields are checked first: decoding it would raise pydantic's own
-            # error, not one naming the field (P4; nothing is stored yet).
-            fields = snap.state_fields(serialized_state)
-            schema = self._schema(workflow)
-            if schema is not None and fields is not None:
-                schema.validate(fields, run_id=run_id)
-            state = decode_seed_state(serialized_state, serializer)
+            state = self._seed(workflow, run_id, serialized_state, serializer)
         else:
             state = infer_state_type(workflow)()
         return self._session(
             workflow, serializer, run_id, MAIN_BRANCH, None, None, init_state, state
         )
+
+    def _seed(
+        self,
+        workflow: Workflow,
+        run_id: str,
+        payload: dict[str, Any],
+        serializer: JsonSerializer,
+    ) -> BaseModel:
+        """The state a context of the framework's own seeds a new run with (P4; nothing
+        is stored yet). A workflow that declares its model gets the seed's values
+        validated into that model (`CheckpointInvalid` naming the field): an untyped
+        seed's values, or a typed seed's fields, which are never built as the class the
+        payload names (a dict written by hand may name any class, whose validators would
+        run on read)."""
+        schema = self._schema(workflow)
+        fields = snap.state_fields(payload)
+        if schema is None or infer_state_type(workflow) is DictState:
+            # A seed's fields are checked first: decoding it would raise pydantic's own
+            # error, not one naming the field.
+            if schema is not None and fields is not None:
+                schema.validate(fields, run_id=run_id)
+            return snap.seed_state(payload, serializer, run_id=run_id)
+        values: Any = fields
+        if values is None:
+            seeded = snap.seed_state(payload, serializer, run_id=run_id)
+            values = dict(seeded.items()) if isinstance(seeded, DictState) else seeded
+        validated: BaseModel = schema.validate(values, run_id=run_id)
+        return validated
 
     def _carried_state(
         self, workflow: Workflow, handle: dict[str, Any], serializer: JsonSerializer
