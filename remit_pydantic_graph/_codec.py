@@ -4,23 +4,26 @@ A snapshot is written only if it serializes under the graph's types without
 a warning (by field name, or by alias for a model that reads its fields by
 alias), validates back, and reads back equal to the snapshot the run holds
 (fields excluded from dumps aside): a value JSON cannot carry (`inf` in a
-`float | None` field, which pydantic writes as null) is refused, never
-stored as another value. A refusal names the bad value by its full path from the snapshot
-(`state.inner.amount`, `state.items.1`, `node.value`, `result.data`), in
-the same form whichever check found it. It is written in pydantic's round-trip
-form: a `Json[...]` field as the JSON text it reads, and no computed field (one
-that a model forbidding or keeping extra keys would not read back as itself);
-reading recomputes them. No I/O here.
+`float | None` field, which pydantic writes as null; a datetime in a zone
+whose offset changes with the date, which it writes as a fixed offset) is
+refused, never stored as another value. A refusal names the bad value by its
+full path from the snapshot (`state.inner.amount`, `state.items.1`,
+`node.value`, `result.data`), in the same form whichever check found it. It is
+written in pydantic's round-trip form: a `Json[...]` field as the JSON text it
+reads, and no computed field (one that a model forbidding or keeping extra keys
+would not read back as itself); reading recomputes them. No I/O here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 import math
 import re
 import types
 import typing
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Annotated, Any, Generic, Union
 
@@ -128,13 +131,18 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
             back = self.adapter.validate_json(body)
         except pydantic.ValidationError as exc:
             errors = exc.errors()
-            unfit = Unfit(
-                _dotted(self._path_of(errors[0].get("loc", ()))),
-                f"does not satisfy the graph's types: {errors[0].get('msg')}",
-            )
+            path = self._path_of(errors[0].get("loc", ()))
+            problem = f"does not satisfy the graph's types: {errors[0].get('msg')}"
+            if not path and errors[0]["type"] == "json_invalid":
+                # pydantic's JSON reader reads only so many levels of nesting, and says so
+                # of the whole document: name the value nested that deep.
+                path = _deepest(snapshot)
+                problem = f"is nested too deeply to be read back ({errors[0].get('msg')})"
+            unfit = Unfit(_dotted(path), problem)
             return unfit, exc, sum(e["type"] == "missing" for e in errors)
         # Walked also when equal: an enum member in an `Any` field reads back as its plain
-        # value, which a `StrEnum` or an `IntEnum` member equals.
+        # value, which a `StrEnum` or an `IntEnum` member equals; a datetime in a zone with
+        # daylight-saving time as the equal instant at a fixed offset.
         found = _difference(snapshot, back, (), self.declared)
         if found is None:
             return None
@@ -290,6 +298,21 @@ def _parts(value: Any, declared: Any) -> Iterator[tuple[str | int, Any, Any]]:
             yield i, item, args[0] if args else Any
 
 
+def _deepest(value: Any, steps: int = _DEEPEST) -> _Path:
+    """The path to `value`'s most deeply nested part, at most `steps` steps long."""
+    seen: dict[tuple[int, int], _Path] = {}  # a part shared by several parents: walked once
+
+    def below(part: Any, left: int) -> _Path:
+        if left == 0:
+            return ()
+        if (id(part), left) not in seen:
+            paths = [(key, *below(child, left - 1)) for key, child, _ in _parts(part, Any)]
+            seen[id(part), left] = max(paths, key=len, default=())
+        return seen[id(part), left]
+
+    return below(value, steps)
+
+
 def _is_instance(value: Any, declared: Any) -> bool:
     origin = typing.get_origin(declared) or declared
     try:
@@ -298,11 +321,33 @@ def _is_instance(value: Any, declared: Any) -> bool:
         return False
 
 
-def _hints(cls: type, args: tuple[Any, ...]) -> dict[str, Any]:
-    """`cls`'s field types, with its type parameters bound to `args` (as in `End[int]`)."""
+#: Each class's resolved field types (`_class_hints`), read once: a snapshot holds many
+#: instances of one class, and resolving annotations is slow (a 1 MB state of small
+#: dataclasses took seconds to write when each instance's were resolved anew).
+_HINTS: weakref.WeakKeyDictionary[type, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _class_hints(cls: type) -> dict[str, Any]:
+    """`cls`'s field types (none known if an annotation does not resolve)."""
+    try:
+        return _HINTS[cls]
+    except (KeyError, TypeError):
+        pass
     try:
         hints = typing.get_type_hints(cls, include_extras=True)
     except Exception:  # an annotation that does not resolve here: types unknown
+        return {}
+    try:
+        _HINTS[cls] = hints
+    except TypeError:  # a class that takes no weak reference: resolved each time
+        pass
+    return hints
+
+
+def _hints(cls: type, args: tuple[Any, ...]) -> dict[str, Any]:
+    """`cls`'s field types, with its type parameters bound to `args` (as in `End[int]`)."""
+    hints = _class_hints(cls)
+    if not hints:
         return {}
     params: tuple[Any, ...] = getattr(cls, "__parameters__", ())
     if not args or len(args) != len(params):
@@ -350,7 +395,7 @@ def _difference(
     if children is None:
         if isinstance(ours, float) and isinstance(read, float) and math.isnan(ours):
             return None if math.isnan(read) else (path, ours, read)
-        if not _equal(ours, read) or _demoted(ours, read, declared):
+        if not _equal(ours, read) or _demoted(ours, read, declared) or _zone_lost(ours, read):
             return path, ours, read
         return None
     if type(ours) is not type(read) and not isinstance(ours, (Mapping, list, tuple)):
@@ -364,7 +409,7 @@ def _difference(
         read_keys = {key: key for key in theirs}
         key_type = _key_type(declared)
         for key in mine:
-            if _demoted(key, read_keys[key], key_type):
+            if _demoted(key, read_keys[key], key_type) or _zone_lost(key, read_keys[key]):
                 return (*path, key), key, read_keys[key]
     declared_parts = {key: part for key, _, part in _parts(ours, declared)}
     for key, value in mine.items():
@@ -372,6 +417,19 @@ def _difference(
         if found is not None:
             return found
     return None
+
+
+def _zone_lost(ours: Any, read: Any) -> bool:
+    """Whether `read`, a datetime (or time) equal to `ours`, lost `ours`'s time zone.
+    pydantic writes an aware datetime with its UTC offset only, and reads it back in that
+    fixed offset: one in a zone whose offset changes with the date (a `ZoneInfo` with
+    daylight-saving time) would then give other wall times (`+ timedelta(days=180)`) and
+    another `tzname()`. A time in such a zone has no offset: it reads back naive."""
+    moments = (datetime.datetime, datetime.time)
+    if not isinstance(ours, moments) or not isinstance(read, moments):
+        return False
+    zone = ours.tzinfo
+    return zone is not None and read.tzinfo is not zone and zone.utcoffset(None) is None
 
 
 def _plain(items: Collection[Any]) -> bool:

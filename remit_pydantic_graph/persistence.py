@@ -14,9 +14,10 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
 - P2: a node's body runs under `remit_core.step_scope` keyed by its snapshot
   id (a node an operator's edit committed again: the edited node's; on a fork,
   also by the fork's branch), so `remit_core.effect` functions inside it apply once.
-- P6: a node's next snapshot (a node or the `End`) that pydantic-graph gave a random id
-  is named after the node it follows: every recovery of one store stores it under one
-  id, and keys its effects alike.
+- P6: a node's next snapshot (a node or the `End`) that pydantic-graph gave a random id,
+  or that has an id stored already, is named after the node it follows (also when a
+  driver retries a step cut short): every recovery of one store stores it under one id,
+  and keys its effects alike.
 - P3: starting a new node on a run that already has a head, or running a
   snapshot that is not the head, is a fork and needs `fork_token`. A token
   that starts a run names that run's line; no node starts after an `End`.
@@ -788,13 +789,16 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                     follower.set_snapshot_id(self._successor_id(ran, kind))
                     snapshot.id = follower.get_snapshot_id()
                 if self._stored(snapshot.id):
-                    # An object returned again is a new snapshot, as with pydantic-graph's
-                    # default persistence: a node returning itself, or a shared `End` (a
-                    # module constant) that a fork returns after its main line did. It gets
-                    # a new id.
+                    # An id stored already (one the user gave it, given again: a node that
+                    # returns itself) is a new snapshot, as with pydantic-graph's default
+                    # persistence. It gets a new id, named after the node it follows, as a
+                    # generated one is (P6).
                     node = snapshot.node
                     kind = node.get_node_id() if isinstance(node, BaseNode) else "end"
-                    node.set_snapshot_id(generate_snapshot_id(kind))
+                    named = self._successor_id(ran, kind)
+                    node.set_snapshot_id(
+                        named if not self._stored(named) else generate_snapshot_id(kind)
+                    )
                     snapshot.id = node.get_snapshot_id()
                 body = self._encode(snapshot)
             except CheckpointInvalid:
@@ -865,8 +869,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         that node's end was being stored (`asyncio.timeout` around `run.next()`): the
         driver's retried step (pydantic-graph's `next()` then stores the node in hand with
         `snapshot_node_if_new`) goes on where the node left the run, as with pydantic-graph's
-        own persistences; it is neither a fork nor a new start. The claim is kept for the
-        node's `record_run`. `ResumeConflict` if another resumer took the node over since."""
+        own persistences; it is neither a fork nor a new start. The node is named after the
+        one it follows, as every recovery names it, and the claim is kept for its
+        `record_run`. `ResumeConflict` if another resumer took the node over since."""
         ran, duration = cut
         try:
             self._acquire(resumer, heartbeat=False)
@@ -884,12 +889,23 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                     run_id=self.run_id,
                     checkpoint_id=ran.top.id,
                 )
+            given = snapshot.id
+            kind = snapshot.node.get_node_id()
+            named = self._successor_id(ran, kind)
+            if _generated(kind, given) and not self._stored(named):
+                # Named after the node it follows, as `_advance` names it: the same id (and
+                # effect keys) as any other recovery of this store gives it (P6). The
+                # driver's `record_run` still asks for the id it gave: it runs as this one.
+                snapshot.node.set_snapshot_id(named)
+                snapshot.id = named
             try:
                 body = self._encode(snapshot)
             except CheckpointInvalid:
                 self._set_status(resumer, head.top, "error", duration=duration)
                 raise
             self._commit(resumer, snapshot, body, head)
+            if snapshot.id != given:
+                resumer.alias = (given, snapshot.id)
         except BaseException:
             self._drop(resumer)
             raise
