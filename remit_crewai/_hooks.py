@@ -42,6 +42,7 @@ from typing import Any
 from crewai.flow import runtime
 from crewai.flow.persistence.decorators import PersistenceDecorator
 from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
+from pydantic import BaseModel
 
 from remit_core.effects import StepScope, bind_step_scope, current_scope
 from remit_core.errors import RemitError
@@ -172,6 +173,12 @@ def _on_start(ctx: Any) -> Any:
         return None
     token = current_fork_token.get()
     inputs: Any = ctx.payload
+    new = isinstance(inputs, dict) and "id" not in inputs and token is None
+    if new and isinstance(ctx.flow.state, BaseModel):
+        try:  # (a restart's inputs are checked against the state it restores)
+            backend._check_new_inputs(ctx.flow.state, inputs, run_id=ctx.flow.flow_id)
+        except RemitError as exc:
+            raise aborting(exc) from exc
     replaced: dict[str, Any] | None = None
     if token is not None and inputs is None:
         # A fork names its run through inputs["id"]: give CrewAI a dict to read it from.

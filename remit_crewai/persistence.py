@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from crewai.flow.async_feedback.types import PendingFeedbackContext
 from crewai.flow.human_feedback import HumanFeedbackResult
 from crewai.flow.persistence.base import FlowPersistence
-from crewai.flow.runtime import _condition_satisfied
+from crewai.flow.runtime import FlowState, _condition_satisfied
 from crewai.flow.types import FlowMethodName, PendingListenerKey
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
@@ -45,6 +45,7 @@ from remit_core.errors import (
     HeadMoved,
     ResumeConflict,
     UnknownRecord,
+    VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, CheckpointRecord, InterruptRecord
 from remit_core.schema import StateSchema
@@ -547,7 +548,7 @@ class RemitFlowPersistence(FlowPersistence):
                     "flow has no checkpoint to edit; nothing was written", run_id=session.run_id
                 )
             if state_type is not None:
-                session.state_type = state_type
+                session.state_type = _with_id(state_type)
             elif session.state_type is None:
                 head = self.remit.checkpoint(session.run_id, session.head)
                 model = None if head is None else head.metadata.get("model")
@@ -564,6 +565,8 @@ class RemitFlowPersistence(FlowPersistence):
                 state = _by_field_name(session.state_type, state)
             merged = {**state, **changes, "id": flow_id}
             plain = self._plain_state(session, merged)
+            if session.state_type is not None:
+                _check_kept(session.state_type, state, plain, flow_id)
             # A finished flow's restart still returns what its last step returned.
             self._commit(session, plain, "", "edit", session.ledger, session.output)
 
@@ -876,8 +879,56 @@ class RemitFlowPersistence(FlowPersistence):
                 session.owner = ex.flow
                 sessions.add(session)
             self._restore_into(flow, session)
+            if isinstance(flow.state, BaseModel):
+                self._check_model_restart(session, flow.state, ex.inputs or {})
         except Exception as exc:  # raised again by load_state: CrewAI swallows hook errors
             ex.refusal = exc
+
+    def _check_model_restart(
+        self, session: Session, state: BaseModel, inputs: Mapping[str, Any]
+    ) -> None:
+        """Before CrewAI restores a model state and merges the kickoff's inputs into it:
+        `VersionMismatch` if the flow's model refuses the stored state (a flow class
+        renamed or reshaped since it saved; it names the model that saved it and the
+        field), `CheckpointInvalid` naming the field of an input the model refuses
+        (CrewAI would raise a bare `ValueError`). Nothing runs and nothing is written
+        either way. A stored field the model no longer declares is the model's to keep
+        or drop (its `extra` setting), as in CrewAI's own restore: a model that lost a
+        field on purpose restarts the flows saved before."""
+        if session.head is None:
+            self._check_new_inputs(state, inputs, run_id=session.run_id)
+            return
+        model, ids = type(state), {"run_id": session.run_id, "checkpoint_id": session.head}
+        base = {**session.state, "id": session.flow_id}
+        try:
+            _schema_of(model).validate(_as_model(model, base), **ids)
+            field, why = None, ""
+        except CheckpointInvalid as exc:
+            field, why = exc.field, f"does not read its field {exc.field!r}"
+        if field is not None:
+            head = self.remit.checkpoint(session.run_id, session.head)
+            saved_by = None if head is None else head.metadata.get("model")
+            raise VersionMismatch(
+                f"the flow's state was saved by {saved_by or 'a dict state'}, and "
+                f"{_name(model)} {why}: restart the flow with the class that saved it; "
+                "nothing was run or written",
+                field=field,
+                **ids,
+            )
+        given = {k: v for k, v in inputs.items() if k != "id"}
+        if given:
+            _schema_of(model).validate(_as_model(model, {**base, **given}), **ids)
+
+    @staticmethod
+    def _check_new_inputs(state: BaseModel, inputs: Mapping[str, Any], *, run_id: str) -> None:
+        """The inputs of a new flow's kickoff merged into its initial model `state`, as
+        CrewAI merges them: `CheckpointInvalid` naming the field the model refuses (CrewAI
+        would raise a bare `ValueError`), before anything runs or is written."""
+        given = {k: v for k, v in inputs.items() if k != "id"}
+        if given:
+            model = type(state)
+            merged = {**state.model_dump(round_trip=True), **given, "id": run_id}
+            _schema_of(model).validate(_as_model(model, merged), run_id=run_id)
 
     def _hydrate_fork(self, source_id: str, ex: Execution) -> dict[str, Any] | None:
         """`kickoff(restore_from_state_id=source_id)`: a fork, under the active fork token."""
@@ -1504,6 +1555,41 @@ def _name(model: type[BaseModel]) -> str:
         model,
     )
     return f"{own.__module__}.{own.__qualname__}"
+
+
+def _lost(model: type[BaseModel], state: Mapping[str, Any], plain: Mapping[str, Any]) -> str | None:
+    """The first key of a stored `state` that `plain`, its reading by `model`, dropped (a
+    model other than the one that saved it, which ignores the keys it does not know)."""
+    kept = _by_field_name(model, plain)
+    lost = sorted(str(k) for k in _by_field_name(model, state) if k not in kept)
+    return lost[0] if lost else None
+
+
+def _check_kept(
+    model: type[BaseModel], state: Mapping[str, Any], plain: Mapping[str, Any], flow_id: str
+) -> None:
+    """`CheckpointInvalid` for an edit whose model `model` would drop a field the flow's
+    stored `state` holds (a model other than the flow's passed as `state_type`): the
+    edit would lose it."""
+    lost = _lost(model, state, plain)
+    if lost is not None:
+        raise CheckpointInvalid(
+            f"{model.__name__} has no field {lost!r}, which the flow's state holds: the "
+            "edit would drop it (is state_type the flow's state model?); nothing was written",
+            field=lost,
+            run_id=flow_id,
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _with_id(model: type[BaseModel]) -> type[BaseModel]:
+    """`model` as CrewAI runs a flow on it: with the `id` field of CrewAI's `FlowState`
+    if it has none (an edit validated against the user's model alone would drop the
+    flow's id, or be refused by a model that forbids extra fields), named as `model`."""
+    if "id" in model.model_fields:
+        return model
+    named = {"__module__": model.__module__, "__qualname__": model.__qualname__}
+    return type(model.__name__, (FlowState, model), named)
 
 
 def _check_fields(model: type[BaseModel], changes: Mapping[str, Any], flow_id: str) -> None:
