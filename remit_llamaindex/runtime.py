@@ -90,6 +90,7 @@ from remit_core.errors import (
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord
 from remit_core.schema import StateSchema
+from remit_core.stores import check_url
 from remit_llamaindex import _child
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import (
@@ -144,7 +145,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         decorated: Runtime | None = None,
     ) -> None:
         super().__init__(decorated if decorated is not None else BasicRuntime())
-        self.url = url
+        self.url = check_url(url)  # (a mistyped URL is refused here, not at the first run)
         self.lease = lease
         self.workflow_version = workflow_version
         self.accepted_versions = frozenset({workflow_version, *accept_versions})
@@ -621,6 +622,16 @@ class RemitRuntime(BaseRuntimeDecorator):
             return schema.validate(migrated, **ids)
         if not payload:
             return infer_state_type(workflow)()
+        fields = snap.state_fields(payload)
+        if (
+            schema is not None
+            and fields is not None
+            and infer_state_type(workflow) is not DictState
+        ):
+            # The workflow's own model, from the stored fields: the class the payload
+            # names is never imported (reading a record runs no code of its choosing).
+            validated: BaseModel = schema.validate(fields, **ids)
+            return validated
         try:
             state = decode_seed_state(payload, serializer)
         except (ValueError, TypeError) as exc:

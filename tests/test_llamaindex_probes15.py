@@ -184,6 +184,40 @@ def test_a_seed_of_another_shape_is_taken_as_the_declared_model_or_refused(
     asyncio.run(scenario())
 
 
+class TypedLookalike(Untimed):
+    @step
+    async def ask(self, ctx: Context[Lookalike], ev: StartEvent) -> StopEvent:
+        await ctx.store.set("amount", 5)
+        await ctx.wait_for_event(
+            HumanResponseEvent, waiter_event=InputRequiredEvent(prefix="ok?"), timeout=None
+        )
+        return StopEvent(result="done")
+
+
+def test_a_stored_state_is_read_into_the_readers_model_never_the_class_it_names(
+    store_url: str,
+) -> None:
+    """Deserialization runs no code the record chooses: a checkpoint whose state names a
+    class (`Lookalike`, written by a workflow whose model it was) is read by a workflow
+    declaring `Order` from its field values; the named class is never imported or
+    built (its validator would run), as a class renamed or moved since reads too."""
+
+    async def scenario() -> None:
+        rt = RemitRuntime(store_url)
+        run = new_run()
+        handler = TypedLookalike(runtime=rt).run(run_id=run)
+        await asyncio.wait_for(until_parked(rt, run), GUARD)
+        built.clear()
+        state: Any = rt.get_state(Typed(runtime=rt), run)
+        assert type(state) is Order and (state.amount, state.note) == (5, "")
+        assert built == []
+        await handler.cancel_run()
+        with pytest.raises(WorkflowCancelledByUser):
+            await asyncio.wait_for(handler, GUARD)
+
+    asyncio.run(scenario())
+
+
 class Thing:
     """A value JSON cannot hold: the framework's `PickleSerializer` pickles it."""
 
@@ -342,3 +376,11 @@ def test_a_fan_out_with_a_waiting_worker_killed_after_paying_pays_once(
     assert again == (["join"] if point == "join" else ["work1", "join"])
     assert sorted(before[:4]) == ["start", "work0", "work1", "work2"]
     assert sorted(applied(tmp_path)) == ["all:item0+item1-ok+item2", "item0", "item1-ok", "item2"]
+
+
+def test_a_runtime_naming_an_unknown_engine_is_refused_where_it_is_made() -> None:
+    """A mistyped URL is refused as the runtime is made, naming it; before, the first run
+    failed with it."""
+    with pytest.raises(ValueError, match=r"unsupported store URL 'mysql://h/db'"):
+        RemitRuntime("mysql://h/db")
+    assert RemitRuntime("redis://127.0.0.1:6379/0").url == "redis://127.0.0.1:6379/0"
