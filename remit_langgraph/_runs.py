@@ -145,6 +145,9 @@ class Run:
     loop: weakref.ref[PregelLoop] | None = None
     #: The loops of its subgraphs, by their namespace (see `task_identity`).
     nested: dict[str, weakref.ref[PregelLoop]] = field(default_factory=dict)
+    #: The state checks of its subgraphs, by their namespace: a subgraph's
+    #: checkpoints and node writes hold to the subgraph's own schema (P4).
+    checks: dict[str, StateCheck | None] = field(default_factory=dict)
     #: The effect calls of its top-level tasks, by task id (`_shared_effects`).
     calls: dict[str, TaskCalls] = field(default_factory=dict)
     #: The calls earlier branches made for the tasks of its first step, by "step/place".
@@ -356,16 +359,46 @@ class Runs:
         if frame.f_code.co_name not in ("__enter__", "__aenter__"):
             return None
         if loop.is_nested:
-            run = current_run()
-            if run is not None:  # a subgraph of the run: its tasks name effects' steps
-                ns = str((loop.config.get("configurable") or {}).get("checkpoint_ns", ""))
-                run.nested[ns] = weakref.ref(loop)
+            self._nest(loop, frame)
             return None
+        return LoopCall(loop, self._loop_check(loop, frame))
+
+    def replaying(self, frame: FrameType | None) -> None:
+        """Note the subgraph loop whose `__enter__` is the frame above `frame`, if it is
+        one: on a fork's first run (a replay), LangGraph's `ReplayState` has each
+        subgraph restore where it stood before the fork's base with `list`, not
+        `get_tuple`."""
+        enter = None if frame is None else frame.f_back
+        loop = None if enter is None else enter.f_locals.get("self")
+        if (
+            enter is not None
+            and isinstance(loop, PregelLoop)
+            and loop.is_nested
+            and enter.f_code.co_name in ("__enter__", "__aenter__")
+        ):
+            self._nest(loop, enter)
+
+    def _nest(self, loop: PregelLoop, frame: FrameType) -> None:
+        """Note a subgraph's loop (its `__enter__` is `frame`) in the run it is part of."""
+        run = current_run()
+        if run is None:
+            return
+        # Its tasks name effects' steps; its own schema holds of its checkpoints and
+        # of its nodes' outputs (P4).
+        ns = str((loop.config.get("configurable") or {}).get("checkpoint_ns", ""))
+        run.nested[ns] = weakref.ref(loop)
+        check = run.checks[ns] = self._loop_check(loop, frame)
+        _check_outputs(loop, run, check)
+
+    def _loop_check(self, loop: PregelLoop, frame: FrameType) -> StateCheck | None:
+        """The state check of the graph `loop` runs (its `__enter__` is `frame`)."""
         known = self._known(loop.specs)
         check = known[1] if known is not None else self._check_of(_graph_at(frame.f_back))
+        if check is not None and check is self.declared:
+            check = copy.copy(check)  # (bound to this loop's channels: a subgraph's differ)
         if check is not None:
             check.with_channels(loop.specs)
-        return LoopCall(loop, check)
+        return check
 
     def learn(self, frame: FrameType | None) -> tuple[bool, StateCheck | None]:
         """Find the graph a few frames up; note its state check and its serializable
@@ -403,6 +436,10 @@ class Runs:
         channels = getattr(builder, "channels", None) or graph.channels
         if check is not None:
             check.with_channels(channels)
+            if check is self.declared:
+                # Each graph's own copy, bound to its channels: a subgraph's run beside
+                # its parent's must not rebind the check the parent's run holds.
+                check = copy.copy(check)
         if isinstance(self.saver.serde, StrictSerializer):
             schemas = _schema_types(graph, builder)
             self.saver.serde.allow(build_serde_allowlist(schemas=schemas, channels=channels))
@@ -1180,7 +1217,7 @@ class Runs:
         """Bind `run` to this context and release it when the loop exits (or is dropped)."""
         token = _current.set(run)
         release = run.claim.release  # a second call is a no-op
-        _check_outputs(loop, run)
+        _check_outputs(loop, run, run.check)
         opened = self._open
         opened[id(run)] = run
         # A loop whose __enter__ fails never unwinds its stack: when it is dropped, the
@@ -1234,11 +1271,11 @@ class Runs:
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         # LangGraph chains its puts: a put after a refused one fails with it. A
         # put after a refused task write carries the refused value, and fails here.
-        # A run's schema is the top graph's: a subgraph's namespace has its own keys.
+        # A run's schema is its graph's, a subgraph's for the subgraph's namespace.
         # An edit's is the graph that edits: a subgraph's, for its namespace (LangGraph
         # hands `update_state` of a subgraph's task config to the subgraph itself).
-        check = run.check if run is not None else caller
-        if check is not None and (ns == "" or run is None):
+        check = caller if run is None else run.check if ns == "" else run.checks.get(ns)
+        if check is not None:
             try:
                 check.values(values, keys=changed, **ids)
             except RemitError as exc:
@@ -1260,12 +1297,17 @@ class Runs:
         ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         if run is not None and run.failed is not None and checkpoint_id not in run.committed:
             raise run.failed
-        check = run.check if run is not None else self.declared
-        if check is not None and ns == "" and (run is None or task_id not in run.sends_checked):
+        if run is None:
+            check = self.declared if ns == "" else None
+        else:  # (a subgraph's writes hold to its own schema)
+            check = run.check if ns == "" else run.checks.get(ns)
+        if check is not None and (run is None or task_id not in run.sends_checked):
             try:
-                check.writes(writes, **ids)
-                loop = None if run is None or run.loop is None else run.loop()
-                check.after(None if loop is None else loop.channels, writes, **ids)
+                ref = None if run is None else run.loop if ns == "" else run.nested.get(ns)
+                loop = None if ref is None else ref()
+                channels = None if loop is None else loop.channels
+                check.writes(writes, channels, **ids)
+                check.after(channels, writes, **ids)
             except RemitError as exc:
                 if run is not None:
                     run.fail(exc)
@@ -1363,8 +1405,9 @@ def _schema_types(graph: Pregel[Any, Any, Any, Any], builder: Any) -> list[Any]:
     return hints
 
 
-def _check_outputs(loop: PregelLoop, run: Run) -> None:
-    """Check each node's output against the state schema as the node hands it over.
+def _check_outputs(loop: PregelLoop, run: Run, check: StateCheck | None) -> None:
+    """Check each node's output against the state schema of `loop`'s graph (`check`:
+    the run's, or a subgraph's own) as the node hands it over.
 
     LangGraph applies a task's writes to its channels before (in "async"
     durability: while) the saver stores them, and in "exit" durability the
@@ -1374,7 +1417,6 @@ def _check_outputs(loop: PregelLoop, run: Run) -> None:
     reaches the caller, nothing of the output is applied, the head stays where
     it was (P4). The loop is held weakly: its exit callbacks release the claim.
     """
-    check = run.check
     if check is None:
         return
     tick, held = type(loop).tick, weakref.ref(loop)
@@ -1418,7 +1460,7 @@ def _check_outputs(loop: PregelLoop, run: Run) -> None:
                     full = True
                     break
         if full:
-            _check_send(run, held, task_id, writes, checkpoint_id)
+            _check_send(run, check, held, task_id, writes, checkpoint_id)
         send(writes)
 
     loop.tick = checked_tick  # type: ignore[method-assign]
@@ -1426,21 +1468,22 @@ def _check_outputs(loop: PregelLoop, run: Run) -> None:
 
 def _check_send(
     run: Run,
+    check: StateCheck,
     held: weakref.ref[PregelLoop],
     task_id: str,
     writes: list[tuple[str, Any]],
     checkpoint_id: str,
 ) -> None:
-    """Check a task's output against the state schema: `CheckpointInvalid` refuses
-    it (and the run stores nothing more, unless a retry's output is taken)."""
-    check, refused = run.check, run.refused
-    assert check is not None
+    """Check a task's output against its graph's state schema: `CheckpointInvalid`
+    refuses it (and the run stores nothing more, unless a retry's output is taken)."""
+    refused = run.refused
     ids = {"run_id": run.thread, "checkpoint_id": checkpoint_id}
     try:
-        check.writes(writes, **ids)
+        loop = held()
+        channels = None if loop is None else loop.channels
+        check.writes(writes, channels, **ids)
         if check.checks_whole:
-            loop = held()
-            check.after(None if loop is None else loop.channels, writes, **ids)
+            check.after(channels, writes, **ids)
     except RemitError as exc:
         refused[task_id] = exc
         raise

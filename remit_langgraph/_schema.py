@@ -418,8 +418,9 @@ class StateCheck:
         says what is wrong, if anything. Taken once per run, as of its channels."""
         return self._quick, self.fields
 
-    def writes(self, writes: Any, **ids: Any) -> None:
-        """Check a task's writes to state channels (see the module docstring)."""
+    def writes(self, writes: Any, channels: Mapping[str, Any] | None = None, **ids: Any) -> None:
+        """Check a task's writes to state channels (see the module docstring);
+        `channels`: the graph's channels as the task's step found them, if known."""
         present: dict[str, Any] = {}
         reduced: dict[str, list[Any]] = {}
         appends = self._appends
@@ -438,7 +439,7 @@ class StateCheck:
         if present and not self._partial.holds_as_is(present):
             _as_declared(present, self._partial.validate(present, **ids), ids)
         for ch, values in reduced.items():
-            value = self._reduce(ch, values, **ids)
+            value = self._reduce(ch, values, channels, **ids)
             if value is MISSING:
                 continue
             items = self._items.get(ch)
@@ -456,9 +457,12 @@ class StateCheck:
         test = self._strict.get(key)
         return test is not None and test(value)
 
-    def _reduce(self, channel: str, values: list[Any], **ids: Any) -> Any:
+    def _reduce(
+        self, channel: str, values: list[Any], channels: Mapping[str, Any] | None, **ids: Any
+    ) -> Any:
         """What the reducer of `channel` makes of its empty value and `values`; MISSING
-        where that says nothing (no empty value, or the reducer needs the real one)."""
+        where that says nothing (no empty value, or the reducer needs the real one:
+        then, where `channels` has it, `values` must fit the key's value there)."""
         template = self._reducers[channel][0]
         delta = isinstance(template, DeltaChannel)  # (it starts from its type's empty value)
         empty = template.value
@@ -478,8 +482,27 @@ class StateCheck:
             raise CheckpointInvalid(
                 f"the write to {channel!r} does not fit its reducer: {exc}", field=channel, **ids
             ) from exc
-        except Exception:  # e.g. removing a message the empty value lacks
+        except Exception:  # noqa: BLE001 (e.g. removing a message the empty value lacks)
+            self._fits(channel, values, channels, **ids)
             return MISSING
+
+    @staticmethod
+    def _fits(
+        channel: str, values: list[Any], channels: Mapping[str, Any] | None, **ids: Any
+    ) -> None:
+        """`CheckpointInvalid` where the reducer of `channel` refuses `values` on the
+        key's value in `channels` (a message of no kind, the removal of one the key
+        lacks): stored, such a write would fail every later run of the thread, as
+        LangGraph applies it again."""
+        current = None if channels is None else channels.get(channel)
+        if current is None:
+            return
+        try:
+            current.copy().update(values)
+        except Exception as exc:  # noqa: BLE001 (the reducer's own error, whatever its class)
+            raise CheckpointInvalid(
+                f"the write to {channel!r} does not fit its reducer: {exc}", field=channel, **ids
+            ) from exc
 
     def upgrade(self, values: dict[str, Any], written_version: int, **ids: Any) -> dict[str, Any]:
         """Migrate a state written with an older schema version (or refuse, `VersionMismatch`)."""

@@ -282,6 +282,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         fork's first run, finds where its line stood at the fork's base).
         """
         conf = _conf(config)
+        if before is not None and conf.get("checkpoint_ns") and current_run() is not None:
+            self._runs.replaying(sys._getframe(1))  # (a subgraph's restore on a fork)
         thread = None if conf.get("thread_id") is None else rec.thread_id(conf["thread_id"])
         ns = None if conf.get("checkpoint_ns") is None else _ns(config)
         before_id = _conf(before).get("checkpoint_id")
@@ -942,6 +944,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
+        if before is not None and _ns(config) and current_run() is not None:
+            self._runs.replaying(sys._getframe(1))  # (a subgraph's restore on a fork)
         items = await asyncio.to_thread(
             lambda: list(self.list(config, filter=filter, before=before, limit=limit))
         )
