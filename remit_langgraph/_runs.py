@@ -835,7 +835,9 @@ class Runs:
             elif not edited:
                 self._refuse_later_question_of_edited_subgraph(run, record, here)
             gone = self._asked_by_absent_nodes(loop, run, writes)
-            self._consume(run, here, resume, edited=edited, gone=gone)
+            self._consume(
+                run, here, resume, edited=edited, gone=gone, failed=self._failed(run, writes)
+            )
             return None
         # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
         if any(i.checkpoint_id != record.checkpoint_id for i in here):
@@ -1057,10 +1059,12 @@ class Runs:
         *,
         edited: bool = False,
         gone: Mapping[str, str] | None = None,
+        failed: Sequence[str] = (),
     ) -> None:
         """Consume the interrupts of `here` that `resume` answers (`edited`: they were
         asked before an `update_state` that the head is, or follows; `gone`: those
-        asked by nodes the running graph lacks, by id, whose values nothing reads)."""
+        asked by nodes the running graph lacks, by id, whose values nothing reads;
+        `failed`: the errors the head's tasks raised, if the last run failed)."""
         pending = {i.interrupt_id: i for i in here if i.status == "pending"}
         # An edit makes a checkpoint, and LangGraph gives the tasks it runs again new
         # ids: they ask under new interrupt ids, which a map by the old ones misses
@@ -1098,11 +1102,25 @@ class Runs:
                     interrupt_id=next(iter(pending)),
                 )
         elif here and not pending:
+            after = (
+                f", then the run failed ({'; '.join(failed)}): continue it with "
+                "invoke(None, config), which runs the failed steps again with the consumed "
+                "value"
+                if failed
+                else ""
+            )
             raise ResumeConflict(
-                "no interrupt is pending at the head: it was already consumed; the value was "
-                "not stored",
+                f"no interrupt is pending at the head: it was already consumed{after}; the "
+                "value was not stored",
                 run_id=run.thread,
                 interrupt_id=here[-1].interrupt_id,
+            )
+        elif not pending and failed:
+            raise ResumeConflict(
+                "the thread is not paused at an interrupt(): its last run failed "
+                f"({'; '.join(failed)}); continue it with invoke(None, config), which runs "
+                "the failed steps again. The value was not stored",
+                run_id=run.thread,
             )
         elif not pending:
             raise ResumeConflict(
@@ -1155,6 +1173,20 @@ class Runs:
         }
         for iid, value in packed.items():
             self.remit.consume(run.thread, iid, value, branch=run.branch, fence=run.fence)
+
+    def _failed(self, run: Run, writes: Sequence[WriteRecord]) -> list[str]:
+        """The errors the tasks of a checkpoint raised (its `writes`), each with its
+        node where the task is one: the last run on it failed there."""
+        failed = []
+        for w in writes:
+            if w.channel != ERROR:
+                continue
+            error = self.saver._decode(w.value, run_id=run.thread)
+            head, _, node = w.task_path.partition(", ")
+            failed.append(
+                f"node {node!r}: {error}" if head == "~__pregel_pull" and node else str(error)
+            )
+        return failed
 
     def _answered_before(self, run: Run, interrupt: InterruptRecord) -> bool:
         """Whether `interrupt` is a later question of the task that asked it: the task
