@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -423,12 +424,40 @@ def broker_state(
     return state
 
 
+class _NotLoaded(Exception):
+    """A record names a class whose module this process has not loaded."""
+
+    def __init__(self, qualified_name: str) -> None:
+        super().__init__(qualified_name)
+        self.qualified_name = qualified_name
+
+
+class LoadedClassesSerializer(JsonSerializer):
+    """The framework's `JsonSerializer`, resolving only classes of modules already
+    loaded: a record that names a class of another module is refused (`_NotLoaded`),
+    never imported, so reading a record runs no module code of its choosing."""
+
+    def resolve_class(self, qualified_name: str) -> type[Any]:
+        module = qualified_name.rpartition(".")[0]
+        if module not in sys.modules:
+            raise _NotLoaded(qualified_name)
+        return super().resolve_class(qualified_name)
+
+
 def stop_event(result: str | None, serializer: BaseSerializer, **ids: Any) -> StopEvent:
     """The `StopEvent` a completed checkpoint records as the run's result."""
     if result is None:
         return StopEvent()
     try:
         stop = serializer.deserialize(result)
+    except _NotLoaded as exc:
+        module, _, name = exc.qualified_name.rpartition(".")
+        raise CorruptRecord(
+            f"the run's stored result names class {name} of module {module}, which this "
+            "process has not loaded; Remit does not import modules a record names: import "
+            f"{module} (the module of the workflow that ran) before reading the result",
+            **ids,
+        ) from None
     except (ValueError, TypeError, KeyError, ImportError, AttributeError) as exc:
         raise CorruptRecord(f"the run's stored result does not decode ({exc})", **ids) from exc
     if not isinstance(stop, StopEvent):

@@ -711,7 +711,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             raise UnknownRecord(
                 f"run has not completed (status {record.metadata.get('status')!r})", **ids
             )
-        stop = snap.stop_event(record.metadata.get("result"), JsonSerializer(), **ids)
+        stop = snap.stop_event(record.metadata.get("result"), snap.LoadedClassesSerializer(), **ids)
         return stop.result if type(stop) is StopEvent else stop
 
     def status(self, run_id: str) -> str:
