@@ -212,8 +212,10 @@ def test_threads_gathered_in_one_event_loop_keep_their_claims_values_effects_and
         async with AsyncRemitSaver.from_conn_string(url) as saver:
             graph, cfgs = paying(world, saver), [config() for _ in range(6)]
             await asyncio.gather(*(graph.ainvoke({"amount": 0, "log": []}, c) for c in cfgs))
-            resumes = [graph.ainvoke(Command(resume=10 + i), c) for i, c in enumerate(cfgs)]
-            resumes[0] = graph.ainvoke(Command(resume=-1), cfgs[0])
+            values = [-1, *(10 + i for i in range(1, 6))]  # thread 0's value is refused
+            resumes = [
+                graph.ainvoke(Command(resume=v), c) for v, c in zip(values, cfgs, strict=True)
+            ]
             resumes.append(graph.ainvoke(Command(resume=99), cfgs[1]))
             outcomes = await asyncio.gather(*resumes, return_exceptions=True)
             states = [(await graph.aget_state(c)).values for c in cfgs]
