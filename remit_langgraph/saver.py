@@ -577,7 +577,6 @@ class RemitSaver(BaseCheckpointSaver[str]):
         conf = _conf(config)
         thread, ns = _thread(config), _ns(config)
         checkpoint_id = conf["checkpoint_id"]
-        ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
         if self._runs.active(thread) is None:  # (a run's writes skip the frame walk)
             caller = above_saver(sys._getframe(1))
             if self._hold_edit_writes(_edit_superstep(caller), config, writes, task_id, task_path):
@@ -593,19 +592,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
             writes = run.unrefused(writes)
             if not writes:
                 return
-        records = [
-            WriteRecord(
-                run_id=thread,
-                checkpoint_id=checkpoint_id,
-                task_id=task_id,
-                idx=WRITES_IDX_MAP.get(channel, idx),
-                channel=channel,
-                value=self._dump(value, channel, **ids),
-                ns=ns,
-                task_path=task_path,
-            )
-            for idx, (channel, value) in enumerate(writes)
-        ]
+        records = self._write_records(thread, ns, checkpoint_id, task_id, task_path, writes)
         special = all(w.channel in WRITES_IDX_MAP for w in records)
         calls = None if run is None or ns != "" or not records else run.calls.get(task_id)
         # A pause is stored with its calls even if it made none (`calls_at_pause`).
@@ -622,6 +609,32 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 fence=None if run is None else run.fence,
             )
         self._runs.after_writes(run, thread, ns, checkpoint_id, writes)
+
+    def _write_records(
+        self,
+        thread: str,
+        ns: str,
+        checkpoint_id: str,
+        task_id: str,
+        task_path: str,
+        writes: Sequence[tuple[str, Any]],
+    ) -> builtins.list[WriteRecord]:
+        """A task's writes on a checkpoint as the store keeps them (special channels at
+        their fixed slots), each value encoded."""
+        ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
+        return [
+            WriteRecord(
+                run_id=thread,
+                checkpoint_id=checkpoint_id,
+                task_id=task_id,
+                idx=WRITES_IDX_MAP.get(channel, idx),
+                channel=channel,
+                value=self._dump(value, channel, **ids),
+                ns=ns,
+                task_path=task_path,
+            )
+            for idx, (channel, value) in enumerate(writes)
+        ]
 
     def _hold_edit_writes(
         self,
@@ -645,20 +658,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         if _later_superstep(superstep):
             self._still_head(thread, ns, checkpoint_id, config)
         # (The commit checks the values the writes make, as of the graph that edits.)
-        ids = {"run_id": thread, "checkpoint_id": checkpoint_id}
-        records = [
-            WriteRecord(
-                run_id=thread,
-                checkpoint_id=checkpoint_id,
-                task_id=task_id,
-                idx=WRITES_IDX_MAP.get(channel, idx),
-                channel=channel,
-                value=self._dump(value, channel, **ids),
-                ns=ns,
-                task_path=task_path,
-            )
-            for idx, (channel, value) in enumerate(writes)
-        ]
+        records = self._write_records(thread, ns, checkpoint_id, task_id, task_path, writes)
         at = (thread, ns, checkpoint_id)
         with self._held_lock:
             held = self._held.pop(id(superstep), None)
