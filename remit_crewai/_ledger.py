@@ -12,15 +12,17 @@ the human feedback the run accepted. A restarted flow replays the ledger
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from itertools import chain, count
-from typing import Any
+from typing import Any, TypeVar
 
 from remit_core import codec
 from remit_core.core import checked_id
 from remit_core.errors import CorruptRecord
 from remit_core.records import MAIN_BRANCH
+
+_T = TypeVar("_T")
 
 _FORKED = re.compile(r"^(?P<run>.+)@(?P<branch>fork-[0-9a-f]{16})$")
 
@@ -211,30 +213,44 @@ def encode(body: Body) -> bytes:
 
 
 def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
+    """The body of a checkpoint, or `CorruptRecord` naming the run, the checkpoint and the
+    part that is not what Remit writes: a ledger of another shape would make a restart
+    run again what completed (a completion it cannot read) or fail deep inside CrewAI."""
     try:
         raw = codec.loads(data)
+        if type(raw) is not dict:
+            raise TypeError(f"a checkpoint body is a dict, not {type(raw).__name__}")
+        counts = _mapping(raw["counts"], "counts", _count)
+        completed = _strs(raw["completed"], "completed")
+        if set(completed) != {m for m, n in counts.items() if n > 0}:
+            raise ValueError("the completed methods do not match the completion counts")
         return Body(
-            state=dict(raw["state"]),
-            method=str(raw["method"]),
-            kind=str(raw["kind"]),
+            state=_mapping(raw["state"], "state", lambda value, _: value),
+            method=_str(raw["method"], "method"),
+            kind=_kind(raw["kind"]),
             ledger=Ledger(
-                completed=tuple(raw["completed"]),
-                counts={str(k): int(v) for k, v in raw["counts"].items()},
-                feedback=tuple(raw["feedback"]),
+                completed=completed,
+                counts=counts,
+                feedback=tuple(
+                    _feedback(f, f"feedback[{i}]") for i, f in enumerate(_list(raw["feedback"]))
+                ),
                 # Checkpoints written before routes were recorded have none.
-                routes={
-                    str(m): tuple(None if r is None else str(r) for r in taken)
-                    for m, taken in raw.get("routes", {}).items()
-                },
+                routes=_mapping(
+                    raw.get("routes", {}),
+                    "routes",
+                    lambda taken, where: tuple(
+                        None if r is None else _str(r, where) for r in _list(taken, where)
+                    ),
+                ),
                 # Checkpoints written before joins were recorded have none.
-                joins={
-                    str(k): tuple(str(t) for t in seen) for k, seen in raw.get("joins", {}).items()
-                },
-                fired=tuple(str(m) for m in raw.get("fired", ())),
-                running={str(m): int(at) for m, at in raw.get("running", {}).items()},
-                gaps={
-                    str(m): tuple(int(n) for n in gaps) for m, gaps in raw.get("gaps", {}).items()
-                },
+                joins=_mapping(raw.get("joins", {}), "joins", _strs),
+                fired=_strs(raw.get("fired", []), "fired"),
+                running=_mapping(raw.get("running", {}), "running", _count),
+                gaps=_mapping(
+                    raw.get("gaps", {}),
+                    "gaps",
+                    lambda gaps, where: tuple(_count(n, where) for n in _list(gaps, where)),
+                ),
             ),
             output=_bytes_or_none(raw.get("output")),
             prompt=_bytes_or_none(raw.get("prompt")),
@@ -245,6 +261,64 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
             run_id=run_id,
             checkpoint_id=checkpoint_id,
         ) from exc
+
+
+#: The kinds of checkpoint a flow writes: a method's save, a consumed feedback, a
+#: pause, the state `ask()` saves, an operator's edit.
+_KINDS = frozenset({"step", "feedback", "pause", "ask", "edit"})
+
+#: What each accepted feedback records (`persistence._feedback_entry`).
+_FEEDBACK_KEYS = frozenset(
+    {"interrupt", "method", "feedback", "outcome", "timestamp", "output", "metadata"}
+)
+
+
+def _list(value: Any, where: str = "feedback") -> list[Any]:
+    if type(value) is not list:
+        raise TypeError(f"{where} is a list, not {type(value).__name__}")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise TypeError(f"{where} holds a str, not {type(value).__name__}")
+    return value
+
+
+def _strs(value: Any, where: str) -> tuple[str, ...]:
+    return tuple(_str(item, where) for item in _list(value, where))
+
+
+def _count(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{where} holds a count, not {value!r}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value not in _KINDS:
+        raise ValueError(f"kind is one of {sorted(_KINDS)}, not {value!r}")
+    return str(value)
+
+
+def _mapping(value: Any, where: str, item: Callable[[Any, str], _T]) -> dict[str, _T]:
+    """`value`, a dict keyed by str, with each item checked by `item`."""
+    if type(value) is not dict:
+        raise TypeError(f"{where} is a dict, not {type(value).__name__}")
+    return {_str(k, where): item(v, f"{where}.{k}") for k, v in value.items()}
+
+
+def _feedback(value: Any, where: str) -> dict[str, Any]:
+    """One accepted feedback as `Ledger.feedback` keeps it."""
+    if type(value) is not dict or set(value) != _FEEDBACK_KEYS:
+        raise ValueError(f"{where} is not an accepted feedback ({sorted(_FEEDBACK_KEYS)})")
+    for key in ("interrupt", "method", "feedback"):
+        _str(value[key], f"{where}.{key}")
+    if value["outcome"] is not None:
+        _str(value["outcome"], f"{where}.outcome")
+    if type(value["metadata"]) is not dict:
+        raise TypeError(f"{where}.metadata is a dict, not {type(value['metadata']).__name__}")
+    return value
 
 
 def _bytes_or_none(value: Any) -> bytes | None:
