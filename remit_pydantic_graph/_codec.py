@@ -35,7 +35,7 @@ from pydantic_graph import End
 from pydantic_graph.persistence import NodeSnapshot, RunEndT, Snapshot, StateT
 from typing_extensions import is_typeddict
 
-__all__ = ["ForeignNode", "SnapshotCodec", "Unfit"]
+__all__ = ["ForeignNode", "NotASnapshot", "SnapshotCodec", "Unfit"]
 
 _Path = tuple[str | int, ...]
 #: How deep `_unfit` looks for the bad part of a value.
@@ -65,6 +65,16 @@ class ForeignNode(ValueError):
         self.node_id, self.node_ids = node_id, node_ids
 
 
+class NotASnapshot(ValueError):
+    """Stored bytes that are no snapshot at all (`problem`: why): not JSON, not an object
+    of kind node or end, or one whose node is named by no name (what another framework's
+    run under this id, or another program, writes)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
 class SnapshotCodec(Generic[StateT, RunEndT]):
     """The graph's snapshot adapter and the types it was built from.
 
@@ -84,14 +94,23 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         self.node_ids = frozenset(node_ids)
 
     def decode(self, body: bytes) -> Snapshot[StateT, RunEndT]:
-        """A stored snapshot: `ForeignNode` if its node is not one of the graph's (a graph
-        of one node class would take any node whose fields fit), else
-        `pydantic.ValidationError` if it does not fit these types."""
-        if self.node_ids:
+        """A stored snapshot: `NotASnapshot` if its bytes are none, `ForeignNode` if its
+        node is not one of the graph's (a graph of one node class would take any node
+        whose fields fit), else `pydantic.ValidationError` if it does not fit these types."""
+        try:
             stored = pydantic_core.from_json(body)
-            node = stored.get("node") if isinstance(stored, dict) else None
-            if isinstance(node, dict) and node.get("node_id") not in self.node_ids:
-                raise ForeignNode(node.get("node_id"), self.node_ids)
+        except ValueError as exc:
+            raise NotASnapshot(f"its bytes are not JSON ({exc})") from exc
+        if not isinstance(stored, dict) or stored.get("kind") not in ("node", "end"):
+            # Every snapshot pydantic-graph writes is an object of kind node or end.
+            raise NotASnapshot(f"it is no object of kind 'node' or 'end' ({_glimpse(stored)})")
+        node = stored.get("node")
+        if isinstance(node, dict) and "node_id" in node:
+            node_id = node["node_id"]
+            if not isinstance(node_id, str):
+                raise NotASnapshot(f"its node is named by {node_id!r}, not by a node id")
+            if self.node_ids and node_id not in self.node_ids:
+                raise ForeignNode(node_id, self.node_ids)
         return self.adapter.validate_json(body)
 
     def encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:
@@ -203,6 +222,13 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
             if found is not None:
                 return found
         return None
+
+
+def _glimpse(value: Any) -> str:
+    """A short view of stored JSON that is no snapshot: its keys, or its start."""
+    if isinstance(value, dict):
+        return f"an object of keys {', '.join(sorted(map(str, value))[:8]) or 'none'}"
+    return f"{type(value).__name__} {str(value)[:60]}"
 
 
 def _rank(refused: tuple[Unfit, Exception | None, int]) -> tuple[int, bool]:

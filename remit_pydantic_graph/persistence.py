@@ -82,6 +82,7 @@ from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_id, check
 from remit_core.effects import step_scope
 from remit_core.errors import (
     CheckpointInvalid,
+    CorruptRecord,
     Fenced,
     ForkWithoutIntent,
     HeadMoved,
@@ -91,7 +92,7 @@ from remit_core.errors import (
     VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, FenceRef, WriteRecord
-from remit_pydantic_graph._codec import ForeignNode, SnapshotCodec, Unfit
+from remit_pydantic_graph._codec import ForeignNode, NotASnapshot, SnapshotCodec, Unfit
 
 __all__ = ["RemitStatePersistence"]
 
@@ -396,9 +397,18 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _decode(self, body: bytes, what: str, **ids: str) -> Snapshot[StateT, RunEndT]:
         """Stored snapshot bytes read with this graph's types: `VersionMismatch` naming
-        `what` and where it does not fit, if another graph or version wrote them."""
+        `what` and where it does not fit, if another graph or version wrote them;
+        `CorruptRecord` if they are no snapshot at all (not JSON, a node with no name)."""
         try:
             return self._types().decode(body)
+        except NotASnapshot as exc:
+            raise CorruptRecord(
+                f"{what} is not a pydantic-graph snapshot: {exc.problem}. Another "
+                "framework's run under this run id, or another program, wrote it: give this "
+                "graph's run an id of its own",
+                run_id=self.run_id,
+                **ids,
+            ) from exc
         except ForeignNode as exc:
             raise VersionMismatch(
                 f"{what} is of node {exc.node_id!r}, which is not a node of this graph "
