@@ -887,9 +887,28 @@ class Session:
         return {}
 
     def _consume(self, targets: Mapping[str, dict[str, Any]], value: bytes) -> None:
+        """Consume every interrupt the event resolves, or none of them (P5).
+
+        An event may resolve several waiters (one without requirements, one whose
+        requirements it meets). Each is checked before any is consumed: consumed one by
+        one, a refusal at the second would leave the first consumed with a value its
+        sender was told was not delivered, and a recovery would deliver it after all.
+        (The run's claim is held here, so no other resumer consumes in between.)"""
+        found = {
+            interrupt_id: self.remit.interrupt(self.run_id, interrupt_id, branch=self.branch)
+            for interrupt_id in targets
+        }
+        for interrupt_id, record in found.items():
+            if record is not None and record.status == "consumed":
+                raise ResumeConflict(
+                    "interrupt was already consumed; the value was not delivered, and no "
+                    "other interrupt it would answer was consumed with it",
+                    run_id=self.run_id,
+                    interrupt_id=interrupt_id,
+                    checkpoint_id=self.head_id,
+                )
         for interrupt_id, prompt in targets.items():
-            existing = self.remit.interrupt(self.run_id, interrupt_id, branch=self.branch)
-            if existing is None:
+            if found[interrupt_id] is None:
                 self.remit.open_interrupts(
                     self.run_id,
                     {interrupt_id: codec.dumps(prompt)},

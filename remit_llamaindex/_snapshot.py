@@ -471,6 +471,35 @@ def is_handle(payload: dict[str, Any] | None) -> bool:
     return bool(payload) and payload.get("store_type") == HANDLE_TYPE  # type: ignore[union-attr]
 
 
+#: The fields of a handle (`is_handle`), and whether a context must give each.
+_HANDLE_FIELDS = (
+    ("run_id", True),
+    ("checkpoint_id", False),
+    ("branch", False),
+    ("fork_token", False),
+)
+
+
+def check_handle(payload: dict[str, Any], **ids: Any) -> None:
+    """Refuse a handle (`is_handle`) whose fields a restore cannot read, naming the field:
+    a snapshot edited or written by hand would otherwise fail deep in the restore with a
+    bare `KeyError`, or read as another outcome (a checkpoint id that is no string is
+    "not the head", a fork). Each given field is a non-empty string; `run_id` is given."""
+    for key, required in _HANDLE_FIELDS:
+        value = payload.get(key)
+        if value is None and not required:
+            continue
+        if not isinstance(value, str) or not value:
+            found = "missing" if value is None else f"{type(value).__name__} {value!r:.60}"
+            raise CheckpointInvalid(
+                f"the context's state is a Remit handle whose {key!r} is not a non-empty "
+                f"string ({found}); nothing was restored or stored: restore a snapshot as "
+                "ctx.to_dict() gave it, or use RemitRuntime.context(workflow, run_id)",
+                field=f"state.{key}",
+                **ids,
+            )
+
+
 def state_fields(payload: dict[str, Any]) -> dict[str, Any] | None:
     """The plain field values of a typed-state payload, or None for `DictState` payloads."""
     data = payload.get("state_data")

@@ -45,7 +45,7 @@ from workflows.context.state_store import (
     set_by_path_copy,
 )
 from workflows.context.state_store_integration import decode_seed_state
-from workflows.errors import WorkflowCancelledByUser
+from workflows.errors import WorkflowCancelledByUser, WorkflowRuntimeError
 from workflows.events import Event, StartEvent, StopEvent, WorkflowFailedEvent
 from workflows.handler import WorkflowHandler
 from workflows.plugins.basic import BasicRuntime, get_current_run_id
@@ -221,6 +221,9 @@ class RemitRuntime(BaseRuntimeDecorator):
             outcome = "the run was not started and nothing was stored"
             check_event_model(start_event, outcome, qualified=True, run_id=run_id)
             check_event_storable(start_event, json_ser, outcome, qualified=True, run_id=run_id)
+        if snap.is_handle(serialized_state):
+            assert serialized_state is not None
+            snap.check_handle(serialized_state)
         drawn = _child.was_drawn(run_id)
         child = None
         found: Session | _child.EndedRun
@@ -778,6 +781,10 @@ class RemitRuntime(BaseRuntimeDecorator):
         its waiter exists), or when another resumer holds the run or moved it
         on, or when the run has ended (as `respond` refuses it); `CheckpointInvalid`
         for an event that fails its own model; `TypeError` for anything but an `Event`.
+        An event sent to a `step` goes to that step only: one the workflow has no such
+        step for, or whose step does not take it, is refused (`ResumeConflict` naming
+        the step, where `handler.ctx.send_event` raises the framework's check) before it
+        could answer a waiter of another step.
         """
         check_is_event(event)
         if not isinstance(handler, WorkflowHandler):
@@ -785,6 +792,8 @@ class RemitRuntime(BaseRuntimeDecorator):
                 f"handler must be the WorkflowHandler of a run, not {type(handler).__name__}; "
                 "the event was not delivered"
             )
+        if step is not None:
+            _check_target(handler, step, event)
         try:
             session = self._session_of(handler)
         except UnknownRecord:
@@ -1074,6 +1083,21 @@ def _check_workflow(workflow: object) -> None:
     """Refuse with `TypeError` a `workflow` argument that is not a `Workflow`."""
     if not isinstance(workflow, Workflow):
         raise TypeError(f"workflow must be a Workflow, not {type(workflow).__name__}")
+
+
+def _check_target(handler: WorkflowHandler, step: str, event: Event) -> None:
+    """Refuse an event sent to a `step` the workflow does not have or that does not take
+    it, as the framework checks a targeted send (`handler.ctx.send_event`). Without the
+    check, the reducer would let the event answer a waiter of another step (consuming
+    its interrupt) that the sender did not aim at."""
+    try:
+        handler._workflow._validate_valid_step_message(step, event)
+    except WorkflowRuntimeError as exc:
+        raise ResumeConflict(
+            f"{exc}: an event sent to a step goes to that step only, so the run would not "
+            "take it; the event was not delivered",
+            run_id=handler.run_id,
+        ) from exc
 
 
 def _edited(state: BaseModel, values: Mapping[str, Any], **ids: Any) -> BaseModel:
