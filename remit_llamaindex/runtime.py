@@ -87,6 +87,7 @@ from remit_core.errors import (
     RemitError,
     ResumeConflict,
     UnknownRecord,
+    VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord
 from remit_core.schema import StateSchema
@@ -633,6 +634,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         ):
             # The workflow's own model, from the stored fields: the class the payload
             # names is never imported (reading a record runs no code of its choosing).
+            _check_no_dropped_field(infer_state_type(workflow), fields, **ids)
             validated: BaseModel = schema.validate(fields, **ids)
             return validated
         try:
@@ -707,12 +709,30 @@ class RemitRuntime(BaseRuntimeDecorator):
 
     def result(self, run_id: str) -> Any:
         """The result of a completed run (what awaiting its handler returned: a plain
-        `StopEvent`'s `result`, or the event itself when a subclass of it ended the run)."""
+        `StopEvent`'s `result`, or the event itself when a subclass of it ended the run).
+
+        A run that ended without a result raises what awaiting its handler raised, as a
+        child run started again does: `RunFailed` carrying the stored error as text for
+        a failed run, `WorkflowCancelledByUser` for a cancelled one. A run that has not
+        ended has no result yet: `UnknownRecord` naming its status."""
         record = self._head(run_id)
         ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
-        if record.metadata.get("status") != snap.COMPLETED:
+        status = record.metadata.get("status")
+        if status == snap.CANCELLED:
+            raise WorkflowCancelledByUser(
+                f"run {public_run_id(record.run_id, record.branch)!r} was cancelled; it has "
+                f"no result (checkpoint {record.checkpoint_id!r})"
+            )
+        if status == snap.FAILED:
+            error = str(record.metadata.get("error") or status)
+            raise _child.RunFailed(
+                f"the run failed ({error}); it has no result", error=error, **ids
+            )
+        if status != snap.COMPLETED:
             raise UnknownRecord(
-                f"run has not completed (status {record.metadata.get('status')!r})", **ids
+                f"run has not ended (status {status!r}): it has no result yet; "
+                "RemitRuntime.status tells when it has",
+                **ids,
             )
         stop = snap.stop_event(record.metadata.get("result"), snap.LoadedClassesSerializer(), **ids)
         return stop.result if type(stop) is StopEvent else stop
@@ -1083,6 +1103,33 @@ def _check_workflow(workflow: object) -> None:
     """Refuse with `TypeError` a `workflow` argument that is not a `Workflow`."""
     if not isinstance(workflow, Workflow):
         raise TypeError(f"workflow must be a Workflow, not {type(workflow).__name__}")
+
+
+def _check_no_dropped_field(model: type[BaseModel], fields: Mapping[str, Any], **ids: Any) -> None:
+    """Refuse with `VersionMismatch` naming it a stored state field that `model` does not
+    declare (removed or renamed since the checkpoint was written): validated into the
+    model, it would be dropped without a word, and the run's next checkpoint would
+    store the state without it. A model that declares what to do with undeclared
+    fields (`extra="allow"` keeps them, `extra="ignore"` drops them) is taken at its word."""
+    if model.model_config.get("extra") is not None:
+        return
+    known = set(model.model_fields) | set(model.model_computed_fields)
+    for info in model.model_fields.values():
+        for alias in (info.alias, info.serialization_alias, info.validation_alias):
+            if isinstance(alias, str):
+                known.add(alias)
+    dropped = next((key for key in fields if key not in known), None)
+    if dropped is None:
+        return
+    raise VersionMismatch(
+        f"the stored state has field {dropped!r}, which the workflow's state model "
+        f"{model.__name__} does not declare (removed or renamed since the checkpoint was "
+        "written): reading it would drop its value. Declare the field again, or give the "
+        "runtime a StateSchema of a higher version with a migration that maps the stored "
+        'fields (or set model_config extra="ignore" to drop such fields)',
+        field=dropped,
+        **ids,
+    )
 
 
 def _check_target(handler: WorkflowHandler, step: str, event: Event) -> None:
