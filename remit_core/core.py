@@ -287,14 +287,26 @@ def _plain_ids(
     )
 
 
+#: The shortest lease a claim may have, in seconds. A claim is renewed every third of
+#: its lease; one shorter than a store's round trip under load would lapse while its
+#: holder runs, and let another resumer take the run (no mutual exclusion).
+MIN_LEASE = 0.1
+
+
 def checked_lease(lease: float) -> float:
-    """`lease` if it is a finite number of seconds above 0, else `ValueError`: a claim
-    with no lease left would let every resumer take it (no mutual exclusion)."""
+    """`lease` as seconds if it is a finite number of at least `MIN_LEASE`, else
+    `ValueError`: a claim with no lease left would let every resumer take it."""
     if isinstance(lease, bool) or not isinstance(lease, (int, float)):
         raise TypeError(f"lease must be a number of seconds, got {type(lease).__name__}")
-    if not (math.isfinite(lease) and lease > 0):
-        raise ValueError(f"lease must be a finite number of seconds above 0, got {lease!r}")
-    return float(lease)
+    try:
+        seconds = float(lease)
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
+    if not (math.isfinite(seconds) and seconds >= MIN_LEASE):
+        raise ValueError(
+            f"lease must be a finite number of seconds of at least {MIN_LEASE}, got {lease!r:.40}"
+        )
+    return seconds
 
 
 #: How early (a share of the lease) a heartbeat may renew a claim, to share a wake-up:

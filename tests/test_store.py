@@ -1576,7 +1576,12 @@ def test_facade_heartbeat_notices_a_takeover(store: Store, run_id: str) -> None:
     assert store.get_claim(run_id, MAIN_BRANCH) == rival
 
 
-@pytest.mark.parametrize("lease", [0, -1, float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "lease",
+    # A lease shorter than a store's round trip lapses while its holder runs; an int too
+    # large for a float is refused as an infinite one (not with an `OverflowError`).
+    [0, -1, float("nan"), float("inf"), 1e-9, 0.05, pytest.param(10**400, id="10**400")],
+)
 def test_a_lease_that_would_end_mutual_exclusion_is_refused(
     store: Store, run_id: str, lease: float
 ) -> None:
