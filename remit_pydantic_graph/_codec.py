@@ -35,7 +35,7 @@ from pydantic_graph import End
 from pydantic_graph.persistence import NodeSnapshot, RunEndT, Snapshot, StateT
 from typing_extensions import is_typeddict
 
-__all__ = ["ForeignNode", "NotASnapshot", "SnapshotCodec", "Unfit"]
+__all__ = ["ForeignNode", "NotASnapshot", "SnapshotCodec", "Unfit", "Unreadable"]
 
 _Path = tuple[str | int, ...]
 #: How deep `_unfit` looks for the bad part of a value.
@@ -69,6 +69,16 @@ class NotASnapshot(ValueError):
     """Stored bytes that are no snapshot at all (`problem`: why): not JSON, not an object
     of kind node or end, or one whose node is named by no name (what another framework's
     run under this id, or another program, writes)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
+class Unreadable(ValueError):
+    """Stored bytes that a validator of the graph's types refused by raising something other
+    than a `ValueError` (a `TypeError`, a `KeyError`), which pydantic lets through as it is
+    instead of a `ValidationError` naming the field (`problem`: what it raised)."""
 
     def __init__(self, problem: str) -> None:
         super().__init__(problem)
@@ -111,7 +121,12 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
                 raise NotASnapshot(f"its node is named by {node_id!r}, not by a node id")
             if self.node_ids and node_id not in self.node_ids:
                 raise ForeignNode(node_id, self.node_ids)
-        return self.adapter.validate_json(body)
+        try:
+            return self.adapter.validate_json(body)
+        except pydantic.ValidationError:
+            raise
+        except Exception as exc:  # a validator that raised past pydantic (see `Unreadable`)
+            raise Unreadable(_raised(exc)) from exc
 
     def encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:
         """The snapshot's bytes, or `Unfit` if they would not read back as this snapshot."""
@@ -159,6 +174,10 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
                 problem = f"is nested too deeply to be read back ({errors[0].get('msg')})"
             unfit = Unfit(_dotted(path), problem)
             return unfit, exc, sum(e["type"] == "missing" for e in errors)
+        except Exception as exc:  # pydantic lets through what a validator raised, but a
+            # ValueError or an AssertionError (a TypeError, a KeyError): find where it raised.
+            problem = f"does not read back: a validator raised {_raised(exc)}"
+            return Unfit(_dotted(self._raising(snapshot)), problem), exc, 0
         # Walked also when equal: an enum member in an `Any` field reads back as its plain
         # value, which a `StrEnum` or an `IntEnum` member equals; a datetime in a zone with
         # daylight-saving time as the equal instant at a fixed offset.
@@ -208,16 +227,31 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         except pydantic.ValidationError as exc:
             error = exc.errors()[0]
             return self._path_of(error.get("loc", ())), str(error.get("msg"))
+        except Exception as exc:  # a validator that raised past pydantic (`_read_back`)
+            return self._raising(snapshot), f"a validator raised {_raised(exc)}"
         return None
 
-    def _unserializable(self, snapshot: Snapshot[StateT, RunEndT]) -> tuple[_Path, str] | None:
-        """The first part of `snapshot` that fails to serialize, looked for field by field."""
+    def _parts_of(self, snapshot: Snapshot[StateT, RunEndT]) -> list[tuple[str, Any, Any]]:
+        """The snapshot's state and node (or result), each with its declared type."""
         parts: list[tuple[str, Any, Any]] = [("state", snapshot.state, self.state_type)]
         if isinstance(snapshot, NodeSnapshot):
             parts.append(("node", snapshot.node, type(snapshot.node)))
         else:
             parts.append(("result", snapshot.result, End[self.run_end_type]))  # type: ignore[name-defined]
-        for key, value, declared in parts:
+        return parts
+
+    def _raising(self, snapshot: Snapshot[StateT, RunEndT]) -> _Path:
+        """Where in `snapshot` a validator raises past pydantic as it is read back (the
+        deepest part that does); the root if no part does alone."""
+        for key, value, declared in self._parts_of(snapshot):
+            found = _raises(value, declared, (key,))
+            if found is not None:
+                return found
+        return ()
+
+    def _unserializable(self, snapshot: Snapshot[StateT, RunEndT]) -> tuple[_Path, str] | None:
+        """The first part of `snapshot` that fails to serialize, looked for field by field."""
+        for key, value, declared in self._parts_of(snapshot):
             found = _unfit(value, declared, (key,))
             if found is not None:
                 return found
@@ -276,6 +310,39 @@ def _unfit(value: Any, declared: Any, path: _Path) -> tuple[_Path, str] | None:
         if found is not None:
             return found
     return path, problem
+
+
+def _raised(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _raises_alone(value: Any, declared: Any) -> bool:
+    """Whether `value`, written as `declared`, raises past pydantic as it is read back."""
+    try:
+        adapter = pydantic.TypeAdapter(declared)
+        body = adapter.dump_json(value, warnings=False, round_trip=True)
+    except Exception:  # a type pydantic cannot build alone, or a value it cannot write
+        return False
+    try:
+        adapter.validate_json(body)
+    except pydantic.ValidationError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+def _raises(value: Any, declared: Any, path: _Path) -> _Path | None:
+    """The deepest part of `value` whose validator raises past pydantic (`_raises_alone`)."""
+    if not _raises_alone(value, declared):
+        return None
+    if len(path) > _DEEPEST:
+        return path
+    for key, child, child_type in _parts(value, declared):
+        found = _raises(child, child_type, (*path, key))
+        if found is not None:
+            return found
+    return path
 
 
 def _parts(value: Any, declared: Any) -> Iterator[tuple[str | int, Any, Any]]:

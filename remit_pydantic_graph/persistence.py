@@ -92,7 +92,7 @@ from remit_core.errors import (
     VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, FenceRef, WriteRecord
-from remit_pydantic_graph._codec import ForeignNode, NotASnapshot, SnapshotCodec, Unfit
+from remit_pydantic_graph._codec import ForeignNode, NotASnapshot, SnapshotCodec, Unfit, Unreadable
 
 __all__ = ["RemitStatePersistence"]
 
@@ -380,8 +380,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._check_graph(record)
         snapshot = self._decode(record.state, "stored snapshot", checkpoint_id=checkpoint_id)
         idx = -1
+        # The node (or the End: `EndSnapshot.node`) carries its snapshot's id, as the one
+        # stored did; an End read back would otherwise make up a new one at each read.
+        snapshot.node.set_snapshot_id(snapshot.id)
         if isinstance(snapshot, NodeSnapshot):
-            snapshot.node.set_snapshot_id(snapshot.id)
             logs = self._status_log(checkpoint_id)
             # A branch's own log decides; a fork's base starts fresh on the fork.
             own = record.branch == line or checkpoint_id == base_id
@@ -414,6 +416,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 f"{what} is of node {exc.node_id!r}, which is not a node of this graph "
                 f"({', '.join(sorted(exc.node_ids))}); it was written by another graph, "
                 "or another version of this one",
+                run_id=self.run_id,
+                **ids,
+            ) from exc
+        except Unreadable as exc:
+            raise VersionMismatch(
+                f"{what} does not fit this graph's types: a validator of them raised "
+                f"{exc.problem} as it was read; it was written by another version of the graph",
                 run_id=self.run_id,
                 **ids,
             ) from exc
