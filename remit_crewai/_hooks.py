@@ -6,13 +6,15 @@ hooks do. Installed once per process by the first `RemitFlowPersistence`,
 they act only on flows whose persistence is one:
 
 - EXECUTION_START: a kickoff with `inputs["id"]` claims that flow and hands
-  it its completion ledger, which `_replay` replays as CrewAI restarts it.
+  it its completion ledger, which `_replay` replays as CrewAI restarts it. A
+  kickoff without an id inside another workflow's Remit step gets an id made
+  from that step's scope, so that the step run again continues that flow.
 - PRE_STEP: the step runs under the flow's claim; the first step of a
   restart given inputs checks the state they made; the first step after a
   resume consumes the pending feedback; effects inside get a step scope
   keyed by branch, method and occurrence.
-- POST_STEP: notes the route a router took, for the save that completes it;
-  closes the step scope.
+- POST_STEP: refuses a step that changed the flow's id; notes the route a
+  router took, for the save that completes it; closes the step scope.
 - EXECUTION_END: consumes feedback still owed, releases the claim. CrewAI
   dispatches none for a kickoff or resume stopped by cancellation (a
   timeout, a cancelled task, Ctrl-C), whose claim would then be renewed for
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +48,7 @@ from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register
 from pydantic import BaseModel
 
 from remit_core.effects import StepScope, bind_step_scope, current_scope
-from remit_core.errors import RemitError
+from remit_core.errors import CheckpointInvalid, RemitError
 from remit_crewai import _replay, _resume
 from remit_crewai._session import (
     Execution,
@@ -135,6 +138,8 @@ class _MethodScope(StepScope):
 
     flow: weakref.ref[Any] | None = None
     outer: StepScope | None = field(default=None, repr=False)
+    #: The flow id the step runs under (its session's).
+    flow_id: str = ""
 
 
 def _close_scopes(flow: Any, *, all_of_them: bool) -> None:
@@ -173,13 +178,19 @@ def _on_start(ctx: Any) -> Any:
         return None
     token = current_fork_token.get()
     inputs: Any = ctx.payload
-    new = isinstance(inputs, dict) and "id" not in inputs and token is None
-    if new and isinstance(ctx.flow.state, BaseModel):
+    replaced: dict[str, Any] | None = None
+    unnamed = token is None and (
+        inputs is None or (isinstance(inputs, dict) and "id" not in inputs)
+    )
+    nested = _nested_id(ctx.flow) if unnamed else None
+    if nested is not None:
+        # Kicked off again by a step that runs again, the flow continues, not starts anew.
+        inputs = replaced = {**(inputs or {}), "id": nested}
+    elif unnamed and isinstance(inputs, dict) and isinstance(ctx.flow.state, BaseModel):
         try:  # (a restart's inputs are checked against the state it restores)
             backend._check_new_inputs(ctx.flow.state, inputs, run_id=ctx.flow.flow_id)
         except RemitError as exc:
             raise aborting(exc) from exc
-    replaced: dict[str, Any] | None = None
     if token is not None and inputs is None:
         # A fork names its run through inputs["id"]: give CrewAI a dict to read it from.
         inputs = replaced = {}
@@ -194,6 +205,19 @@ def _on_start(ctx: Any) -> Any:
     if isinstance(inputs, dict) and "id" in inputs:
         backend._begin_restart(ex, ctx.flow, str(inputs["id"]))
     return replaced
+
+
+def _nested_id(flow: Any) -> str | None:
+    """The id of a flow kicked off without one inside another workflow's Remit step: the
+    same each time that step runs (after a crash, a recovery, on a fork that shares it),
+    by the step's key and the kickoff's place among the step's kickoffs of its class,
+    as an effect's key is. With a new id each time, the flow would run again from its
+    start and apply its effects again (P1, P2). None outside a step."""
+    scope = current_scope()
+    if scope is None:
+        return None
+    key = scope.next_key(f"kickoff {type(flow).__module__}.{type(flow).__qualname__}")
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"remit:{scope.run_id}/{key}"))
 
 
 def _on_pre_step(ctx: Any) -> None:
@@ -232,6 +256,7 @@ def _on_pre_step(ctx: Any) -> None:
             session.fence,
             flow=weakref.ref(ctx.flow),
             outer=current_scope(),
+            flow_id=session.flow_id,
         )
     )
 
@@ -241,10 +266,40 @@ def _on_post_step(ctx: Any) -> None:
     if backend is None or ctx.kind != "flow_method":
         return
     method = str(ctx.step_name)
+    _refuse_new_id(ctx.flow, method)
     if ctx.flow._is_router(method):
         backend._took_route(ctx.flow, method, ctx.payload)
     backend._answered_at_once(ctx.flow, method, ctx.payload)
     _close_scopes(ctx.flow, all_of_them=False)
+
+
+def _runs(scope: _MethodScope, flow: Any) -> bool:
+    """Whether `scope` is the scope of a step of `flow`."""
+    return scope.flow is not None and scope.flow() is flow
+
+
+def _refuse_new_id(flow: Any, method: str) -> None:
+    """`CheckpointInvalid` naming `id` for a step of `flow` that changed the flow's id,
+    before anything saves it: CrewAI would save the flow under the new id from then on,
+    a second flow made silently from the first's past, while the first stays claimed
+    and unfinished. The id is put back, so that the run ends (fails) as the flow it is."""
+    scope = current_scope()
+    if not isinstance(scope, _MethodScope) or not _runs(scope, flow):
+        return
+    changed = flow.flow_id
+    if changed == scope.flow_id:
+        return
+    flow._stamp_state_id(scope.flow_id)
+    _close_scopes(flow, all_of_them=False)
+    raise aborting(
+        CheckpointInvalid(
+            f"step {method!r} changed the flow's id to {changed!r}: a flow keeps its id "
+            "(CrewAI would go on saving it under the new one, a copy of this flow); "
+            "nothing of the step was saved. To continue a flow under another id, fork it",
+            field="id",
+            run_id=scope.run_id,
+        )
+    )
 
 
 def _on_end(ctx: Any) -> Any:

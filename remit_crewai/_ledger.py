@@ -263,6 +263,25 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
         ) from exc
 
 
+def accepted(data: bytes, *, run_id: str, interrupt_id: str) -> dict[str, Any]:
+    """The accepted feedback a consumed interrupt holds, or `CorruptRecord` naming the run
+    and the interrupt if it is not what Remit writes there: feedback for that interrupt,
+    of the shape `Ledger.feedback` keeps (a restart rebuilds CrewAI's feedback from it)."""
+    try:
+        value = _feedback(codec.loads(data), "the consumed value")
+        if value["interrupt"] != interrupt_id or value["method"] != interrupt_id.rsplit("#", 1)[0]:
+            raise ValueError(
+                f"the consumed value answers {value['interrupt']!r} of {value['method']!r}"
+            )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptRecord(
+            f"consumed interrupt does not hold the feedback a CrewAI flow accepted ({exc})",
+            run_id=run_id,
+            interrupt_id=interrupt_id,
+        ) from exc
+    return value
+
+
 #: The kinds of checkpoint a flow writes: a method's save, a consumed feedback, a
 #: pause, the state `ask()` saves, an operator's edit.
 _KINDS = frozenset({"step", "feedback", "pause", "ask", "edit"})

@@ -329,6 +329,18 @@ class Registry:
         with self.lock:
             return self._here().get((store_url, flow_id))
 
+    def owned_by(self, flow: Any) -> Session | None:
+        """The open session flow instance `flow` drives, under whichever flow id."""
+        with self.lock:
+            return next(
+                (
+                    s
+                    for s in self._here().values()
+                    if s.owner is not None and s.owner() is flow and not s.closed
+                ),
+                None,
+            )
+
     def add(self, session: Session) -> None:
         with self.lock:
             self._here()[(session.store_url, session.flow_id)] = session

@@ -37,9 +37,10 @@ from crewai.flow.types import FlowMethodName, PendingListenerKey
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from remit_core import codec, policy
-from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_id
+from remit_core.core import DEFAULT_LEASE, MIN_LEASE, ClaimHandle, Remit, checked_id
 from remit_core.errors import (
     CheckpointInvalid,
+    CorruptRecord,
     Fenced,
     ForkWithoutIntent,
     HeadMoved,
@@ -55,6 +56,7 @@ from remit_crewai._ledger import (
     Body,
     Ledger,
     Replay,
+    accepted,
     decode,
     encode,
     flow_id_of,
@@ -165,7 +167,7 @@ class RemitFlowPersistence(FlowPersistence):
 
     persistence_type: str = Field(default="RemitFlowPersistence")
     url: str = Field(default="sqlite:///remit.db")
-    lease: float = Field(default=DEFAULT_LEASE, gt=0)
+    lease: float = Field(default=DEFAULT_LEASE, ge=MIN_LEASE, allow_inf_nan=False)
     workflow_version: str = ""
     accepts: list[str] = Field(default_factory=list)
     state_schema: dict[str, Any] | None = None
@@ -180,6 +182,15 @@ class RemitFlowPersistence(FlowPersistence):
     @classmethod
     def _known_engine(cls, url: str) -> str:
         return check_url(url)
+
+    @field_validator("state_schema", "feedback_schema")
+    @classmethod
+    def _json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Refused where it is made: recorded with the flow's checkpoints, a schema that is
+        # not one would fail every later save or resume of the flow, after its steps ran.
+        if schema is not None:
+            StateSchema(schema)
+        return schema
 
     def model_post_init(self, context: Any, /) -> None:
         from remit_crewai._hooks import install
@@ -327,18 +338,20 @@ class RemitFlowPersistence(FlowPersistence):
             return None
         interrupts = self.remit.interrupts(run_id, branch=branch)
         pending = [
-            self._as_paused(run_id, record.checkpoint_id, i).prompt
+            (i.interrupt_id, self._as_paused(run_id, record.checkpoint_id, i).prompt)
             for i in interrupts
             if i.status == "pending"
         ]
         if not pending:
             unopened = self._paused_head(run_id, record.checkpoint_id)
             if unopened is not None and not any(i.interrupt_id == unopened[1] for i in interrupts):
-                pending = [unopened[2]]
-        if not pending or pending[-1] is None:
+                pending = [(unopened[1], unopened[2])]
+        if not pending:
             return None
-        context = PendingFeedbackContext.from_dict(codec.loads(pending[-1]))
-        context.flow_id = flow_uuid
+        interrupt_id, prompt = pending[-1]
+        context = _pause_context(
+            prompt, flow_uuid, run_id=run_id, interrupt_id=interrupt_id, head=record.checkpoint_id
+        )
         return _as_saved(flow_uuid, body.state), context
 
     def _claim_pending(
@@ -367,15 +380,19 @@ class RemitFlowPersistence(FlowPersistence):
                     )
                 session.handle.release()
                 return None
+            session.pending = self._as_paused(run_id, session.head, pending[-1])
+            context = _pause_context(
+                session.pending.prompt,
+                flow_uuid,
+                run_id=run_id,
+                interrupt_id=session.pending.interrupt_id,
+                head=session.head,
+            )
         except BaseException:
             session.handle.release()
             raise
-        session.pending = self._as_paused(run_id, session.head, pending[-1])
         sessions.add(session)
         add_resumer(session)
-        assert session.pending.prompt is not None
-        context = PendingFeedbackContext.from_dict(codec.loads(session.pending.prompt))
-        context.flow_id = flow_uuid
         return {**session.state, "id": flow_uuid}, context
 
     def _unopened_pause(
@@ -530,8 +547,9 @@ class RemitFlowPersistence(FlowPersistence):
         """An operator's edit: merge `changes` into the head state and commit it.
 
         Validated like any save (against `state_type` for a model state);
-        nothing is written if it fails. The edit completes no method. A flow
-        whose state is a model needs `state_type` (`TypeError` without it):
+        nothing is written if it fails, or if `changes` name another `id`. The edit
+        completes no method. A flow whose state is a model needs `state_type`
+        (`TypeError` without it):
         Remit records the model's name, never imports it. A flow with no checkpoint
         is `UnknownRecord`: an edit never makes a flow. While a kickoff or resume holds
         the flow, in this process or another, the edit is `ResumeConflict`: the run's
@@ -541,6 +559,14 @@ class RemitFlowPersistence(FlowPersistence):
             raise TypeError(
                 f"changes must be a mapping of field to value, got {type(changes).__name__}; "
                 "nothing was written"
+            )
+        if "id" in changes and changes["id"] != flow_id:
+            raise CheckpointInvalid(
+                f"an edit cannot change the id of flow {flow_id!r} (to {changes['id']!r}): "
+                "the flow is stored under its id; fork it to continue it under another; "
+                "nothing was written",
+                field="id",
+                run_id=locate(flow_id)[0],
             )
         with self._writing(flow_id, alone=True) as session, session.lock:
             if session.head is None:
@@ -658,6 +684,7 @@ class RemitFlowPersistence(FlowPersistence):
                 return None  # (a method persisted to another store saves outside the run)
             if paused(flow):
                 return None  # a step that completes after its run paused saves for itself
+            _refuse_new_id(flow, flow_id)
             session = self._open(flow_id, heartbeat=True)
             session.owner = ex.flow
             sessions.add(session)
@@ -1024,7 +1051,10 @@ class RemitFlowPersistence(FlowPersistence):
             ),
             key=lambda i: i.consumed_at or 0.0,
         ):
-            ledger = ledger.accepting(codec.loads(i.value))  # type: ignore[arg-type]
+            assert i.value is not None
+            ledger = ledger.accepting(
+                accepted(i.value, run_id=session.run_id, interrupt_id=i.interrupt_id)
+            )
         session.ledger, session.replay = ledger, Replay(ledger)
         session.keys_from = self._paused_on(session)
         before = self._state_before_asks(session)
@@ -1318,6 +1348,58 @@ def _as_saved(flow_id: str, state: dict[str, Any]) -> dict[str, Any]:
     if branch != MAIN_BRANCH and forked_from:
         return {**state, "id": flow_id}
     return dict(state)
+
+
+def _refuse_new_id(flow: Flow[Any], flow_id: str) -> None:
+    """`CheckpointInvalid` naming `id` for a save of `flow` under `flow_id` while `flow`
+    drives its run under another id (a step changed the state's id, then paused): CrewAI
+    would go on saving it under the new id, a copy of the flow made silently. The id is
+    put back, so that the run ends as the flow it is."""
+    driving = sessions.owned_by(flow)
+    if driving is None or driving.flow_id == flow_id:
+        return
+    flow._stamp_state_id(driving.flow_id)
+    raise CheckpointInvalid(
+        f"the flow's id was changed to {flow_id!r} while it ran: a flow keeps its id "
+        "(CrewAI would go on saving it under the new one, a copy of this flow); nothing "
+        "was saved. To continue a flow under another id, fork it",
+        field="id",
+        run_id=driving.run_id,
+    )
+
+
+def _pause_context(
+    prompt: bytes | None, flow_id: str, *, run_id: str, interrupt_id: str, head: str | None
+) -> PendingFeedbackContext:
+    """The context of the pause at interrupt `interrupt_id`, as CrewAI reads it, or
+    `CorruptRecord` naming the run, the interrupt and the head checkpoint if its stored
+    form is not what Remit writes there: CrewAI's context of a pause at that interrupt's
+    method (a context of another method would make the resume answer that method)."""
+    method = _interrupt_method(interrupt_id)
+    try:
+        if prompt is None:
+            raise TypeError("the pause holds no context")
+        data = codec.loads(prompt)
+        if type(data) is not dict:
+            raise TypeError(f"a pause's context is a dict, not {type(data).__name__}")
+        for key in ("flow_id", "flow_class", "method_name"):
+            if type(data.get(key)) is not str:
+                raise TypeError(f"{key} holds a str, not {type(data.get(key)).__name__}")
+        if data["method_name"] != method:
+            raise ValueError(f"it is the context of a pause at {data['method_name']!r}")
+        emit = data.get("emit")
+        if emit is not None and (type(emit) is not list or not all(type(e) is str for e in emit)):
+            raise TypeError("emit holds a list of str or None")
+        context = PendingFeedbackContext.from_dict(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptRecord(
+            f"the pause's stored context is not one a CrewAI flow paused with ({exc})",
+            run_id=run_id,
+            interrupt_id=interrupt_id,
+            checkpoint_id=head,
+        ) from exc
+    context.flow_id = flow_id
+    return context
 
 
 def _check_same_pause(
