@@ -458,19 +458,22 @@ class Runs:
     def owner(self, thread: str, checkpoint_id: str) -> Run | None:
         """The run a task write to `checkpoint_id` belongs to. LangGraph submits the
         writes of tasks it ran in its thread pool from a callback outside their
-        context: the run is then the open one that continues that checkpoint."""
+        context: the run is then the open one that continues that checkpoint, or whose
+        loop stands on it (in "async" durability the checkpoint's own commit may still
+        be in flight: without its run, the write would go unfenced and without the
+        task's effect calls, which a later run of the task would then apply again)."""
         run = self.active(thread)
         if run is not None:
             return run
-        runs = list(self._open.values())
-        return next(
-            (
-                r
-                for r in runs
-                if r.thread == thread and checkpoint_id in r.committed and not r.claim._released
-            ),
-            None,
-        )
+        for r in list(self._open.values()):
+            if r.thread != thread or r.claim._released:
+                continue
+            if checkpoint_id in r.committed:
+                return r
+            loop = None if r.loop is None else r.loop()
+            if loop is not None and loop.checkpoint["id"] == checkpoint_id:
+                return r
+        return None
 
     # -- run start ---------------------------------------------------------------
     def start(
@@ -834,7 +837,7 @@ class Runs:
                 edited = not self._asked_in_edited_subgraphs(run, record).isdisjoint(resume)
             elif not edited:
                 self._refuse_later_question_of_edited_subgraph(run, record, here)
-            gone = self._asked_by_absent_nodes(loop, run, writes)
+            gone = self._asked_by_absent_nodes(loop, run, record, writes, here)
             self._consume(
                 run, here, resume, edited=edited, gone=gone, failed=self._failed(run, writes)
             )
@@ -1036,16 +1039,57 @@ class Runs:
                 )
 
     def _asked_by_absent_nodes(
-        self, loop: PregelLoop, run: Run, writes: Sequence[WriteRecord]
+        self,
+        loop: PregelLoop,
+        run: Run,
+        record: CheckpointRecord,
+        writes: Sequence[WriteRecord],
+        here: Sequence[InterruptRecord],
     ) -> dict[str, str]:
-        """The interrupts asked at a checkpoint (of its `writes`) by nodes that the
-        graph now running does not have (recompiled without them), with each node's
-        name: LangGraph has no task to give their values to, and drops them."""
+        """The interrupts pending at the head `record` (`here`; its `writes`) that nodes
+        the graph now running does not have (recompiled without them) asked, with each
+        node's name: LangGraph has no task to give their values to, and drops them. An
+        edited pause's were asked at the checkpoint the edit continues."""
+        asked: dict[str, tuple[CheckpointRecord, Sequence[WriteRecord]]] = {
+            record.checkpoint_id: (record, writes)
+        }
+        for i in here:
+            if i.checkpoint_id is not None and i.checkpoint_id not in asked:
+                at, at_writes = self.remit.checkpoint_and_writes(run.thread, i.checkpoint_id)
+                if at is not None:
+                    asked[i.checkpoint_id] = (at, at_writes)
+        gone: dict[str, str] = {}
+        for asked_at, asked_writes in asked.values():
+            gone.update(self._absent_askers(loop, run, asked_at, asked_writes))
+        return gone
+
+    def _absent_askers(
+        self,
+        loop: PregelLoop,
+        run: Run,
+        record: CheckpointRecord,
+        writes: Sequence[WriteRecord],
+    ) -> dict[str, str]:
+        """`_asked_by_absent_nodes` at one checkpoint, `record`. A `Send` branch's node
+        is the one its packet names, in the checkpoint's pending sends."""
         pull = "~__pregel_pull, "
+        sends: Sequence[Any] | None = None
         gone: dict[str, str] = {}
         for w in writes:
-            node = w.task_path[len(pull) :]
-            if w.channel != INTERRUPT or not w.task_path.startswith(pull) or node in loop.nodes:
+            if w.channel != INTERRUPT:
+                continue
+            node: Any
+            if w.task_path.startswith(pull):
+                node = w.task_path[len(pull) :]
+            elif _is_send_path(w.task_path):
+                if sends is None:
+                    values = self.saver._tuple(record, list(writes)).checkpoint["channel_values"]
+                    sends = values.get(TASKS) or ()
+                index = int(w.task_path.split(", ")[1])
+                node = getattr(sends[index], "node", None) if index < len(sends) else None
+            else:
+                continue
+            if not isinstance(node, str) or node in loop.nodes:
                 continue
             for item in _interrupts_in(self.saver._decode(w.value, run_id=run.thread)):
                 gone[item.id] = node

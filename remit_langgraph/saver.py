@@ -714,6 +714,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         The threads a run wrote to come from the saver's run index (see `_index_run`);
         a deleted branch head moves back to the newest checkpoint that remains.
         """
+        if isinstance(run_ids, str):
+            # (Taken as a collection, its characters would be the run ids: a rollback
+            # that deletes nothing it was meant to, silently.)
+            raise TypeError("run_ids must be a collection of LangGraph run ids, not one str")
         for lg_run in {str(r) for r in run_ids}:
             threads = {w.task_id for w in self.remit.writes(rec.RUN_INDEX, lg_run)}
             for thread in threads:
@@ -820,17 +824,20 @@ class RemitSaver(BaseCheckpointSaver[str]):
         self._indexed.add((thread, lg_run))
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        """`keep_latest`: keep each branch's head (and fork bases); `delete`: drop the threads."""
-        if strategy == "delete":
-            for thread in thread_ids:
-                self.delete_thread(thread)
-        elif strategy == "keep_latest":
-            if isinstance(thread_ids, str):
-                raise TypeError("thread_ids must be a collection of thread ids, not one str")
-            for thread in [rec.thread_id(t) for t in thread_ids]:
-                self._keep_latest(thread)
-        else:
+        """`keep_latest`: keep each branch's head (and fork bases); `delete`: drop the threads.
+
+        Every thread id is checked before any thread is touched: one str (whose
+        characters would be taken for thread ids), or a bad id among them, prunes
+        nothing."""
+        if isinstance(thread_ids, str):
+            raise TypeError("thread_ids must be a collection of thread ids, not one str")
+        if strategy not in ("keep_latest", "delete"):
             raise ValueError(f"unknown prune strategy {strategy!r}: use 'keep_latest' or 'delete'")
+        for thread in [rec.thread_id(t) for t in thread_ids]:
+            if strategy == "delete":
+                self.delete_thread(thread)
+            else:
+                self._keep_latest(thread)
 
     def _keep_latest(self, thread: str) -> None:
         """Delete a thread's old checkpoints (and their writes): each branch's head and
