@@ -78,7 +78,7 @@ from workflows.runtime.types.ticks import TickAddEvent, WorkflowTick
 from workflows.workflow import Workflow
 
 from remit_core import codec, connect, failpoints, policy
-from remit_core.core import DEFAULT_LEASE, Remit, checked_id
+from remit_core.core import DEFAULT_LEASE, Remit, checked_id, checked_lease
 from remit_core.effects import scoped
 from remit_core.errors import (
     CheckpointInvalid,
@@ -146,10 +146,17 @@ class RemitRuntime(BaseRuntimeDecorator):
         decorated: Runtime | None = None,
     ) -> None:
         super().__init__(decorated if decorated is not None else BasicRuntime())
-        self.url = check_url(url)  # (a mistyped URL is refused here, not at the first run)
-        self.lease = lease
+        # Refused here, not at the first run: a mistyped URL or lease, and versions that
+        # no stored checkpoint could name (a str taken as its characters, or no str).
+        self.url = check_url(url)
+        self.lease = checked_lease(lease)
         self.workflow_version = workflow_version
-        self.accepted_versions = frozenset({workflow_version, *accept_versions})
+        self.accepted_versions = _checked_versions(workflow_version, accept_versions)
+        if schema is not None and not isinstance(schema, StateSchema):
+            raise TypeError(
+                "schema must be a remit_core StateSchema (e.g. StateSchema(MyState)) or None, "
+                f"not {type(schema).__name__}"
+            )
         self.schema = schema
         self._remit: Remit | None = None
         self._remit_pid = -1
@@ -685,8 +692,15 @@ class RemitRuntime(BaseRuntimeDecorator):
 
     def checkpoints(self, run_id: str) -> list[RunCheckpoint]:
         """Every checkpoint of a run on every branch, newest first (`UnknownRecord` for a
-        run, or a fork's branch, the store does not hold, as the other reads)."""
+        run, or a fork's branch, the store does not hold, as the other reads).
+
+        Each record is verified as the other reads verify it: one whose bytes or
+        metadata were altered raises `CorruptRecord` naming the run and checkpoint,
+        rather than being listed with a status its checkpoint does not hold."""
         key_run = self._branch(run_id).run_id
+        records = self.remit.history(key_run, ns="")
+        for record in records:
+            snap.check_metadata(record)
         return [
             RunCheckpoint(
                 checkpoint_id=r.checkpoint_id,
@@ -697,7 +711,7 @@ class RemitRuntime(BaseRuntimeDecorator):
                 next_steps=tuple(r.metadata.get("next", ())),
                 waiting=tuple(r.metadata.get("waiting", ())),
             )
-            for r in self.remit.history(key_run, ns="", verify=False)
+            for r in records
         ]
 
     def get_state(self, workflow: Workflow, run_id: str) -> BaseModel:
@@ -1037,7 +1051,9 @@ class RemitRuntime(BaseRuntimeDecorator):
         """Edit a stored run's state (validated; `CheckpointInvalid` commits nothing).
 
         Commits a new head with the same frontier and the edited state, under
-        the run's claim. Returns the new checkpoint id. A parked run whose handler
+        the run's claim. Returns the new checkpoint id; an edit that changes
+        nothing (no values, or the values the state holds) commits nothing and
+        returns the head's. A parked run whose handler
         is live in this process is edited through that handler's state store, so
         the handler goes on from the edited head (edited behind its back, the
         handler would hold a stale copy whose answers are refused).
@@ -1049,11 +1065,24 @@ class RemitRuntime(BaseRuntimeDecorator):
                 f"{type(values).__name__}; nothing was written"
             )
         head = await asyncio.to_thread(self._head, run_id)
+        if self._driving(run_id) is not None:
+            # (The core's refusal would say to retry once the lease runs out, which it
+            # never does while this process renews it.)
+            raise ResumeConflict(
+                "a step of the run is running in this process, which holds the run: edit "
+                "its state from a step (ctx.store), or once the run waits or has ended; "
+                "nothing was written",
+                run_id=run_id,
+                checkpoint_id=head.checkpoint_id,
+            )
         session = self._parked_copy(run_id, head.checkpoint_id)
         if session is None:
             return await asyncio.to_thread(self._update_state, workflow, run_id, dict(values))
         ids = {"run_id": head.run_id, "checkpoint_id": head.checkpoint_id}
-        await session.store.set_state(_edited(await session.store.get_state(), values, **ids))
+        current = await session.store.get_state()
+        edited = _edited(current, values, **ids)
+        if edited != current:  # (an edit that changes nothing commits nothing)
+            await session.store.set_state(edited)
         assert session.head_id is not None
         return session.head_id
 
@@ -1075,12 +1104,18 @@ class RemitRuntime(BaseRuntimeDecorator):
             record = self._head(run_id)
             ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
             ctx, requirements, _ = snap.decode_body(record.state, **ids)
-            state = _edited(self._state(workflow, record, ctx, serializer), values, **ids)
+            stored = self._state(workflow, record, ctx, serializer)
+            state = _edited(stored, values, **ids)
             schema = self._schema(workflow)
             if schema is not None:
                 state = schema.validate(state, **ids)
             check_storable(state, serializer, **ids)
             payload = create_in_memory_payload(state, serializer).model_dump()
+            if payload == create_in_memory_payload(stored, serializer).model_dump():
+                # An edit that changes nothing commits nothing: a new head would grow the
+                # history for nothing, and stop the run's parked copies elsewhere, which
+                # take a moved head as the run answered or continued without them.
+                return record.checkpoint_id
             metadata = {**record.metadata, "tick": "update_state"}
             body = snap.body({**ctx, "state": payload}, requirements, metadata)
             branch = remit.branch(key_run, branch=branch_name)
@@ -1097,6 +1132,25 @@ class RemitRuntime(BaseRuntimeDecorator):
                 fence=claim.fence,
             )
         return checkpoint_id
+
+
+def _checked_versions(workflow_version: object, accept_versions: object) -> frozenset[str]:
+    """The workflow versions a runtime reads: its own and `accept_versions`, or `TypeError`
+    naming the argument. A checkpoint names its version as a str: a str given for the
+    collection would be taken as its characters, and a version that is not a str matches
+    no checkpoint, each refusing the runs it was meant to accept without a word."""
+    if not isinstance(workflow_version, str):
+        raise TypeError(f"workflow_version must be a str, not {type(workflow_version).__name__}")
+    if isinstance(accept_versions, (str, bytes)) or not isinstance(accept_versions, Iterable):
+        raise TypeError(
+            "accept_versions must be a collection of str (e.g. ['v1', 'v2']), not "
+            f"{type(accept_versions).__name__} {accept_versions!r:.60}"
+        )
+    versions = frozenset(accept_versions)
+    odd = next((v for v in versions if not isinstance(v, str)), None)
+    if odd is not None:
+        raise TypeError(f"accept_versions must hold str only, not {type(odd).__name__} {odd!r:.60}")
+    return versions | {workflow_version}
 
 
 def _check_workflow(workflow: object) -> None:

@@ -66,10 +66,11 @@ from workflows.context.state_store import (
 )
 
 from remit_core import connect
-from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit
+from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_lease
 from remit_core.errors import CheckpointInvalid, RemitError
 from remit_core.records import FenceRef, WriteRecord
 from remit_core.schema import StateSchema
+from remit_core.stores import check_url
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import new_checkpoint_id
 from remit_llamaindex._storable import check_storable
@@ -116,8 +117,9 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         poll_interval: float = 0.2,
     ) -> None:
         super().__init__()
-        self.url = url
-        self.lease = lease
+        # (A mistyped URL or lease is refused here, not at the server's first write.)
+        self.url = check_url(url)
+        self.lease = checked_lease(lease)
         self.poll_interval = poll_interval
         self._index = f"llamaindex-server:{namespace}"
         self._remit: Remit | None = None
