@@ -177,6 +177,10 @@ def _on_start(ctx: Any) -> Any:
     if backend is None:
         return None
     token = current_fork_token.get()
+    if token is not None:
+        # The token names this kickoff's fork only: a flow kicked off inside its steps
+        # gets the step's id for it (`_nested_id`), not a fork's. Back at its end.
+        current_fork_token.set(None)
     inputs: Any = ctx.payload
     replaced: dict[str, Any] | None = None
     unnamed = token is None and (
@@ -329,3 +333,5 @@ def _end(flow: Any, *, completed: bool, output: Any) -> Any:
     finally:
         if mine is not None:
             current_execution.set(mine.outer)
+            if mine.fork_token is not None:
+                current_fork_token.set(mine.fork_token)

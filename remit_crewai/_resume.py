@@ -49,8 +49,12 @@ def install() -> None:
         claiming = current_from_pending.set(True)
         try:
             flow: Flow[Any] = from_pending(cls, *args, **kwargs)
-            if isinstance(flow.persistence, RemitFlowPersistence):
+            persistence = flow.persistence
+            if isinstance(persistence, RemitFlowPersistence):
                 _check_paused_method(flow)
+                session = persistence._session_of(flow.flow_id, flow)
+                if session is not None and not session.closed:
+                    persistence._check_flow_class(session, flow)
             return flow
         except BaseException:
             for session in current_resumers.get():

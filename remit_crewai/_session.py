@@ -162,6 +162,8 @@ class Session:
     #: The interrupt a `from_pending` resume consumes once its value is known.
     pending: InterruptRecord | None = None
     state_type: type[BaseModel] | None = None
+    #: The flow class that wrote the head (`module.Qualname`), recorded with each commit.
+    flow_class: str | None = None
     routes: dict[tuple[str, int | None], str | None] = field(default_factory=dict)
     answered: dict[tuple[str, int | None], dict[str, Any]] = field(default_factory=dict)
     #: Occurrences of each method started in this process and not completed yet: two

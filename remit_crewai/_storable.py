@@ -75,6 +75,10 @@ def same(a: Any, b: Any) -> bool:
         return a == b and a.utcoffset() == b.utcoffset() and inexact(a) is None
     if cls is float and a != a:
         return b != b  # NaN
+    if cls is Decimal and (a.is_nan() or b.is_nan()):
+        # A NaN equals nothing, and a signalling one raises when compared: its text
+        # (kind, sign, payload) is what the codec keeps.
+        return str(a) == str(b)
     return bool(a == b)
 
 

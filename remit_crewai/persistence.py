@@ -157,7 +157,9 @@ class RemitFlowPersistence(FlowPersistence):
     `url`: the Remit store (`sqlite:///remit.db`, `postgresql://...`,
     `redis://...`). `lease`: seconds a crashed process keeps a flow claimed.
     `workflow_version`: recorded on every checkpoint; a flow written by a
-    version outside {`workflow_version`, *`accepts`} is refused. `state_schema`
+    version outside {`workflow_version`, *`accepts`} is refused. The flow class
+    (`module.Qualname`) is recorded too: another class continuing the flow is refused
+    unless `accepts` names the one that wrote it (a class renamed since). `state_schema`
     (JSON Schema) validates dict states; a model state validates against its
     model. `feedback_schema` (JSON Schema) validates human feedback before it
     is consumed. Both are recorded with the flow's checkpoints, and a persistence
@@ -637,6 +639,7 @@ class RemitFlowPersistence(FlowPersistence):
             else {
                 k: record.metadata[k] for k in _SCHEMAS if isinstance(record.metadata.get(k), dict)
             },
+            flow_class=None if record is None else _text(record.metadata.get("flow")),
         )
 
     @contextlib.contextmanager
@@ -859,6 +862,9 @@ class RemitFlowPersistence(FlowPersistence):
             schema = self._schema(session, name)
             if schema is not None:
                 session.schemas[name] = schema
+        flow = _flow_of(session)
+        if flow is not None:
+            session.flow_class = _class_name(type(flow))
         try:
             plan = policy.plan_continue(
                 session.run_id,
@@ -886,6 +892,7 @@ class RemitFlowPersistence(FlowPersistence):
                 "method": method,
                 "kind": kind,
                 **({} if session.state_type is None else {"model": _name(session.state_type)}),
+                **({} if session.flow_class is None else {"flow": session.flow_class}),
                 **session.schemas,
             },
             workflow_version=self.workflow_version,
@@ -905,11 +912,28 @@ class RemitFlowPersistence(FlowPersistence):
                 session = self._open(flow_id, heartbeat=True)
                 session.owner = ex.flow
                 sessions.add(session)
+            self._check_flow_class(session, flow)
             self._restore_into(flow, session)
             if isinstance(flow.state, BaseModel):
                 self._check_model_restart(session, flow.state, ex.inputs or {})
         except Exception as exc:  # raised again by load_state: CrewAI swallows hook errors
             ex.refusal = exc
+
+    def _check_flow_class(self, session: Session, flow: Flow[Any]) -> None:
+        """`VersionMismatch` naming both classes if the flow class that wrote the flow's
+        head is not `flow`'s and not listed in `accepts` (a class renamed since): another
+        class would skip its own methods that share a name with the writer's, or answer
+        the writer's pause with its own. Raised before anything runs or is written."""
+        saved, mine = session.flow_class, _class_name(type(flow))
+        if saved is None or saved in self.accepts or _same_class(saved, type(flow)):
+            return
+        raise VersionMismatch(
+            f"flow {session.flow_id!r} was written by flow class {saved}, not {mine}: "
+            "nothing was run or written; continue it with the class that wrote it, or, if "
+            f"{mine} is that class renamed, list {saved!r} in its persistence's accepts=",
+            run_id=session.run_id,
+            checkpoint_id=session.head,
+        )
 
     def _check_model_restart(
         self, session: Session, state: BaseModel, inputs: Mapping[str, Any]
@@ -1622,6 +1646,23 @@ def _first_change(plain: Mapping[str, Any], back: Mapping[str, Any] | None) -> s
         if back is None or key not in back or not same(value, back[key]):
             return str(key)
     return "<root>"
+
+
+def _class_name(cls: type) -> str:
+    """A flow class as its checkpoints record it: `module.Qualname`."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _same_class(saved: str, cls: type) -> bool:
+    """Whether `saved` (`_class_name`) names `cls`, under whichever module name: one
+    process may run the flow's file as `__main__` and another import it as a module
+    (a recovery script), or a package may be imported by another path. The class
+    name decides; a class of another name is another flow."""
+    return saved == cls.__qualname__ or saved.endswith(f".{cls.__qualname__}")
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _name(model: type[BaseModel]) -> str:
