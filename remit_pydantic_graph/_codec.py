@@ -8,7 +8,9 @@ alias), validates back, and reads back equal to the snapshot the run holds
 whose offset changes with the date, which it writes as a fixed offset) is
 refused, never stored as another value. A refusal names the bad value by its
 full path from the snapshot (`state.inner.amount`, `state.items.1`,
-`node.value`, `result.data`), in the same form whichever check found it. It is
+`node.value`, `result.data`), in the same form whichever check found it, and says
+why where pydantic's own words would not (a secret, which pydantic writes masked; an
+int too large for its JSON reader; a node field named `node_id`). It is
 written in pydantic's round-trip form: a `Json[...]` field as the JSON text it
 reads, and no computed field (one that a model forbidding or keeping extra keys
 would not read back as itself); reading recomputes them. No I/O here.
@@ -40,6 +42,9 @@ __all__ = ["ForeignNode", "NotASnapshot", "SnapshotCodec", "Unfit", "Unreadable"
 _Path = tuple[str | int, ...]
 #: How deep `_unfit` looks for the bad part of a value.
 _DEEPEST = 32
+
+#: Values pydantic writes masked (`**********`), which never read back as themselves.
+_SECRETS = (pydantic.SecretStr, pydantic.SecretBytes, pydantic.Secret)
 
 #: Types whose values `_difference` compares by `==` alone (no subclass, no enum).
 _SCALARS = frozenset((int, float, str, bool, bytes, type(None)))
@@ -139,7 +144,8 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
                 or self._unreadable(snapshot)
                 or ((), _problem(str(exc)))
             )
-            raise Unfit(_dotted(path), f"does not fit the graph's types: {problem}") from exc
+            unfit = Unfit(_dotted(path), f"does not fit the graph's types: {problem}")
+            raise self._secret_unfit(snapshot, unfit) from exc
         refused = self._read_back(snapshot, body)
         if refused is None:
             return body
@@ -154,7 +160,34 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
             # model does not read (it found them missing, or read back their defaults).
             refused = also if _rank(also) < _rank(refused) else refused
         unfit, cause, _ = refused
-        raise unfit from cause
+        raise self._secret_unfit(snapshot, unfit) from cause
+
+    def _huge_int(self, snapshot: Snapshot[StateT, RunEndT]) -> _Path | None:
+        """The path to the first int in `snapshot` that JSON written by pydantic does not
+        read back (too many digits), if any."""
+        for key, value, declared in self._parts_of(snapshot):
+            for path, part in _walk(value, declared, (key,)):
+                if isinstance(part, int) and _unreadable_int(part):
+                    return path
+        return None
+
+    def _secret_unfit(self, snapshot: Snapshot[StateT, RunEndT], unfit: Unfit) -> Unfit:
+        """`unfit`, said plainly if the value it names is a secret (`SecretStr`, `SecretBytes`,
+        `Secret[...]`): pydantic writes a secret masked, so it reads back as the mask (or,
+        for a `Secret[int]`, not at all), which the refusal alone shows as a secret read back
+        as itself. Looked for only once a snapshot is refused."""
+        for key, value, declared in self._parts_of(snapshot):
+            for path, part in _walk(value, declared, (key,), toward=unfit.field):
+                where = _dotted(path)
+                if isinstance(part, _SECRETS):
+                    return Unfit(
+                        where,
+                        f"is a secret ({type(part).__name__}), which pydantic writes masked "
+                        "as '**********': it would read back as the mask, not its value. "
+                        "Keep secrets out of the run's state and nodes (pass them in deps, "
+                        "which are not stored), or declare a serializer that writes the value",
+                    )
+        return unfit
 
     def _read_back(
         self, snapshot: Snapshot[StateT, RunEndT], body: bytes
@@ -167,7 +200,18 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
             errors = exc.errors()
             path = self._path_of(errors[0].get("loc", ()))
             problem = f"does not satisfy the graph's types: {errors[0].get('msg')}"
+            huge = None
             if not path and errors[0]["type"] == "json_invalid":
+                huge = self._huge_int(snapshot)
+            if huge is not None:
+                # pydantic writes any int, but its JSON reader reads none of more digits
+                # than Python converts from text, and says so of the whole document.
+                path = huge
+                problem = (
+                    "is an integer too large to be read back: pydantic's JSON reader refuses "
+                    f"it ({errors[0].get('msg')}); store it as a str"
+                )
+            elif not path and errors[0]["type"] == "json_invalid":
                 # pydantic's JSON reader reads only so many levels of nesting, and says so
                 # of the whole document: name the value nested that deep.
                 path = _deepest(snapshot)
@@ -185,7 +229,15 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         if found is None:
             return None
         path, ours, read = found
-        return Unfit(_dotted(path), f"{ours!r} would read back as {read!r}"), None, 0
+        problem = f"{ours!r} would read back as {read!r}"
+        if path == ("node", "node_id"):
+            # A node's JSON carries its class's name under `node_id` (its tag in the graph's
+            # union of nodes), which a field of that name is written over by.
+            problem = (
+                f"is a node field named node_id, the key pydantic-graph writes the node's "
+                f"class under, so {problem}: rename the field"
+            )
+        return Unfit(_dotted(path), problem), None, 0
 
     def _check_node(self, snapshot: Snapshot[StateT, RunEndT]) -> None:
         """`Unfit` at `node` for a node of another graph: pydantic would only say which of
@@ -389,6 +441,32 @@ def _parts(value: Any, declared: Any) -> Iterator[tuple[str | int, Any, Any]]:
     elif issubclass(origin, Collection) and isinstance(value, (list, tuple, set, frozenset)):
         for i, item in enumerate(value):
             yield i, item, args[0] if args else Any
+
+
+def _unreadable_int(number: int) -> bool:
+    """Whether pydantic's JSON reader refuses `number` as pydantic writes it (one of
+    thousands of digits: tried only past a thousand bits)."""
+    if abs(number).bit_length() < 1000:
+        return False
+    try:
+        pydantic_core.from_json(pydantic_core.to_json(number))
+    except ValueError:
+        return True
+    return False
+
+
+def _walk(
+    value: Any, declared: Any, path: _Path, toward: str | None = None
+) -> Iterator[tuple[_Path, Any]]:
+    """`value` and its parts, each with its path, at most `_DEEPEST` steps down; with
+    `toward` (a dotted path), only the parts on the way to it."""
+    where = _dotted(path)
+    if toward is not None and toward != where and not toward.startswith(f"{where}."):
+        return
+    yield path, value
+    if len(path) <= _DEEPEST:
+        for key, child, child_type in _parts(value, declared):
+            yield from _walk(child, child_type, (*path, key), toward)
 
 
 def _deepest(value: Any, steps: int = _DEEPEST) -> _Path:

@@ -873,7 +873,42 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             # still this run's stored node, not a new start: it runs as that snapshot.
             resumer.alias = (snapshot_id, resumer.own_head)
             return
+        self._refuse_rebuilt(resumer, snapshot)
         self._start(resumer, snapshot, keep_claim=True)
+
+    def _refuse_rebuilt(self, resumer: _Resumer, snapshot: NodeSnapshot[StateT, RunEndT]) -> None:
+        """`ForkWithoutIntent` that says what happened, for a driver that hands `run.next()`
+        a new node of its next node's class (rebuilt with `dataclasses.replace` to edit a
+        frozen node): a new object has a new snapshot id, so it would be a new start in
+        place of the stored node, which would never run (P1). From a read; nothing is
+        taken or written. Other new starts are refused as such by `_start`."""
+        stored, node = resumer.own_node, snapshot.node
+        if (
+            self.fork_token is not None
+            or resumer.own_head is None
+            or not isinstance(stored, BaseNode)
+            or type(node) is not type(stored)
+        ):
+            return
+        head = self._read_head()  # (only for a node of the stored next node's class)
+        if (
+            head is None
+            or head.top.id != resumer.own_head
+            or head.top.status not in ("created", "pending")
+        ):
+            return
+        name = node.get_node_id()
+        raise ForkWithoutIntent(
+            f"run.next() got a new {name} node (snapshot id {snapshot.id!r}) in place of this "
+            f"run's next node, the {name} stored as snapshot {head.top.id!r}: a node built "
+            "anew (dataclasses.replace included) has a new snapshot id, so running it would "
+            f"start the run over from it and leave the stored {name} never run. To edit the "
+            "next node, change it in place, or give the new one the stored id first "
+            f"(node.set_snapshot_id({head.top.id!r})); to run another line, pass fork_token=. "
+            "Nothing was written",
+            run_id=self.run_id,
+            checkpoint_id=head.top.id,
+        )
 
     def _may_follow(self, ran: _Head, snapshot: NodeSnapshot[StateT, RunEndT]) -> bool:
         """Whether `snapshot`'s node is one the node of `ran` may return (a new start is not)."""
