@@ -22,6 +22,7 @@ from langgraph.checkpoint.base import Checkpoint
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from remit_core import codec
+from remit_core.core import checked_id
 from remit_core.errors import CorruptRecord, RemitError
 
 #: Marks a checkpoint body as LangGraph's (other shims share the store). Format 2
@@ -53,10 +54,26 @@ def thread_id(value: Any, what: str = "thread_id") -> str:
         raise RemitError(
             f"config has no configurable.{what} (or it is None): Remit stores runs by thread"
         )
-    thread = str(value)
+    thread = checked_id(what, str(value))  # (the error names the key, not the core's run_id)
     if thread in _RESERVED:
         raise ValueError(f"{what} {thread!r} is reserved for Remit's own records; use another id")
     return thread
+
+
+#: The config keys that name a stored record, besides `thread_id`.
+_ID_KEYS = ("checkpoint_ns", "checkpoint_id", "fork_token")
+
+
+def checked_conf(conf: dict[str, Any]) -> dict[str, Any]:
+    """`conf` (a config's `configurable`), once each id key it sets (`checkpoint_ns`,
+    `checkpoint_id`, `fork_token`) is text a store can hold: else a `TypeError` or
+    `ValueError` naming the key as a LangGraph user writes it (not a str, a NUL, a
+    lone surrogate), before anything is read or stored. Empty is LangGraph's "not set"."""
+    for key in _ID_KEYS:
+        value = conf.get(key)
+        if value is not None and (isinstance(value, str) or key != "checkpoint_ns"):
+            checked_id(key, value, empty=True)  # (a namespace not a str: `RemitError`, where read)
+    return conf
 
 
 def pack(typed: tuple[str, bytes]) -> bytes:

@@ -86,7 +86,7 @@ from remit_core.records import (
 )
 from remit_core.schema import StateSchema
 from remit_core.stores.base import display_url
-from remit_langgraph._records import THREAD_LIVES, thread_id
+from remit_langgraph._records import THREAD_LIVES, checked_conf, thread_id
 from remit_langgraph._schema import StateCheck, plain_record_types
 from remit_langgraph._serde import StrictSerializer
 from remit_langgraph._shared_effects import CALLS, Made, TaskCalls
@@ -482,7 +482,7 @@ class Runs:
         """Open a run for `call.loop`: claim, fork rule, resume values. Returns (run, tuple)."""
         self._release_dropped()
         loop = call.loop
-        conf = config.get("configurable") or {}
+        conf = checked_conf(dict(config.get("configurable") or {}))
         thread = thread_id(conf.get("thread_id"))
         token = conf.get("fork_token")
         checkpoint_id = conf.get("checkpoint_id")

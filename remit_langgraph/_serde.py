@@ -384,7 +384,12 @@ def _is_pickle(type_: str) -> bool:
 class GuardedSerializer(StrictSerializer):
     """A serializer the user passed (`serde=`, e.g. LangGraph's `EncryptedSerializer`),
     held to the same rules: the allowlist at write time, and pickle never, neither
-    stored nor loaded. The encoding itself is the user's serializer's."""
+    stored nor loaded. The encoding itself is the user's serializer's, but LangGraph's
+    `JsonPlusSerializer` inside it (itself, or the `serde` of a wrapper such as
+    `EncryptedSerializer`) reads fail-closed, as Remit's own serializer does: left to
+    itself it rebuilds any importable callable a stored value names (a value written
+    into the store by hand runs code), and `EncryptedSerializer` hands it a value that
+    is not encrypted as it stands, so the key does not stop that either."""
 
     #: The user's serializer rebuilds models its own way.
     validates_models = False
@@ -412,4 +417,77 @@ class GuardedSerializer(StrictSerializer):
             raise CorruptRecord(
                 f"stored value has serialization type {data[0]!r}; Remit never loads pickle"
             )
+        return _reading(self.inner, self).loads_typed(data)
+
+
+class _StrictReads(SerializerProtocol):
+    """LangGraph's `JsonPlusSerializer` as a `GuardedSerializer` reads through it: each
+    extension type a msgpack value names is vetted first, against the guard's allowlist
+    or as a data type (`_data_type`): else `CorruptRecord`, and nothing is built. Then
+    the value is the user's serializer's to rebuild, its own way (it does not validate
+    models)."""
+
+    def __init__(self, inner: SerializerProtocol, guard: GuardedSerializer) -> None:
+        self.inner = inner
+        self.guard = guard
+
+    def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+        return self.inner.dumps_typed(obj)
+
+    def loads_typed(self, data: tuple[str, bytes]) -> Any:
+        if data[0] == "msgpack":
+            try:
+                ormsgpack.unpackb(data[1], ext_hook=self._vet, option=_OPTIONS)
+            except Exception as exc:
+                refusal = getattr(_refusals, "last", None)
+                _refusals.last = None
+                if refusal is not None:  # (msgpack drops the hook's error as a cause)
+                    raise refusal from None
+                raise CorruptRecord(f"stored value does not decode: {exc}") from exc
         return self.inner.loads_typed(data)
+
+    def _vet(self, code: int, data: bytes) -> None:
+        """The allowlist's word on one extension type (and those nested in it)."""
+        try:
+            if code == jsonplus.EXT_DELTA_SNAPSHOT:
+                ormsgpack.unpackb(data, ext_hook=self._vet, option=_OPTIONS)
+            elif code == jsonplus.EXT_NUMPY_ARRAY:
+                self.guard._allowed("numpy", "ndarray")
+            else:
+                tup = ormsgpack.unpackb(data, ext_hook=self._vet, option=_OPTIONS)
+                module, name = tup[0], tup[1]
+                if code != jsonplus.EXT_METHOD_SINGLE_ARG:
+                    if not _data_type(module, name):
+                        self.guard._allowed(module, name)
+                elif (module, name, tup[3]) not in SAFE_MSGPACK_METHODS:
+                    raise CorruptRecord(f"stored value calls {module}.{name}.{tup[3]}, not allowed")
+        except CorruptRecord as exc:
+            _refusals.last = exc
+            raise
+
+
+def _data_type(module: str, name: str) -> bool:
+    """Whether `module.name` is a data type of a module already loaded (a Pydantic
+    model, a dataclass, an enum): rebuilding one runs only its own validation. What
+    the user's serializer may rebuild beyond the allowlist: never a function or any
+    other class (a stored value naming `os.system` would run a command), and never by
+    importing a module a stored value names."""
+    loaded = sys.modules.get(module)
+    target = None if loaded is None else getattr(loaded, name, None)
+    return isinstance(target, type) and (
+        issubclass(target, (BaseModel, enum.Enum)) or dataclasses.is_dataclass(target)
+    )
+
+
+def _reading(inner: SerializerProtocol, guard: GuardedSerializer) -> SerializerProtocol:
+    """`inner` with each `JsonPlusSerializer` in it (itself, or a wrapper's `serde`, at
+    any depth) reading fail-closed (`_StrictReads`); a serializer of another kind reads
+    its own way (its pickle is refused all the same)."""
+    if isinstance(inner, jsonplus.JsonPlusSerializer):
+        return _StrictReads(inner, guard)
+    wrapped = getattr(inner, "serde", None)
+    if wrapped is None or not callable(getattr(wrapped, "loads_typed", None)):
+        return inner
+    clone = copy.copy(inner)
+    clone.serde = _reading(wrapped, guard)  # type: ignore[attr-defined]
+    return clone

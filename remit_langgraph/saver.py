@@ -51,14 +51,15 @@ from remit_core.errors import (
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
-from remit_langgraph._runs import Run, Runs, above_saver, calls_at_pause, current_run
+from remit_langgraph._runs import LoopCall, Run, Runs, above_saver, calls_at_pause, current_run
 from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import GuardedSerializer, StrictSerializer
 from remit_langgraph._shared_effects import CALLS
 
 
 def _conf(config: RunnableConfig | None) -> dict[str, Any]:
-    return dict((config or {}).get("configurable") or {})
+    """The config's `configurable` keys, its ids checked (`rec.checked_conf`)."""
+    return rec.checked_conf(dict((config or {}).get("configurable") or {}))
 
 
 def _ns(config: RunnableConfig | None) -> str:
@@ -932,12 +933,16 @@ class RemitSaver(BaseCheckpointSaver[str]):
             found = await asyncio.to_thread(self._read_for, config, _snapshot_parent(caller))
             _note_read(caller, config, found)
             return found
-        starting = asyncio.ensure_future(asyncio.to_thread(self._runs.start, call, config))
+        start = _Start(self._runs)
         try:
-            run, found = await asyncio.shield(starting)
+            run, found = await asyncio.to_thread(start, call, config)
         except asyncio.CancelledError:
-            # The thread takes the claim all the same: give it back once it has.
-            starting.add_done_callback(_release_started)
+            # The thread takes the claim all the same: it gives it back, or, if it has
+            # already finished, this does (off the event loop).
+            taken = start.abandon()
+            if taken is not None:
+                with contextlib.suppress(Exception):  # (if it fails, the lease runs out: L1)
+                    await asyncio.to_thread(taken.claim.release)
             raise
         if run is not None:
             self._runs.attach(call.loop, run)
@@ -1129,13 +1134,39 @@ def _snapshot_parent(caller: FrameType | None) -> CheckpointTuple | None:
     return saved if isinstance(saved, CheckpointTuple) else None
 
 
-def _release_started(started: asyncio.Future[tuple[Run | None, Any]]) -> None:
-    """Give back the claim of a run whose start was cancelled (off the event loop)."""
-    if started.cancelled() or started.exception() is not None:
-        return
-    run = started.result()[0]
-    if run is not None:
-        asyncio.get_running_loop().run_in_executor(None, run.claim.release)
+class _Start:
+    """A run start (`Runs.start`) in a worker thread, for an `aget_tuple` that may be
+    cancelled while it runs: the thread takes the claim all the same, and whichever
+    side learns last that nobody will run it gives it back. Neither side relies on an
+    asyncio task or callback, which a closing event loop cancels or never runs (an
+    `asyncio.run` whose main task timed out): the claim would stay held to its lease."""
+
+    def __init__(self, runs: Runs) -> None:
+        self._runs = runs
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._taken: Run | None = None
+
+    def __call__(
+        self, call: LoopCall, config: RunnableConfig
+    ) -> tuple[Run | None, CheckpointTuple | None]:
+        run, found = self._runs.start(call, config)
+        with self._lock:
+            if not self._abandoned:
+                self._taken = run
+                return run, found
+        if run is not None:  # (its caller was cancelled while it ran)
+            with contextlib.suppress(Exception):  # (if it fails, the lease runs out: L1)
+                run.claim.release()
+        return run, found
+
+    def abandon(self) -> Run | None:
+        """Mark the start as unwanted; returns its run if the thread had already
+        finished it (the caller must then give its claim back), else None."""
+        with self._lock:
+            self._abandoned = True
+            taken, self._taken = self._taken, None
+        return taken
 
 
 def _writing(run: Run | None) -> contextlib.AbstractContextManager[None]:
