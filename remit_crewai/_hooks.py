@@ -6,7 +6,8 @@ hooks do. Installed once per process by the first `RemitFlowPersistence`,
 they act only on flows whose persistence is one:
 
 - EXECUTION_START: a kickoff with `inputs["id"]` claims that flow and hands
-  it its completion ledger, which `_replay` replays as CrewAI restarts it. A
+  it its completion ledger, which `_replay` replays as CrewAI restarts it; so
+  does a kickoff without an id of an instance whose flow has checkpoints. A
   kickoff without an id inside another workflow's Remit step gets an id made
   from that step's scope, so that the step run again continues that flow.
 - PRE_STEP: the step runs under the flow's claim; the first step of a
@@ -187,8 +188,13 @@ def _on_start(ctx: Any) -> Any:
         inputs is None or (isinstance(inputs, dict) and "id" not in inputs)
     )
     nested = _nested_id(ctx.flow) if unnamed else None
+    if nested is None and unnamed and backend._has_run(ctx.flow.flow_id):
+        # An instance kicked off again keeps its flow id (CrewAI's own rule): that flow
+        # continues, as by `inputs["id"]`; CrewAI would run its completed steps again.
+        nested = ctx.flow.flow_id
     if nested is not None:
-        # Kicked off again by a step that runs again, the flow continues, not starts anew.
+        # Kicked off again (by a step that runs again, or on its instance), the flow
+        # continues, not starts anew.
         inputs = replaced = {**(inputs or {}), "id": nested}
     elif unnamed and isinstance(inputs, dict) and isinstance(ctx.flow.state, BaseModel):
         try:  # (a restart's inputs are checked against the state it restores)

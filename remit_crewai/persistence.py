@@ -904,6 +904,12 @@ class RemitFlowPersistence(FlowPersistence):
         return record
 
     # -- called by the interception hooks ------------------------------------------
+    def _has_run(self, flow_id: str) -> bool:
+        """Whether `flow_id` has a checkpoint: a kickoff of it continues it."""
+        run_id, branch = locate(flow_id)
+        current = self.remit.branch(run_id, branch=branch)
+        return current is not None and current.head_id is not None
+
     def _begin_restart(self, ex: Execution, flow: Flow[Any], flow_id: str) -> None:
         """`kickoff(inputs={"id": flow_id})`: claim it and hand its ledger to `flow`."""
         ex.restart = flow_id
@@ -924,15 +930,22 @@ class RemitFlowPersistence(FlowPersistence):
         head is not `flow`'s and not listed in `accepts` (a class renamed since): another
         class would skip its own methods that share a name with the writer's, or answer
         the writer's pause with its own. Raised before anything runs or is written."""
-        saved, mine = session.flow_class, _class_name(type(flow))
+        self._check_class_of(flow, session.flow_class, session.flow_id, session.head)
+
+    def _check_class_of(
+        self, flow: Flow[Any], saved: str | None, flow_id: str, head: str | None
+    ) -> None:
+        """`VersionMismatch` if flow class `saved` wrote `flow_id` (its head checkpoint
+        `head`) and `flow`'s class may not continue it (`_check_flow_class`)."""
+        mine = _class_name(type(flow))
         if saved is None or saved in self.accepts or _same_class(saved, type(flow)):
             return
         raise VersionMismatch(
-            f"flow {session.flow_id!r} was written by flow class {saved}, not {mine}: "
+            f"flow {flow_id!r} was written by flow class {saved}, not {mine}: "
             "nothing was run or written; continue it with the class that wrote it, or, if "
             f"{mine} is that class renamed, list {saved!r} in its persistence's accepts=",
-            run_id=session.run_id,
-            checkpoint_id=session.head,
+            run_id=locate(flow_id)[0],
+            checkpoint_id=head,
         )
 
     def _check_model_restart(
@@ -993,9 +1006,14 @@ class RemitFlowPersistence(FlowPersistence):
                 run_id=run_id,
                 checkpoint_id=None if current is None else current.head_id,
             )
-        forked = self.fork(source_id, fork_token=ex.fork_token)
         flow = ex.flow()
         assert flow is not None, "the kickoff that forks holds its flow"
+        # Refused before the fork is made: a refused fork makes no branch, spends no token.
+        head = self.remit.head(run_id, branch=branch)
+        if head is not None:
+            saved = _text(head.metadata.get("flow"))
+            self._check_class_of(flow, saved, source_id, head.checkpoint_id)
+        forked = self.fork(source_id, fork_token=ex.fork_token)
         self._begin_restart(ex, flow, forked)
         if ex.refusal is not None:
             raise ex.refusal
