@@ -15,6 +15,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from crewai_parts import Later
 from test_crewai_flows import (
     applied,
     entered,
@@ -37,17 +38,12 @@ def _name(cls: type[Any]) -> str:
 def other_flow(url: str, world: Path, *, accepts: list[str] | None = None) -> type[Any]:
     """Another flow class with a model state of the same shape as `order_flow`'s and
     methods of the same names (`prepare`, `ship`); built in a child."""
-    from crewai.flow.async_feedback.types import HumanFeedbackPending
     from crewai.flow.flow import Flow, listen, start
     from crewai.flow.human_feedback import human_feedback
     from crewai.flow.persistence import persist
     from pydantic import BaseModel
 
     journal = Journal(WorldDB(world))
-
-    class Later:
-        def request_feedback(self, context: Any, flow: Any) -> str:
-            raise HumanFeedbackPending(context=context)
 
     class Refund(BaseModel):
         amount: int = 0

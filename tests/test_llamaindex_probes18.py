@@ -22,6 +22,7 @@ import uuid
 from typing import Any
 
 import pytest
+from llamaindex_parts import until_parked
 from pydantic import BaseModel, ConfigDict
 from workflows import Context, Workflow, step
 from workflows.errors import WorkflowCancelledByUser
@@ -36,18 +37,6 @@ GUARD = 20.0
 
 def new_run() -> str:
     return f"probe18-{uuid.uuid4().hex[:12]}"
-
-
-async def until_parked(rt: RemitRuntime, run: str) -> None:
-    """Until the stored head of `run` waits for an answer."""
-    for _ in range(400):
-        try:
-            if await asyncio.to_thread(rt.status, run) == "waiting":
-                return
-        except UnknownRecord:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"run {run} never parked")
 
 
 # -- rt.result of a run that ended without a result ------------------------------------

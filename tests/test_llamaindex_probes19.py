@@ -35,12 +35,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from llamaindex_parts import until_parked
 from pydantic import BaseModel
 from workflows import Context, Workflow, step
 from workflows.events import HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
 
 from remit_core import codec
-from remit_core.errors import CorruptRecord, ResumeConflict, UnknownRecord, VersionMismatch
+from remit_core.errors import CorruptRecord, ResumeConflict, VersionMismatch
 from remit_llamaindex import RemitRuntime
 
 GUARD = 20.0
@@ -48,18 +49,6 @@ GUARD = 20.0
 
 def new_run() -> str:
     return f"probe19-{uuid.uuid4().hex[:12]}"
-
-
-async def until_parked(rt: RemitRuntime, run: str) -> None:
-    """Until the stored head of `run` waits for an answer."""
-    for _ in range(400):
-        try:
-            if await asyncio.to_thread(rt.status, run) == "waiting":
-                return
-        except UnknownRecord:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"run {run} never parked")
 
 
 class Count(BaseModel):
