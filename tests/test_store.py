@@ -1010,8 +1010,10 @@ def test_claim_lease_takeover_renew_release(store: Store, run_id: str) -> None:
     assert store.get_claim(run_id, "main") is None
     a = store.acquire_claim(run_id, "main", "A", now=100.0, lease=10.0)
     assert (a.holder, a.fence, a.expires_at) == ("A", 1, 110.0)
-    with pytest.raises(ResumeConflict):
+    with pytest.raises(ResumeConflict) as refused:
         store.acquire_claim(run_id, "main", "B", now=105.0, lease=10.0)
+    # The refusal does not promise the lease will run out: a live holder renews it.
+    assert "run in progress" in str(refused.value) and "when that run ends" in str(refused.value)
     # Re-entrant: the live holder keeps its fence and extends its lease.
     a2 = store.acquire_claim(run_id, "main", "A", now=106.0, lease=10.0)
     assert (a2.fence, a2.expires_at) == (1, 116.0)

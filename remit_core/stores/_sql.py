@@ -276,7 +276,8 @@ def _claim_of(run_id: str, scope: str, row: Sequence[Any] | None) -> Claim:
     """The claim `_ACQUIRE_CLAIM` returned (holder, fence, expires_at), or `ResumeConflict`."""
     if row is None or row[0] is None:
         raise ResumeConflict(
-            "another resumer holds this run; retry after its lease expires",
+            "another holder has this run's claim (a run in progress, or one whose process "
+            "died before its lease ran out); retry when that run ends or the lease runs out",
             run_id=run_id,
             scope=scope,
         )

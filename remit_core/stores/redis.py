@@ -763,7 +763,8 @@ class RedisStore(Store):
         reply = self._run("ACQUIRE_CLAIM", [run_prefix(run_id) + "cl"], args)
         if reply[0] == b"conflict":
             raise ResumeConflict(
-                "another resumer holds this run; retry after its lease expires",
+                "another holder has this run's claim (a run in progress, or one whose process "
+                "died before its lease ran out); retry when that run ends or the lease runs out",
                 run_id=run_id,
                 scope=scope,
             )
