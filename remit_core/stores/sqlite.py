@@ -456,7 +456,10 @@ class SQLiteStore(SqlStore):
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.path = sqlite_path(url)
+        # Resolved now: the file is opened lazily (and again in a forked child), after
+        # the process may have changed its working directory.
+        path = sqlite_path(url)
+        self.path = path if path == ":memory:" else os.path.abspath(path)
         opts = url_options(url)
         self._synchronous = opts.pop("synchronous", "NORMAL").upper()
         if self._synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
