@@ -83,6 +83,22 @@ def store_identity(url: str) -> str:
         return url
 
 
+def pinned_url(url: str) -> str:
+    """`url` with a relative SQLite path made absolute against the working directory now.
+
+    The store opens its file lazily (and again in a forked child), and sessions are
+    kept by the file's real path: resolved later, a relative path would name another
+    file once the process (or a step of a flow) changed its working directory, and the
+    flow's own saves would find neither its session nor its store."""
+    if urlsplit(url).scheme.lower() != "sqlite":
+        return url
+    path = sqlite_path(url)
+    if path == ":memory:" or os.path.isabs(path):
+        return url
+    query = urlsplit(url).query
+    return f"sqlite:///{os.path.abspath(path)}" + (f"?{query}" if query else "")
+
+
 #: The fork token `kickoff(restore_from_state_id=...)` forks under (see `fork_token`).
 current_fork_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "remit_crewai_fork_token", default=None
@@ -162,6 +178,8 @@ class Session:
     #: The interrupt a `from_pending` resume consumes once its value is known.
     pending: InterruptRecord | None = None
     state_type: type[BaseModel] | None = None
+    #: The model the head's state was saved as (`module.Qualname`), None for a dict state.
+    model: str | None = None
     #: The flow class that wrote the head (`module.Qualname`), recorded with each commit.
     flow_class: str | None = None
     routes: dict[tuple[str, int | None], str | None] = field(default_factory=dict)

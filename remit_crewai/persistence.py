@@ -34,7 +34,7 @@ from crewai.flow.human_feedback import HumanFeedbackResult
 from crewai.flow.persistence.base import FlowPersistence
 from crewai.flow.runtime import FlowState, _condition_satisfied
 from crewai.flow.types import FlowMethodName, PendingListenerKey
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
 from remit_core import codec, policy
 from remit_core.core import DEFAULT_LEASE, MIN_LEASE, ClaimHandle, Remit, checked_id
@@ -71,6 +71,7 @@ from remit_crewai._session import (
     occurrence_of,
     paused,
     pausing,
+    pinned_url,
     resumer_of,
     sessions,
     store_identity,
@@ -174,6 +175,10 @@ class RemitFlowPersistence(FlowPersistence):
     accepts: list[str] = Field(default_factory=list)
     state_schema: dict[str, Any] | None = None
     feedback_schema: dict[str, Any] | None = None
+    #: `url` with a relative SQLite path made absolute where the persistence is made
+    #: (`pinned_url`), and the database it reaches (`store_identity`).
+    _store_url: str = PrivateAttr(default="")
+    _identity: str = PrivateAttr(default="")
 
     def __init__(self, url: str | None = None, /, **data: Any) -> None:
         if url is not None:
@@ -197,24 +202,26 @@ class RemitFlowPersistence(FlowPersistence):
     def model_post_init(self, context: Any, /) -> None:
         from remit_crewai._hooks import install
 
+        self._store_url = pinned_url(self.url)
+        self._identity = store_identity(self._store_url)
         install()
 
     # -- connection ----------------------------------------------------------
     @property
     def remit(self) -> Remit:
         """This process's `Remit` on `url` (connects on first use, again in a forked child)."""
-        key = (self.url, self.lease, os.getpid())
+        key = (self._store_url, self.lease, os.getpid())
         with _cores_lock:
             core = _cores.get(key)
             if core is None:
-                core = _cores[key] = Remit(open_store(self.url), lease=self.lease)
+                core = _cores[key] = Remit(open_store(self._store_url), lease=self.lease)
         return core
 
     @property
     def _where(self) -> str:
         """The database `url` reaches, however it is spelt (`store_identity`): this
         process's sessions are kept by it."""
-        return store_identity(self.url)
+        return self._identity
 
     def init_db(self) -> None:
         """Create or migrate the store's schema (idempotent). CrewAI never calls this itself."""
@@ -524,7 +531,11 @@ class RemitFlowPersistence(FlowPersistence):
         return made.base_id
 
     def checkpoints(self, flow_id: str) -> list[SavedCheckpoint]:
-        """The flow's checkpoints, newest first, along its line back to the start."""
+        """The flow's checkpoints, newest first, along its line back to the start.
+
+        Each is checked as `load_state` checks the head: one written by a workflow
+        version this persistence does not accept raises `VersionMismatch` naming it (P4).
+        """
         run_id, branch = locate(flow_id)
         current = self.remit.branch(run_id, branch=branch)
         by_id = {r.checkpoint_id: r for r in self.remit.history(run_id)}
@@ -532,6 +543,7 @@ class RemitFlowPersistence(FlowPersistence):
         cursor = None if current is None else current.head_id
         while cursor is not None and cursor in by_id:
             record = by_id[cursor]
+            policy.check_workflow_version(record, self._accepted())
             body = decode(record.state, run_id=run_id, checkpoint_id=cursor)
             out.append(
                 SavedCheckpoint(cursor, body.method, body.kind, body.ledger.completed, body.state)
@@ -640,6 +652,7 @@ class RemitFlowPersistence(FlowPersistence):
                 k: record.metadata[k] for k in _SCHEMAS if isinstance(record.metadata.get(k), dict)
             },
             flow_class=None if record is None else _text(record.metadata.get("flow")),
+            model=None if record is None else _text(record.metadata.get("model")),
         )
 
     @contextlib.contextmanager
@@ -770,9 +783,11 @@ class RemitFlowPersistence(FlowPersistence):
     def _checked_state(
         self, session: Session, state_data: Any, ids: dict[str, Any]
     ) -> dict[str, Any]:
-        model = type(state_data) if isinstance(state_data, BaseModel) else session.state_type
         if isinstance(state_data, BaseModel):
-            session.state_type = model  # recorded with the commit (see `edit_state`)
+            session.state_type = type(state_data)  # recorded with the commit (see `edit_state`)
+        elif session.state_type is None and isinstance(state_data, dict):
+            session.state_type = self._model_for_dict(session, ids)
+        model = session.state_type
         if model is not None and isinstance(state_data, (BaseModel, dict)):
             if isinstance(state_data, dict):
                 state_data = _as_model(model, state_data)
@@ -790,6 +805,28 @@ class RemitFlowPersistence(FlowPersistence):
         if schema is not None:
             StateSchema(schema).validate(plain, **ids)
         return plain
+
+    @staticmethod
+    def _model_for_dict(session: Session, ids: Mapping[str, Any]) -> type[BaseModel] | None:
+        """The model a dict saved for a flow is checked against: its flow's state model
+        (CrewAI hands a model state over as a dict for a pause or an `ask()`), None for a
+        dict state. `CheckpointInvalid` for a dict saved outside the flow's run (a direct
+        `save_state`) when the head was saved as a model: Remit records the model's name
+        and never imports it, so it could not check the dict, and a state its model
+        refuses would fail every restart of the flow (P4)."""
+        flow = _flow_of(session)
+        if flow is not None:
+            return type(flow.state) if isinstance(flow.state, BaseModel) else None
+        if session.model is None:
+            return None
+        raise CheckpointInvalid(
+            f"flow {session.flow_id!r} keeps a {session.model} state, and a dict saved "
+            "outside its run cannot be checked against that model (Remit records its name, "
+            "never imports it): save an instance of the model, or use "
+            "edit_state(..., state_type=<the model>); nothing was written",
+            field="<root>",
+            **ids,
+        )
 
     @staticmethod
     def _dump_model(state: BaseModel, ids: Mapping[str, Any]) -> dict[str, Any]:
