@@ -8,18 +8,19 @@ Everything here is pure: no store, no event loop.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from workflows._event_matching import event_matches, step_accepts_event
 from workflows.context.context_types import SerializedContext
 from workflows.context.serializers import BaseSerializer, JsonSerializer, PickleSerializer
 from workflows.context.state_store import decode_seed_state
-from workflows.errors import WorkflowCancelledByUser
+from workflows.errors import ContextSerdeError, WorkflowCancelledByUser
 from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StopEvent
 from workflows.runtime.types.commands import CommandCompleteRun, CommandFailWorkflow, CommandHalt
 from workflows.runtime.types.internal_state import BrokerState
@@ -384,6 +385,53 @@ def check_metadata(record: CheckpointRecord) -> None:
         )
 
 
+def _why_undecodable(exc: BaseException) -> BaseException:
+    """The first error in `exc`'s chain that says the reading code changed (a class it
+    cannot resolve, a value its class refuses), else `exc`: the framework wraps those
+    in a `ValueError` or its `ContextSerdeError`."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (ImportError, AttributeError, ValidationError)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
+@contextlib.contextmanager
+def decoding(what: str, **ids: Any) -> Iterator[None]:
+    """Raise the framework's failure to decode `what` (part of a stored checkpoint) as
+    Remit's, naming the run and checkpoint (P4). A class the record names that this
+    process cannot resolve, or a stored value its class no longer accepts, means the
+    record was written by another version of the workflow's code (an event or state
+    class renamed, moved, removed or given a new required field since):
+    `VersionMismatch`. Anything else that does not decode: `CorruptRecord`."""
+    try:
+        yield
+    except RemitError:
+        raise
+    except (ImportError, AttributeError, ContextSerdeError, ValueError, TypeError, KeyError) as exc:
+        why = _why_undecodable(exc)
+        if isinstance(why, ValidationError):
+            first = why.errors()[0]
+            field = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
+            raise VersionMismatch(
+                f"{what} holds a {why.title} its class no longer accepts (at {field}: "
+                f"{first.get('msg')}): it was written by another version of the workflow's "
+                "code; continue it with the code that wrote it, or give the field a default",
+                field=f"{why.title}.{field}",
+                **ids,
+            ) from exc
+        if isinstance(why, (ImportError, AttributeError)):
+            raise VersionMismatch(
+                f"{what} names a class this process cannot resolve ({why}): it was written "
+                "by another version of the workflow's code (a class renamed, moved or "
+                "removed since); continue it with the code that wrote it, or keep the class "
+                "importable under its old name",
+                **ids,
+            ) from exc
+        raise CorruptRecord(f"{what} does not decode ({exc})", **ids) from exc
+
+
 def broker_state(
     ctx: dict[str, Any], workflow: Workflow, serializer: BaseSerializer, **ids: Any
 ) -> BrokerState:
@@ -393,8 +441,9 @@ def broker_state(
     has no step for (another workflow, or another shape of it): its waiters and
     queued events would be lost, so such a context is refused (`VersionMismatch`,
     naming the steps). A stored step without work left is only history."""
-    parsed = SerializedContext.from_dict_auto(ctx, serializer)
-    state = BrokerState.from_serialized(parsed, workflow, serializer)
+    with decoding("the checkpoint's context", **ids):
+        parsed = SerializedContext.from_dict_auto(ctx, serializer)
+        state = BrokerState.from_serialized(parsed, workflow, serializer)
     known = {str(step_id) for step_id in state.workers}
     missing = sorted(
         name

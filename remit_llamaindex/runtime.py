@@ -26,11 +26,12 @@ and continues from its checkpoints if not, so its effects apply once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +174,15 @@ class RemitRuntime(BaseRuntimeDecorator):
         return self._remit
 
     # -- the framework's runtime interface -------------------------------------------
+    @contextlib.contextmanager
+    def registering(self) -> Iterator[Runtime]:
+        """Workflows made inside the block run on this runtime (`with rt.registering():`,
+        the framework's other plug point). The framework's decorator base hands the block
+        to the runtime it decorates, whose runs Remit would never see: not one would be
+        stored, without a word."""
+        with Runtime.registering(self) as runtime:
+            yield runtime
+
     def register(self, workflow: Workflow) -> RegisteredWorkflow:
         registered = self._decorated.register(workflow)
         return RegisteredWorkflow(
@@ -484,7 +494,10 @@ class RemitRuntime(BaseRuntimeDecorator):
             if interrupt.status != "consumed":
                 continue
             assert interrupt.value is not None
-            value = serializer.deserialize(interrupt.value.decode())
+            with snap.decoding(
+                f"the value accepted for interrupt {interrupt.interrupt_id!r}", **ids
+            ):
+                value = serializer.deserialize(interrupt.value.decode())
             if interrupt.interrupt_id in pending:
                 session.inject(value)
             elif interrupt.interrupt_id in session.asks:
@@ -644,10 +657,8 @@ class RemitRuntime(BaseRuntimeDecorator):
             _check_no_dropped_field(infer_state_type(workflow), fields, **ids)
             validated: BaseModel = schema.validate(fields, **ids)
             return validated
-        try:
+        with snap.decoding("the checkpoint's state", **ids):
             state = decode_seed_state(payload, serializer)
-        except (ValueError, TypeError) as exc:
-            raise CorruptRecord(f"checkpoint state does not decode ({exc})", **ids) from exc
         return schema.validate(state, **ids) if schema is not None else state
 
     def context(
@@ -686,9 +697,11 @@ class RemitRuntime(BaseRuntimeDecorator):
             "checkpoint_id": record.checkpoint_id,
             "fork_token": fork_token,
         }
-        return Context.from_dict(
-            workflow, {**ctx, "state": handle}, serializer=self.get_serializer(workflow)
-        )
+        ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
+        with snap.decoding("the checkpoint's context", **ids):
+            return Context.from_dict(
+                workflow, {**ctx, "state": handle}, serializer=self.get_serializer(workflow)
+            )
 
     def checkpoints(self, run_id: str) -> list[RunCheckpoint]:
         """Every checkpoint of a run on every branch, newest first (`UnknownRecord` for a
