@@ -99,6 +99,46 @@ def _kind(cls: Any) -> _Kind:
     return _Kind.OTHER
 
 
+@functools.lru_cache(maxsize=1024)
+def _unreadable(cls: type) -> str | None:
+    """Why a value of class `cls` (allowlisted, not plain data) could not be read back
+    as it was stored, if so; else None. LangGraph's encoding names the class by its
+    module and `__name__`, which a read looks up, and passes the dump's fields to it:
+    a class those do not lead to (defined in a function or another class) would read
+    back as another class of that name, or not at all; a dataclass field with
+    `init=False`, a required model field excluded from its dump, or an enum member
+    whose value is a tuple, fails the rebuild."""
+    module = sys.modules.get(cls.__module__)
+    if module is None or getattr(module, cls.__name__, None) is not cls:
+        return (
+            f"it is not what {cls.__module__}.{cls.__name__} names (a class defined in a "
+            "function or in another class), and a stored value is rebuilt by that name: "
+            "define it at module level"
+        )
+    if dataclasses.is_dataclass(cls):
+        hidden = [f.name for f in dataclasses.fields(cls) if not f.init]
+        if hidden:
+            return (
+                f"its fields {hidden} have init=False, and a stored dataclass is rebuilt "
+                "by passing every field to its __init__"
+            )
+    if issubclass(cls, enum.Enum):
+        paired = [m.name for m in cls if isinstance(m.value, tuple)]
+        if paired:
+            return (
+                f"its members {paired} have tuple values, which read back as lists, and a "
+                "stored member is looked up by its value"
+            )
+    if issubclass(cls, BaseModel):
+        hidden = [n for n, f in cls.model_fields.items() if f.exclude and f.is_required()]
+        if hidden:
+            return (
+                f"its required fields {hidden} are excluded from its dump "
+                "(Field(exclude=True)), which a stored model is rebuilt from"
+            )
+    return None
+
+
 def _key(item: tuple[str, ...] | type) -> tuple[str, ...]:
     if isinstance(item, type):
         return (item.__module__, item.__name__)
@@ -169,6 +209,14 @@ class StrictSerializer(SerializerProtocol):
         if bad is not None:
             steps, cls = bad
             where = path + "".join(reversed(steps))
+            why = _unreadable(cls)
+            if why is not None:
+                raise CheckpointInvalid(
+                    f"value of type {cls.__module__}.{cls.__qualname__} at {where} could "
+                    f"not be read back as stored: {why}",
+                    field=where,
+                    **ids,
+                )
             raise CheckpointInvalid(
                 f"value of type {cls.__module__}.{cls.__qualname__} at {where} is not in the "
                 "serializer allowlist; declare it in the graph's state schema or pass "
@@ -207,7 +255,7 @@ class StrictSerializer(SerializerProtocol):
             kind = _kind(cls)
             if kind is _Kind.PLAIN:
                 return None  # subclasses of plain types; errors are stored as their repr
-            if not self._allows((cls.__module__, cls.__name__)):
+            if not self._allows((cls.__module__, cls.__name__)) or _unreadable(cls):
                 return [], cls
             if kind is _Kind.MODEL:
                 fields = vars(obj)
