@@ -10,7 +10,8 @@ refused, never stored as another value. A refusal names the bad value by its
 full path from the snapshot (`state.inner.amount`, `state.items.1`,
 `node.value`, `result.data`), in the same form whichever check found it, and says
 why where pydantic's own words would not (a secret, which pydantic writes masked; an
-int too large for its JSON reader; a node field named `node_id`). It is
+int too large for its JSON reader; a node field named `node_id`; a value that holds
+itself, named where the cycle closes). It is
 written in pydantic's round-trip form: a `Json[...]` field as the JSON text it
 reads, and no computed field (one that a model forbidding or keeping extra keys
 would not read back as itself); reading recomputes them. No I/O here.
@@ -350,15 +351,25 @@ def _dump_problem(value: Any, declared: Any) -> str | None:
     return None
 
 
-def _unfit(value: Any, declared: Any, path: _Path) -> tuple[_Path, str] | None:
-    """The deepest part of `value` that does not serialize as `declared`, and why."""
+def _unfit(
+    value: Any, declared: Any, path: _Path, above: tuple[tuple[Any, _Path], ...] = ()
+) -> tuple[_Path, str] | None:
+    """The deepest part of `value` that does not serialize as `declared`, and why; a part
+    that is one of the values it is inside (`above`, with their paths) closes a cycle."""
     problem = _dump_problem(value, declared)
     if problem is None:
         return None
-    if len(path) > _DEEPEST:  # a cycle, most likely: its path so far is answer enough
+    if len(path) > _DEEPEST:
         return path, problem
+    above = (*above, (value, path))
     for key, child, child_type in _parts(value, declared):
-        found = _unfit(child, child_type, (*path, key))
+        holder = next((where for outer, where in above if outer is child), None)
+        if holder is not None:
+            return (*path, key), (
+                f"is {_dotted(holder)} itself, which holds it: a circular reference, which "
+                "JSON cannot hold"
+            )
+        found = _unfit(child, child_type, (*path, key), above)
         if found is not None:
             return found
     return path, problem

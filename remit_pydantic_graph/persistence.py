@@ -769,19 +769,23 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         body = self._encode(snapshot)
         try:
             # Refuse from a read first: a refused writer never holds the claim.
-            self._start_base(resumer, self._token_line())
-            self._acquire(resumer, heartbeat=False)
-            branch = self.branch
-            line = self._token_line()  # another process may have used the token meanwhile
-            if self.branch != branch:
-                self._switch(resumer, self.branch, heartbeat=False)
+            line = self._token_line()
             head = self._start_base(resumer, line)
+            if head is None or line is not None:
+                self._acquire(resumer, heartbeat=False)
+                branch = self.branch
+                line = self._token_line()  # another process may have used the token meanwhile
+                if self.branch != branch:
+                    self._switch(resumer, self.branch, heartbeat=False)
+                head = self._start_base(resumer, line)
+                if head is None and line is None and self.fork_token is not None:
+                    self._name_line()
             if head is not None and line is None:
+                # A fork from the head, claimed on its own branch only, never on the line
+                # it leaves, which that line's driver may be running meanwhile (L3).
                 head = self._fork(
                     resumer, head.top.id, heartbeat=False, why=self._start_reason(head)
                 )
-            elif head is None and line is None and self.fork_token is not None:
-                self._name_line()
             self._commit(resumer, snapshot, body, head, release=not keep_claim)
         except BaseException:
             self._drop(resumer)
@@ -1042,22 +1046,26 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if alias is not None and alias[0] == snapshot_id:
             snapshot_id = alias[1]
         try:
-            why = self._run_reason(resumer, snapshot_id, self._read_head())
-            if why is not None and self.fork_token is None:
-                raise self._refuse_fork(snapshot_id, why)
-            if why is not None:
-                self._check_fork_unmoved(snapshot_id)
-            # This resumer's own next node: it holds no claim between its nodes, and a
-            # racer may hold it a moment only to find the run moved on (a late forker,
-            # a resumer seeing the pause answered). One that took the run over moves
-            # it on, and this one then gets `ResumeConflict` (`_run_reason`).
-            own_next = snapshot_id == resumer.own_head
-            self._acquire_within(resumer, _OWN_NEXT_PATIENCE if own_next else 0.0, heartbeat=True)
-            resumer.loaded = None
             head = self._read_head()
             why = self._run_reason(resumer, snapshot_id, head)
-            if head is None or why is not None:
+            if why is not None and self.fork_token is None:
+                raise self._refuse_fork(snapshot_id, why)
+            if why is None:
+                # This resumer's own next node: it holds no claim between its nodes, and a
+                # racer may hold it a moment only to find the run moved on (a late forker,
+                # a resumer seeing the pause answered). One that took the run over moves
+                # it on, and this one then gets `ResumeConflict` (`_run_reason`).
+                own_next = snapshot_id == resumer.own_head
+                patience = _OWN_NEXT_PATIENCE if own_next else 0.0
+                self._acquire_within(resumer, patience, heartbeat=True)
+                head = self._read_head()
+                why = self._run_reason(resumer, snapshot_id, head)
+            if why is not None or head is None:
+                # A fork: made from a read and claimed on its own branch, never on the line
+                # it leaves, so that whoever runs that line meanwhile does not block it (L3).
+                self._check_fork_unmoved(snapshot_id)
                 head = self._fork(resumer, snapshot_id, heartbeat=True, why=why or "")
+            resumer.loaded = None
             if not head.top.is_node:
                 raise EndNotRunnable(head.top.id)
             GraphNodeStatusError.check(head.top.status)
@@ -1188,7 +1196,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         there (also after `update_state` edits), so a retried answer is not taken
         by a later pause at the same node. Without it, the answer is for the pause
         the run is at when it arrives. The same node object is one answer: sent
-        again, it is refused.
+        again, it is refused. A node the run stored itself (the paused node, filled
+        in) is no answer: `ValueError`, and the run stays paused.
         """
         self._check_answer(node)
         if pause_id is not None:
@@ -1233,6 +1242,16 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             self._check_id(node.get_snapshot_id())
             taken = self.remit.checkpoint(self.run_id, node.get_snapshot_id())
             if taken is not None and self._on_line(taken):
+                if taken.metadata.get("via") != "resume":
+                    # No answer was taken: the node is one the run stored itself (the pause,
+                    # filled in and sent back). A `ResumeConflict` would say the pause is answered.
+                    which = "the pause itself" if taken.checkpoint_id == paused.top.id else "a node"
+                    raise ValueError(
+                        f"resume() got the node of snapshot {taken.checkpoint_id} ({which}), "
+                        "which this run stored already: an answer is a new node that follows the "
+                        "pause. Build one (dataclasses.replace(node, ...) makes a copy with a new "
+                        "snapshot id); nothing was stored, and the run is still paused"
+                    )
                 raise ResumeConflict(
                     f"this answer (snapshot {taken.checkpoint_id}) was taken already: the same "
                     "node sent again is not a new answer. The value was not stored",
