@@ -35,6 +35,7 @@ from crewai.flow.persistence.base import FlowPersistence
 from crewai.flow.runtime import FlowState, _condition_satisfied
 from crewai.flow.types import FlowMethodName, PendingListenerKey
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
+from typing_extensions import Self
 
 from remit_core import codec, policy
 from remit_core.core import DEFAULT_LEASE, MIN_LEASE, ClaimHandle, Remit, checked_id
@@ -205,6 +206,18 @@ class RemitFlowPersistence(FlowPersistence):
         self._store_url = pinned_url(self.url)
         self._identity = store_identity(self._store_url)
         install()
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy of this persistence; `update` is checked as the settings of a new one are
+        (pydantic's copy checks nothing), and a copy given another `url` writes to that
+        store: pydantic's would keep writing to this one's, which it pinned when made."""
+        copied = super().model_copy(update=update, deep=deep)
+        if not update:
+            return copied
+        fresh = type(self)(**{name: getattr(copied, name) for name in type(self).model_fields})
+        if fresh.url == self.url:  # (the same relative path: the same file as this one's)
+            fresh._store_url, fresh._identity = self._store_url, self._identity
+        return fresh
 
     # -- connection ----------------------------------------------------------
     @property
@@ -534,15 +547,20 @@ class RemitFlowPersistence(FlowPersistence):
         """The flow's checkpoints, newest first, along its line back to the start.
 
         Each is checked as `load_state` checks the head: one written by a workflow
-        version this persistence does not accept raises `VersionMismatch` naming it (P4).
+        version this persistence does not accept raises `VersionMismatch` naming it, and
+        one that fails to verify or decode `CorruptRecord` naming it (P4). Checkpoints
+        of the run's other branches are not read.
         """
         run_id, branch = locate(flow_id)
         current = self.remit.branch(run_id, branch=branch)
-        by_id = {r.checkpoint_id: r for r in self.remit.history(run_id)}
         out: list[SavedCheckpoint] = []
         cursor = None if current is None else current.head_id
-        while cursor is not None and cursor in by_id:
-            record = by_id[cursor]
+        while cursor is not None:
+            # Only the line's own records are read and verified: a corrupt checkpoint of
+            # another branch (a fork) is that branch's error, not this line's.
+            record = self.remit.checkpoint(run_id, cursor)
+            if record is None:
+                break
             policy.check_workflow_version(record, self._accepted())
             body = decode(record.state, run_id=run_id, checkpoint_id=cursor)
             out.append(
@@ -843,7 +861,7 @@ class RemitFlowPersistence(FlowPersistence):
         plain = state.model_dump(mode="python", round_trip=True)
         found = inexact(plain)
         if found is None and not _renamed(model):
-            return plain  # stored exactly, keyed as the model reads it
+            return _types_kept(state, plain, ids)  # stored exactly, keyed as the model reads it
         modes = ("python", "json") if found is None else ("json", "mixed")
         why, first_back = "it reads back as another value", None
         for by_alias in (False, True):
@@ -859,7 +877,7 @@ class RemitFlowPersistence(FlowPersistence):
                     why = f"it has no form that reads back ({exc})"
                     continue
                 if same(plain, back):  # (`plain` first: its zones must be fixed)
-                    return stored
+                    return _types_kept(state, stored, ids)
                 # (The mixed form changes the fewest fields: the one it changes is the culprit.)
                 first_back = back if first_back is None or mode == "mixed" else first_back
         if found is None:
@@ -1693,6 +1711,81 @@ def _mixed_dump(state: BaseModel, *, by_alias: bool) -> dict[str, Any]:
                 state.model_dump(mode="json", round_trip=True, by_alias=by_alias, include={name})
             )
     return stored
+
+
+def _types_kept(state: BaseModel, stored: dict[str, Any], ids: Mapping[str, Any]) -> dict[str, Any]:
+    """`stored`, the form of `state` to store, if its model reads every model (or
+    dataclass) `state` holds back as that same type; else `CheckpointInvalid` naming the
+    first field that would come back as another type. The stored form records no types
+    (reading imports no names), so a field that takes several models (a union without a
+    discriminator, `Any`, a base class given a subclass) reads back whichever its data
+    fits first: after a restart the flow would go on with another state than its own."""
+    if not _holds_models(state, top=True):
+        return stored
+    try:
+        back: Any = type(state).model_validate(stored)
+    except (TypeError, ValueError):
+        return stored  # (what does not read back at all is refused by the model's own check)
+    found = _retyped(state, back, "")
+    if found is None:
+        return stored
+    path, kind, other = found
+    raise CheckpointInvalid(
+        f"state field {path} holds a {type_name(kind)}, which its model reads back as "
+        f"{'a ' + type_name(other) if other is not type(None) else 'None'}: Remit stores a "
+        "model's values without their types (reading imports no names), so a field that "
+        "takes several types (a union without a discriminator, Any, a base class given a "
+        "subclass) must tell them apart by its data; give the models a Literal field to "
+        "discriminate them, or declare the field's exact type; nothing was written",
+        field=path,
+        **ids,
+    )
+
+
+def _is_record(value: Any) -> bool:
+    """Whether `value` is a pydantic model or a dataclass instance."""
+    return isinstance(value, BaseModel) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    )
+
+
+def _parts(value: Any) -> Iterator[tuple[Any, Any]]:
+    """The (key, item) pairs `value` holds: a model's or dataclass's fields, a dict's
+    items, a list's or tuple's items by index."""
+    if isinstance(value, BaseModel):
+        yield from ((n, getattr(value, n, None)) for n in type(value).model_fields)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        yield from ((f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value))
+    elif isinstance(value, dict):
+        yield from value.items()
+    elif isinstance(value, (list, tuple)):
+        yield from enumerate(value)
+
+
+def _holds_models(value: Any, *, top: bool = False) -> bool:
+    """Whether `value` holds a model or dataclass below its top."""
+    if not top and _is_record(value):
+        return True
+    return any(_holds_models(item) for _, item in _parts(value))
+
+
+def _retyped(value: Any, back: Any, path: str) -> tuple[str, type, type] | None:
+    """The path, type and type read back of the first model or dataclass in `value` that
+    `back` (its reading from storage) holds as another type, or None."""
+    if _is_record(value) and type(back) is not type(value):
+        return path or "<root>", type(value), type(back)
+    held = dict(_parts(back))
+    for key, item in _parts(value):
+        if key not in held:
+            continue
+        if isinstance(value, (list, tuple)):
+            where = f"{path}[{key}]"
+        else:
+            where = f"{path}.{key}" if path else str(key)
+        found = _retyped(item, held[key], where)
+        if found is not None:
+            return found
+    return None
 
 
 def _first_change(plain: Mapping[str, Any], back: Mapping[str, Any] | None) -> str:
