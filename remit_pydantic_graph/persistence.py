@@ -38,8 +38,10 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
 
 An instance is one resumer: its claim is the instance's, whichever asyncio
 task, event loop or thread makes each call, and instances exclude each other
-through the store as processes do. It makes one call at a time: a call made
-while another is in progress (a node running included) gets `ResumeConflict`.
+through the store as processes do (a copy, `copy.copy` or `copy.deepcopy`, is
+another instance of the same run, with a claim of its own). It makes one call
+at a time: a call made while another is in progress (a node running included)
+gets `ResumeConflict`.
 Between two nodes it holds no claim: if another resumer runs its next node
 meanwhile, it gets `ResumeConflict` as a racing resumer does.
 Store calls are blocking; every async method runs them in a worker thread, to its
@@ -282,6 +284,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._line: BranchRecord | None = None
         self._codec: SnapshotCodec[StateT, RunEndT] | None = None
         self._edges: dict[str, tuple[frozenset[str], bool]] = {}
+        self._may_end: frozenset[str] = frozenset()
         self._instance = uuid.uuid4().hex[:8]
         self._resumer = _Resumer()
         self._busy = False
@@ -310,6 +313,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             node_id: (frozenset(d.next_node_edges), d.returns_base_node)
             for node_id, d in graph.node_defs.items()
         }
+        self._may_end = frozenset(n for n, d in graph.node_defs.items() if d.end_edge is not None)
         super().set_graph_types(graph)
 
     def should_set_types(self) -> bool:
@@ -983,6 +987,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         the next snapshot is committed: until then, one whose process died is
         handed out again (P1).
         """
+        checked_id("snapshot_id", snapshot_id)
         with self._turn() as resumer:
             resumer.started = None
             try:
@@ -1437,9 +1442,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         edges = self._edges.get(pause.get_node_id())
         if edges is None or edges[1] or node.get_node_id() in edges[0]:
             return
+        leads = sorted(edges[0]) + (["End"] if pause.get_node_id() in self._may_end else [])
         where = (
             f"the run is paused at {pause.get_node_id()} (snapshot {paused.id}), which leads "
-            f"only to {', '.join(sorted(edges[0])) or 'End'}: nothing was stored"
+            f"only to {' or '.join(leads) or 'End'}: nothing was stored"
         )
         if pause_id is None and self._answered_pause_leads_to(node):
             # A pause of this run that may lead to this answer was answered: it most likely
@@ -1592,6 +1598,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         checked_id("snapshot_id", snapshot_id)
         checked_id("fork_token", fork_token)
         await _in_thread(self._fork_readable, snapshot_id, fork_token)
+        return self._sibling(fork_token)
+
+    def _sibling(self, fork_token: str | None) -> RemitStatePersistence[StateT, RunEndT]:
+        """Another resumer of this run, on the line `fork_token` names: the same store,
+        options and graph types, and a claim of its own."""
         other: RemitStatePersistence[StateT, RunEndT] = RemitStatePersistence(
             self.remit,
             self.run_id,
@@ -1600,8 +1611,24 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             workflow_version=self.workflow_version,
             accept_versions=self.accept_versions,
         )
-        other._codec, other._edges = self._codec, self._edges
+        other._codec, other._edges, other._may_end = self._codec, self._edges, self._may_end
         return other
+
+    def __copy__(self) -> RemitStatePersistence[StateT, RunEndT]:
+        """A copy is another resumer of the same run (`_sibling`). Sharing this one's claim
+        and loaded node, it would run the node this one runs, and break this one's writes."""
+        return self._sibling(self.fork_token)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RemitStatePersistence[StateT, RunEndT]:
+        """As `copy.copy`: the store's connections are shared, not copied."""
+        return self._sibling(self.fork_token)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"RemitStatePersistence (run {self.run_id!r}) cannot be pickled: it holds its "
+            "store's connections and its claim. In another process, create one with the same "
+            "url and run_id (and fork_token, lease, workflow_version)"
+        )
 
     def _fork_readable(self, snapshot_id: str, fork_token: str) -> None:
         """Fork from `snapshot_id` only if this reader can read it (P4): a snapshot with
