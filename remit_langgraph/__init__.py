@@ -46,7 +46,8 @@ Config keys (`config["configurable"]`):
   included) its first use forks one named branch from that checkpoint; the
   same token again, from any process, returns that branch at its head instead
   of growing another. Without `checkpoint_id`, a token selects its branch's
-  head for reads and runs (`{"thread_id": t, "fork_token": tok}`); a token that
+  head for reads and runs (`{"thread_id": t, "fork_token": tok}`; `list` of it is
+  the fork's line, of the graph's namespace "" if the config sets none); a token that
   names no branch yet (a typo, or a fork not made) is refused by `invoke` and by
   `get_state`/`get_state_history` (`UnknownRecord`), never read as main, while
   an `update_state` with it forks main's head. `update_state(config, None,

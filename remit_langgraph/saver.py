@@ -277,7 +277,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
     ) -> Iterator[CheckpointTuple]:
         """Checkpoints newest first; `filter` matches metadata keys exactly.
 
-        With a `fork_token` that names a branch, the fork's own line: its
+        With a `fork_token` that names a branch, the fork's own line in
+        `checkpoint_ns` (the graph's, "", if the config sets none): its
         checkpoints and those it continues from, not what the other branches
         wrote since (a subgraph with a line of its own, restored during a
         fork's first run, finds where its line stood at the fork's base).
@@ -290,6 +291,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         before_id = _conf(before).get("checkpoint_id")
         if thread is not None:
             self._branch_named(conf)
+        if conf.get("fork_token") and conf.get("checkpoint_ns") is None:
+            # A fork's line is one namespace's: without one, the graph's own (as
+            # `get_state_history` reads it), not every branch's checkpoints of the thread.
+            conf = {**conf, "checkpoint_ns": ""}
         line = self._fork_line(conf)
         if line is not None:
             records = [r for r in line if before_id is None or r.checkpoint_id < before_id]
