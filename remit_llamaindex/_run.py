@@ -868,6 +868,10 @@ class Session:
             if record.status != "consumed":
                 continue
             prompt = codec.loads(record.prompt) if record.prompt else {}
+            if snap.answered_earlier(
+                self.mirror, record.interrupt_id, prompt, tick.event, tick.step_id
+            ):
+                continue
             if prompt.get("kind") == "ask" and answer:
                 raise ResumeConflict(
                     "every input this run asked for was answered already; the value was "

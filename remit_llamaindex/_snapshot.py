@@ -297,6 +297,27 @@ def busy_steps(state: BrokerState) -> list[str]:
     return sorted(steps)
 
 
+def answered_earlier(
+    state: BrokerState,
+    interrupt_id: str,
+    prompt: dict[str, Any],
+    event: Event,
+    step: StepId | None = None,
+) -> bool:
+    """Whether a consumed waiter's interrupt is of an earlier round of a run that has
+    work in flight: its step has completed, while a step is still queued or running and
+    may wait again (a loop asking each round). An `event` no step takes is then not an
+    answer to that interrupt but one sent before the run waits again, refused all the
+    same (`check_awaited`, saying a step is in flight). A classic ask, answered by a step
+    that takes the event, stays consumed whatever runs."""
+    return (
+        prompt.get("kind") != "ask"
+        and bool(busy_steps(state))
+        and not takes(state, event, step)
+        and all(w.interrupt_id != interrupt_id for w in waiters(state))
+    )
+
+
 def is_idle(state: BrokerState) -> bool:
     """Running with nothing left to do: the run waits for an event from outside.
 

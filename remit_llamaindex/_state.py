@@ -28,7 +28,7 @@ from workflows.context.serializers import BaseSerializer, JsonSerializer
 from workflows.context.state_store import MODEL_T, InMemoryStateStore
 
 from remit_core.schema import StateSchema
-from remit_llamaindex._storable import check_storable
+from remit_llamaindex._storable import checked_state
 
 
 class RemitStateStore(InMemoryStateStore[MODEL_T]):
@@ -57,10 +57,7 @@ class RemitStateStore(InMemoryStateStore[MODEL_T]):
         self._after_write = after_write
 
     async def _write_state(self, state: BaseModel, storage: Any = None) -> None:
-        ids = self._ids()
-        if self._schema is not None:
-            state = self._schema.validate(state, **ids)
-        check_storable(state, self._checkpoint_serializer, **ids)
+        state = self.checked(state)
         previous = self._memory_storage.load_sync()
         await super()._write_state(state, storage)
         if self._after_write is None:
@@ -73,6 +70,11 @@ class RemitStateStore(InMemoryStateStore[MODEL_T]):
             if previous is not None:
                 await self._memory_storage.save(previous)
             raise
+
+    def checked(self, state: BaseModel) -> BaseModel:
+        """`state` as a write stores it: validated, storable, a typed value in the form its
+        model reads it (`checked_state`), or `CheckpointInvalid` naming the field."""
+        return checked_state(state, self._schema, self._checkpoint_serializer, **self._ids())
 
     def check_live(self) -> None:
         """Validate the live state as a checkpoint stores it: a value changed in place

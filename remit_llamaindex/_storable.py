@@ -19,6 +19,7 @@ from workflows.context.serializers import JsonSerializer
 from workflows.context.state_store import KNOWN_UNSERIALIZABLE_KEYS, DictState
 
 from remit_core.errors import CheckpointInvalid
+from remit_core.schema import StateSchema
 
 
 def _path(parent: str, key: object) -> str:
@@ -193,6 +194,41 @@ def check_event_storable(
         field=f"{name}.{field}" if qualified else field,
         **ids,
     )
+
+
+def _as_read_back(state: BaseModel, schema: StateSchema, **ids: Any) -> BaseModel | None:
+    """`state` as its model reads it from its plain form (what a checkpoint gives back),
+    or None when the model does not accept that form (or is not a typed model)."""
+    if isinstance(state, DictState) or schema.strict:
+        return None
+    model = type(state)
+    try:
+        back = model.model_validate(state.model_dump(round_trip=True, warnings=False), by_name=True)
+    except (ValidationError, ValueError, TypeError):
+        return None
+    validated = schema.validate(back, **ids)
+    return validated if isinstance(validated, model) else None
+
+
+def checked_state(
+    state: BaseModel, schema: StateSchema | None, serializer: JsonSerializer, **ids: Any
+) -> BaseModel:
+    """`state` validated against `schema` (`CheckpointInvalid` naming the field) and
+    storable as it is (`check_storable`). A typed field given a value its model accepts
+    in another form ({"n": "5"} for an int, a dict for a nested model, an ISO string
+    for a datetime) is taken as the model reads it, which is what the checkpoint gives
+    back, so the live state and every later read hold the same value."""
+    if schema is not None:
+        state = schema.validate(state, **ids)
+        back = _as_read_back(state, schema, **ids)
+        changed = back is not None and any(
+            _mismatch(getattr(state, name), getattr(back, name), name) is not None
+            for name in type(state).model_fields
+        )
+        if back is not None and changed and unstorable(back, serializer) is None:
+            return back
+    check_storable(state, serializer, **ids)
+    return state
 
 
 def check_storable(state: BaseModel, serializer: JsonSerializer, **ids: Any) -> None:

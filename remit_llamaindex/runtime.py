@@ -107,7 +107,7 @@ from remit_llamaindex._run import (
     validated_event,
 )
 from remit_llamaindex._state import RemitStateStore
-from remit_llamaindex._storable import check_event_storable, check_storable
+from remit_llamaindex._storable import check_event_storable, checked_state
 
 logger = logging.getLogger("remit_llamaindex")
 _FIRST_ATTEMPT = RetryAttempt()
@@ -921,7 +921,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         snap.restore_requirements(state, requirements)
         if snap.takes(state, event):
             return
-        consumed = self._consumed_refusal(run_id, record, event, "")
+        consumed = self._consumed_refusal(run_id, record, event, "", state)
         if consumed is not None:
             raise consumed
         check_awaited(state, event, None, **ids)
@@ -949,12 +949,23 @@ class RemitRuntime(BaseRuntimeDecorator):
         return self._ended(run_id, event) if status in snap.TERMINAL else None
 
     def _consumed_refusal(
-        self, run_id: str, record: CheckpointRecord, event: Event, why: str
+        self,
+        run_id: str,
+        record: CheckpointRecord,
+        event: Event,
+        why: str,
+        state: BrokerState | None = None,
     ) -> ResumeConflict | None:
         """The refusal naming a consumed interrupt of the run's branch that `event`
-        would have answered, if there is one (`why`: what else the message says)."""
+        would have answered, if there is one (`why`: what else the message says). One
+        of an earlier round of a run with work in `state` (`snap.answered_earlier`) is
+        left to `check_awaited`, which says that a step is still in flight."""
         for interrupt in self.remit.interrupts(record.run_id, branch=record.branch):
             prompt = codec.loads(interrupt.prompt) if interrupt.prompt else {}
+            if state is not None and snap.answered_earlier(
+                state, interrupt.interrupt_id, prompt, event
+            ):
+                continue
             asked = prompt.get("kind") == "ask" and snap.is_answer(event)
             if interrupt.status == "consumed" and (asked or snap.would_answer(prompt, event)):
                 return ResumeConflict(
@@ -1093,7 +1104,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             return await asyncio.to_thread(self._update_state, workflow, run_id, dict(values))
         ids = {"run_id": head.run_id, "checkpoint_id": head.checkpoint_id}
         current = await session.store.get_state()
-        edited = _edited(current, values, **ids)
+        edited = session.store.checked(_edited(current, values, **ids))
         if edited != current:  # (an edit that changes nothing commits nothing)
             await session.store.set_state(edited)
         assert session.head_id is not None
@@ -1118,11 +1129,8 @@ class RemitRuntime(BaseRuntimeDecorator):
             ids = {"run_id": record.run_id, "checkpoint_id": record.checkpoint_id}
             ctx, requirements, _ = snap.decode_body(record.state, **ids)
             stored = self._state(workflow, record, ctx, serializer)
-            state = _edited(stored, values, **ids)
             schema = self._schema(workflow)
-            if schema is not None:
-                state = schema.validate(state, **ids)
-            check_storable(state, serializer, **ids)
+            state = checked_state(_edited(stored, values, **ids), schema, serializer, **ids)
             payload = create_in_memory_payload(state, serializer).model_dump()
             if payload == create_in_memory_payload(stored, serializer).model_dump():
                 # An edit that changes nothing commits nothing: a new head would grow the

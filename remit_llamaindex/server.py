@@ -36,6 +36,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -73,7 +74,7 @@ from remit_core.schema import StateSchema
 from remit_core.stores import check_url
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import new_checkpoint_id
-from remit_llamaindex._storable import check_storable
+from remit_llamaindex._storable import checked_state
 
 logger = logging.getLogger("remit_llamaindex.server")
 
@@ -100,12 +101,33 @@ def _matches(handler: PersistentHandler, query: HandlerQuery) -> bool:
     return query.is_idle is None or query.is_idle == (handler.idle_since is not None)
 
 
+def _checked_poll_interval(poll_interval: object) -> float:
+    """`poll_interval` as seconds, or `TypeError`/`ValueError` naming it: the server's
+    event streams (`subscribe_events`) wait that long between reads of a run's events,
+    so 0 or less reads the store in a busy loop, and a value that is not a number
+    fails only inside the first stream."""
+    if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)):
+        raise TypeError(
+            f"poll_interval must be a number of seconds, not {type(poll_interval).__name__}"
+        )
+    try:
+        seconds = float(poll_interval)
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"poll_interval must be a finite number of seconds above 0, got {poll_interval!r:.40}"
+        )
+    return seconds
+
+
 class RemitWorkflowStore(AbstractWorkflowStore):
     """Handlers, ticks, events and state of a workflow server, in a Remit store.
 
     `url`: sqlite:///file.db, postgresql://... or redis://...; `lease`: seconds
     a server holds a run without renewing; `namespace`: keeps the handler
-    index of several deployments on one store apart.
+    index of several deployments on one store apart; `poll_interval`: seconds an
+    event stream of the server waits between reads of a run's new events.
     """
 
     def __init__(
@@ -120,7 +142,7 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         # (A mistyped URL or lease is refused here, not at the server's first write.)
         self.url = check_url(url)
         self.lease = checked_lease(lease)
-        self.poll_interval = poll_interval
+        self.poll_interval = _checked_poll_interval(poll_interval)
         self._index = f"llamaindex-server:{namespace}"
         self._remit: Remit | None = None
         self._remit_pid = -1
@@ -340,11 +362,11 @@ class _RemitStateFacade(StateStoreFacade[MODEL_T]):
         return None if self.state_type is DictState else StateSchema(self.state_type)
 
     async def _write_state(self, state: BaseModel, storage: Any = None) -> None:
-        if self.schema is not None:
-            state = self.schema.validate(state, run_id=self.run_id)
         serializer = self._serializer
         if isinstance(serializer, JsonSerializer) and not isinstance(serializer, PickleSerializer):
-            check_storable(state, serializer, run_id=self.run_id)
+            state = checked_state(state, self.schema, serializer, run_id=self.run_id)
+        elif self.schema is not None:
+            state = self.schema.validate(state, run_id=self.run_id)
         await super()._write_state(state, storage)
 
 
