@@ -34,7 +34,15 @@ from crewai.flow.human_feedback import HumanFeedbackResult
 from crewai.flow.persistence.base import FlowPersistence
 from crewai.flow.runtime import FlowState, _condition_satisfied
 from crewai.flow.types import FlowMethodName, PendingListenerKey
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
 from typing_extensions import Self
 
 from remit_core import codec, policy
@@ -108,8 +116,19 @@ _WHOLE_STATE_RULES = frozenset(
 
 
 def _check_plain_dict(state: dict[str, Any], ids: Mapping[str, Any]) -> None:
-    """`CheckpointInvalid` naming the first value of a dict state the codec would not
-    read back as what it is."""
+    """`CheckpointInvalid` naming the first key of a dict state that is not a str (a state's
+    keys are its field names: a checkpoint holding another would fail to decode, and the
+    flow would no longer load), or the first value the codec would not read back as
+    what it is."""
+    for key in state:
+        if type(key) is not str:
+            raise CheckpointInvalid(
+                f"state key {key!r} ({type_name(type(key))}) is not a str: a state's keys "
+                "are its field names (CrewAI's own backend would store it as "
+                f"{str(key)!r}); nothing was written",
+                field=str(key),
+                **ids,
+            )
     found = inexact(state)
     if found is not None:
         path, kind = found
@@ -166,8 +185,14 @@ class RemitFlowPersistence(FlowPersistence):
     model. `feedback_schema` (JSON Schema) validates human feedback before it
     is consumed. Both are recorded with the flow's checkpoints, and a persistence
     made without them checks the recorded ones. All fields are plain data; the
-    store connects on first use.
+    store connects on first use. A setting assigned later is checked as where the
+    persistence is made, and a `url` assigned later is the store it writes to from then
+    on. Dumped (as CrewAI serializes a flow's persistence), `url` is the store it
+    reaches: a relative SQLite path is dumped made absolute.
     """
+
+    # (Assignments are checked: an unchecked lease or url would fail later, mid-run.)
+    model_config = ConfigDict(validate_assignment=True)
 
     persistence_type: str = Field(default="RemitFlowPersistence")
     url: str = Field(default="sqlite:///remit.db")
@@ -200,12 +225,28 @@ class RemitFlowPersistence(FlowPersistence):
             StateSchema(schema)
         return schema
 
+    @field_serializer("url")
+    def _reached_url(self, url: str) -> str:
+        # A relative SQLite path dumped as it was given would be resolved again where the
+        # dump is read back (another process, another directory): another file.
+        return self._store_url or url
+
     def model_post_init(self, context: Any, /) -> None:
         from remit_crewai._hooks import install
 
+        self._pin()
+        install()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "url":  # (pinned where it is made: see `_pin`)
+            self._pin()
+
+    def _pin(self) -> None:
+        """Resolve `url` to the store it reaches (`pinned_url`, `store_identity`), now: the
+        store this persistence writes to from then on."""
         self._store_url = pinned_url(self.url)
         self._identity = store_identity(self._store_url)
-        install()
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy of this persistence; `update` is checked as the settings of a new one are
@@ -599,6 +640,13 @@ class RemitFlowPersistence(FlowPersistence):
                 "nothing was written",
                 field="id",
                 run_id=locate(flow_id)[0],
+            )
+        if state_type is not None and not (
+            isinstance(state_type, type) and issubclass(state_type, BaseModel)
+        ):
+            raise TypeError(
+                "state_type must be the flow's state model (a pydantic model class), got "
+                f"{state_type!r:.80}; nothing was written"
             )
         with self._writing(flow_id, alone=True) as session, session.lock:
             if session.head is None:
