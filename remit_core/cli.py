@@ -98,9 +98,19 @@ def _stop(signum: int, _frame: object) -> None:
 
 def _usage_error(args: argparse.Namespace, targets: Sequence[str]) -> str | None:
     """What is wrong with the options that a run cannot fix (None: nothing)."""
-    for path in (args.json, args.markdown, args.html):
-        if path is not None and (path.is_dir() or not path.absolute().parent.is_dir()):
+    reports: dict[Path, str] = {}
+    for option, path in (
+        ("--json", args.json),
+        ("--markdown", args.markdown),
+        ("--html", args.html),
+    ):
+        if path is None:
+            continue
+        if path.is_dir() or not path.absolute().parent.is_dir():
             return f"cannot write {path}: not a file in an existing folder"
+        same = reports.setdefault(path.resolve(), option)
+        if same != option:
+            return f"{same} and {option} both name {path}: one report would overwrite the other"
     if args.folder is not None:
         if args.folder.exists() and (not args.folder.is_dir() or any(args.folder.iterdir())):
             return (

@@ -323,7 +323,8 @@ class LangGraphAdapter(ProbeAdapter):
     def describe(self, target: Target) -> str:
         if target.kind == "remit":
             return f"Remit ({target.engine})"
-        return "LangGraph SqliteSaver" if target.engine == "sqlite" else "LangGraph PostgresSaver"
+        savers = {"sqlite": "LangGraph SqliteSaver", "postgresql": "LangGraph PostgresSaver"}
+        return savers.get(target.engine, f"LangGraph's own saver on {target.engine}")
 
     def unsupported(self, target: Target) -> str | None:
         if target.kind == "vanilla" and target.engine not in ("sqlite", "postgresql"):

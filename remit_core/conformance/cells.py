@@ -201,10 +201,19 @@ BY_ID: dict[int, Cell] = {c.id: c for c in CELLS}
 #: Scenarios in matrix order.
 SCENARIOS: tuple[str, ...] = tuple(dict.fromkeys(c.scenario for c in CELLS))
 
-#: Scenarios whose outcome depends on timing: `--repeat N` runs them N times.
+#: Scenarios whose outcome depends on timing, the concurrency and crash cells (every
+#: scenario that SIGKILLs a worker, recoveries of a crashed store included): `--repeat N`
+#: runs them N times.
 RACY: frozenset[str] = frozenset(
     {c.scenario for c in CELLS if c.concurrent}
-    | {"CRASH-BEFORE-EFFECT", "CRASH-AFTER-EFFECT", "CRASH-AFTER-STEP", "CRASH-DURING-RESUME"}
+    | {
+        "CRASH-BEFORE-EFFECT",
+        "CRASH-AFTER-EFFECT",
+        "CRASH-AFTER-STEP",
+        "CRASH-DURING-RESUME",
+        "RECOVER-TWICE",
+        "RECOVER-KILLED",
+    }
 )
 
 
@@ -224,14 +233,14 @@ def select(spec: Iterable[str] | None) -> list[Cell]:
         if upper in SCENARIOS:
             chosen.update(c.id for c in CELLS if c.scenario == upper)
             continue
-        lo, dash, hi = item.partition("-")
-        try:
-            first, last = int(lo), int(hi if dash else lo)
-        except ValueError:
+        lo, dash, hi = (part.strip() for part in item.partition("-"))
+        bounds = (lo, hi) if dash else (lo,)
+        if not all(b.isascii() and b.isdigit() for b in bounds):
             raise ValueError(
                 f"unknown cell {item!r}: use ids (5), ranges (30-35) or scenario names "
                 f"({', '.join(SCENARIOS[:3])}, ...)"
-            ) from None
+            )
+        first, last = int(lo), int(hi if dash else lo)
         if last < first:
             raise ValueError(f"range {item!r} runs backwards: write it {last}-{first}")
         for cell_id in range(first, last + 1):

@@ -30,6 +30,25 @@ def _ran(matrix: Matrix) -> list[Column]:
     return [c for c in matrix.columns if not c.note]
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _size(matrix: Matrix) -> str:
+    """How much ran: cells x columns, a column being one framework on one target."""
+    columns = _ran(matrix)
+    frameworks = len({c.framework for c in columns})
+    targets = len({c.target for c in columns})
+    return (
+        f"{_plural(len(matrix.cells), 'cell')} x {_plural(len(columns), 'column')} "
+        f"({_plural(frameworks, 'framework')} on {_plural(targets, 'target')})"
+    )
+
+
+def _repeated(matrix: Matrix) -> str:
+    return f", racy cells x{matrix.repeat}" if matrix.repeat > 1 else ""
+
+
 def text(matrix: Matrix) -> str:
     """The matrix for a terminal: a grid of statuses, then every FAIL and N/A explained."""
     columns = _ran(matrix)
@@ -56,10 +75,7 @@ def text(matrix: Matrix) -> str:
     lines += ["", "Verdicts:", *(f"  {c.verdict()}" for c in matrix.columns)]
     if matrix.notes:
         lines += ["", "Notes:", *(f"  {n}" for n in matrix.notes)]
-    lines.append(
-        f"\n{len(matrix.cells)} cells x {len(columns)} targets in {matrix.elapsed:.0f}s"
-        + (f", racy cells x{matrix.repeat}" if matrix.repeat > 1 else "")
-    )
+    lines.append(f"\n{_size(matrix)} in {matrix.elapsed:.0f}s" + _repeated(matrix))
     return "\n".join(lines)
 
 
@@ -147,8 +163,8 @@ th {{ background: #eceff1; }}
 </style></head><body>
 <h1>Remit conformance matrix</h1>
 <p>The Resume Contract's 39 cells, measured on real processes.
-<code>{html.escape(matrix.command)}</code>, {matrix.elapsed:.0f}s{
-        f", racy cells x{matrix.repeat}" if matrix.repeat > 1 else ""
+<code>{html.escape(matrix.command)}</code>: {_size(matrix)} in {matrix.elapsed:.0f}s{
+        _repeated(matrix)
     }.
 Hover a cell for what was measured.</p>
 <table><tr><th>id</th><th>scenario</th><th>checks</th><th>passes when</th>{heads}</tr>

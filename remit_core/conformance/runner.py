@@ -26,7 +26,12 @@ from typing import Any
 from remit_core.conformance.adapter import ProbeAdapter, Target
 from remit_core.conformance.cells import BY_ID, RACY, SCENARIOS, Cell
 from remit_core.conformance.processes import Outcome, Worker, fork
-from remit_core.conformance.scenarios import RUNNERS, Context, ScenarioNotApplicable
+from remit_core.conformance.scenarios import (
+    RUNNERS,
+    Context,
+    ScenarioNotApplicable,
+    WorkerCrashed,
+)
 
 ENTRY_POINT_GROUP = "remit.probe_adapters"
 #: How long one scenario (all its workers) may take before it is killed.
@@ -242,6 +247,8 @@ def _scenario_body(job: _Job, lease: float) -> dict[str, Any]:
         verdicts = RUNNERS[job.scenario](ctx)
     except ScenarioNotApplicable as exc:
         return {"na": str(exc) or "not expressible in this framework"}
+    except WorkerCrashed as exc:
+        return {"crashed": str(exc)}
     finally:
         ctx.close()
     return {"verdicts": {str(k): dataclasses.asdict(v) for k, v in verdicts.items()}}
@@ -352,6 +359,12 @@ def _collect(
         for cell_id in wanted:
             raw.setdefault((col, cell_id), []).append({"na": outcome.value["na"]})
         return
+    if outcome.ok and "crashed" in outcome.value:
+        for cell_id in wanted:
+            raw.setdefault((col, cell_id), []).append(
+                {"error": f"scenario failed: {outcome.value['crashed']}"}
+            )
+        return
     if not outcome.ok:
         detail = outcome.summary()
         if outcome.status == "timeout":
@@ -367,17 +380,20 @@ def _collect(
 
 
 def _aggregate(cell_id: int, runs: list[dict[str, Any]]) -> CellResult:
+    """One cell's result over its runs: N/A, then FAIL if any run failed (a failure seen
+    is a failure, even if another run could not be judged), then ERROR, then PASS."""
     na = [r for r in runs if "na" in r]
     if na:
         return CellResult(cell_id, "N/A", na[0]["na"], runs=len(runs))
     errors = [r for r in runs if "error" in r]
-    if errors:
+    judged = [r for r in runs if "error" not in r]
+    failed = [r for r in judged if not r["passed"] and not r.get("inconclusive")]
+    # A race whose racers did not overlap proves nothing: never a PASS from timing luck.
+    untested = [r for r in judged if r.get("inconclusive")]
+    if errors and not failed:
         return CellResult(
             cell_id, "ERROR", errors[0]["error"], runs=len(runs), failed_runs=len(errors)
         )
-    failed = [r for r in runs if not r["passed"] and not r.get("inconclusive")]
-    # A race whose racers did not overlap proves nothing: never a PASS from timing luck.
-    untested = [r for r in runs if r.get("inconclusive")]
     if untested and not failed:
         return CellResult(
             cell_id,
@@ -386,11 +402,13 @@ def _aggregate(cell_id: int, runs: list[dict[str, Any]]) -> CellResult:
             runs=len(runs),
             failed_runs=len(untested),
         )
-    sats = [r["saturation"] for r in runs if r.get("saturation") is not None]
-    shown = failed[0] if failed else runs[-1]
+    sats = [r["saturation"] for r in judged if r.get("saturation") is not None]
+    shown = failed[0] if failed else judged[-1]
     measured = shown["measured"]
     if len(runs) > 1 and failed:
-        measured = f"{len(failed)}/{len(runs)} runs failed; {measured}"
+        unjudged = len(errors) + len(untested)
+        also = f" ({unjudged} could not be judged)" if unjudged else ""
+        measured = f"{len(failed)}/{len(runs)} runs failed{also}; {measured}"
     return CellResult(
         cell_id,
         "FAIL" if failed else "PASS",

@@ -9,6 +9,7 @@ here knows which target is expected to pass.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -43,6 +44,7 @@ RACE_BARRIER_TIMEOUT = 60.0
 EFFECTS_ONCE = Counter({e: 1 for e in EFFECTS})
 VALUE = "alice"
 OTHER_VALUE = "bob"
+THIRD_VALUE = "carol"
 
 
 @dataclass
@@ -58,6 +60,13 @@ class Verdict:
 
 class ScenarioNotApplicable(Exception):
     """An operation raised the adapter's `NotApplicable`: the scenario's cells read N/A."""
+
+
+class WorkerCrashed(Exception):
+    """A worker ended without an answer nobody asked for: timed out, exited without a
+    result, or killed by a signal no crash point was armed to send (the OOM killer, a
+    stray `kill`). Its operation neither returned nor raised, so no cell can be judged
+    from it: the scenario's cells read ERROR, never a PASS or a FAIL of the target."""
 
 
 Op = tuple[Any, ...]
@@ -81,6 +90,8 @@ class Context:
         self.run = f"probe-{tag}"
         self.lease = lease
         self.workers: list[Worker] = []
+        #: pid -> what its armed crash points do ("kill", "stop"): the ends it may meet.
+        self.armed: dict[int, set[str]] = {}
         self.copies: list[Context] = []
         self.ready = 0
 
@@ -112,7 +123,22 @@ class Context:
 
         worker = fork(body, barrier=barrier)
         self.workers.append(worker)
+        self.armed[worker.pid] = {action for _, action in arm}
         return worker
+
+    def answered(self, worker: Worker, whole: Outcome) -> Outcome:
+        """`whole`, unless the worker crashed in a way no crash point explains.
+
+        Raises `WorkerCrashed` for a worker that timed out, exited without a
+        result, or was killed (or stopped) though no point armed it to be.
+        """
+        armed = self.armed.get(worker.pid, set())
+        expected = (whole.status == "killed" and "kill" in armed) or (
+            whole.status == "stopped" and "stop" in armed
+        )
+        if whole.status in ("ok", "error") or expected:
+            return whole
+        raise WorkerCrashed(f"worker {worker.pid} gave no answer: {whole.summary()}")
 
     def start_ops(
         self, *ops: Op, stop_on_error: bool = True, timed: bool = False, **spawn: Any
@@ -144,7 +170,7 @@ class Context:
 
     def finish_ops(self, worker: Worker, count: int, **wait: Any) -> list[Outcome]:
         """Wait for a `start_ops` worker; one outcome per operation."""
-        whole = worker.wait(**wait)
+        whole = self.answered(worker, worker.wait(**wait))
         if not whole.ok:
             return [whole] * count
         results = [
@@ -183,7 +209,7 @@ class Context:
         self.ready = barrier.release(RACE_BARRIER_TIMEOUT)
         outcomes = []
         for w in workers:
-            whole = w.wait(stopped_counts=stopped_counts)
+            whole = self.answered(w, w.wait(stopped_counts=stopped_counts))
             if whole.ok:
                 (outcome,) = self.finish_ops(w, 1)
             else:
@@ -212,7 +238,7 @@ class Context:
         ctx.target = self.target.relocated(folder, uuid.uuid4().hex[:12], slot)
         self.env.db.backup_to(folder / "world.db")
         ctx.env = ProbeEnv(folder, ctx.target, self.lease)
-        ctx.run, ctx.workers, ctx.copies = self.run, self.workers, []
+        ctx.run, ctx.workers, ctx.armed, ctx.copies = self.run, self.workers, self.armed, []
         self.copies.append(ctx)
         return ctx
 
@@ -300,6 +326,14 @@ def failures(*outcomes: Outcome, names: Sequence[str] = ()) -> str:
             label = names[i] if i < len(names) else f"op {i + 1}"
             return f"{label}: {o.summary()}"
     return ""
+
+
+def names(text: str, ident: str) -> bool:
+    """`text` names `ident` as a whole token: a checkpoint id "2" is not named by the
+    "2" of a timestamp or of another id ("12", "ck-2a")."""
+    before, after = r"[A-Za-z0-9_.:-]", r"[A-Za-z0-9_:-]|\.[A-Za-z0-9]"
+    found = re.search(rf"(?<!{before}){re.escape(ident)}(?!{after})", text)
+    return bool(ident) and found is not None
 
 
 def joined(*parts: str) -> str:
@@ -421,7 +455,7 @@ def resume_twice(ctx: Context) -> dict[int, Verdict]:
                 steps_text(ran) if ran else "",
             ),
         )
-    elif ctx.run not in second.error_text():
+    elif not names(second.error_text(), ctx.run):
         v5 = Verdict(False, f"rejected, but the error does not name the run: {second.summary()}")
     else:
         v5 = Verdict(True, f"rejected: {second.summary()}")
@@ -759,7 +793,7 @@ def corrupt_record(ctx: Context) -> dict[int, Verdict]:
             )
         }
     text = resume.error_text()
-    named = ctx.run in text and checkpoint in text
+    named = names(text, ctx.run) and names(text, checkpoint)
     if not named:
         return {22: Verdict(False, f"error does not name run and checkpoint: {resume.summary()}")}
     return {
@@ -794,7 +828,7 @@ def version_mismatch(ctx: Context) -> dict[int, Verdict]:
             )
         }
     text, head = resume.error_text(), str(before.value.get("head"))
-    if ctx.run not in text or head not in text:
+    if not (names(text, ctx.run) and names(text, head)):
         return {
             23: Verdict(
                 False,
@@ -910,7 +944,11 @@ def fork_effects(ctx: Context) -> dict[int, Verdict]:
 
 
 def fork_vs_consume(ctx: Context) -> dict[int, Verdict]:
-    """FORK-VS-CONSUME: fork a paused run; resume both branches independently."""
+    """FORK-VS-CONSUME: fork a paused run; resume both branches independently.
+
+    Then each branch's interrupt is consumed: a further value to either branch is
+    refused, leaves that branch as it was and runs nothing ("consumed once").
+    """
     start, before = ctx.ops(op("start", ctx.run), op("inspect", ctx.run))
     failed = failures(start, before, names=("start", "inspect"))
     if failed:
@@ -939,16 +977,43 @@ def fork_vs_consume(ctx: Context) -> dict[int, Verdict]:
         and complete(state_of(other_snap), OTHER_VALUE)
         and approve == 2
     )
-    return {
-        28: Verdict(
-            ok,
-            joined(
-                f"main approved_by {got_main!r}, fork approved_by "
-                f"{got_fork!r}, approve entered {approve}",
-                failed,
-            ),
-        )
-    }
+    text = (
+        f"main approved_by {got_main!r}, fork approved_by {got_fork!r}, approve entered {approve}"
+    )
+    if not ok:
+        return {28: Verdict(False, joined(text, failed))}
+    # (Snapshots of both lines now: a store's resume values are the whole run's.)
+    fork_before, main_before = ctx.ops(
+        op("inspect", ctx.run, branch=branch), op("inspect", ctx.run)
+    )
+    mark = ctx.mark()
+    fork_again, fork_after, main_again, main_after = ctx.ops(
+        op("resume", ctx.run, THIRD_VALUE, branch=branch),
+        op("inspect", ctx.run, branch=branch),
+        op("resume", ctx.run, THIRD_VALUE),
+        op("inspect", ctx.run),
+        stop_on_error=False,
+    )
+    ran = ctx.entered(after=mark)
+    again = [
+        ("fork", fork_again, fork_before, fork_after),
+        ("main", main_again, main_before, main_after),
+    ]
+    accepted = [f"{name} ({status_of(o)})" for name, o, _, _ in again if not o.raised()]
+    changed = [f"{name}: {store_diff(b, a)}" for name, _, b, a in again if not same_store(b, a)]
+    if accepted or changed or ran:
+        return {
+            28: Verdict(
+                False,
+                joined(
+                    text,
+                    f"a further value was accepted by {', '.join(accepted)}" if accepted else "",
+                    f"a further value changed the store: {'; '.join(changed)}" if changed else "",
+                    f"a further value {steps_text(ran)}" if ran else "",
+                ),
+            )
+        }
+    return {28: Verdict(True, joined(text, "a further value refused on both branches"))}
 
 
 def fork_race(ctx: Context) -> dict[int, Verdict]:
@@ -1049,7 +1114,8 @@ def k8_threads(ctx: Context) -> dict[int, Verdict]:
             t.join()
         return results
 
-    whole = ctx.spawn(script).wait()
+    worker = ctx.spawn(script)
+    whole = ctx.answered(worker, worker.wait())
     if not whole.ok:
         return {36: Verdict(False, f"worker: {whole.summary()}")}
     fired = ctx.proceeded(mark)
