@@ -815,7 +815,11 @@ class Runs:
         took. `writes` are the checkpoint's. Returns a value still owed to the pause
         `update_state` moved past (see `_pause`), or None."""
         resume = loop.input.resume if isinstance(loop.input, Command) else None
-        recovering = loop.input is None and record.branch == run.branch
+        # A command without a resume value (`Command(update=...)`, `goto=`) runs the
+        # paused tasks again as `invoke(None, config)` does: it owes them the same values.
+        recovering = (loop.input is None or isinstance(loop.input, Command)) and (
+            record.branch == run.branch
+        )
         if resume is None and not recovering:
             return None  # new input: no interrupt to settle
         if resume is not None and record.branch != run.branch:

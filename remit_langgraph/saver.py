@@ -497,13 +497,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
         elif token and ns != "":
             self._runs.fork_in(thread, ns, token)  # the fork's own line of the subgraph
         edit = None
-        if by_graph and run is None and current_run() is None:
-            # A graph's edit from outside a run (`update_state`, of the graph or of a
-            # subgraph's namespace) takes the claim of the branch its run would hold:
-            # a run in flight on it refuses the edit (`ResumeConflict`) instead of
-            # losing it, or being refused by it, later. (A put of code that drives the
-            # saver itself has the head's compare-and-set alone, as any checkpointer
-            # gives it.)
+        if by_graph and run is None:
+            # A graph's edit from outside a run on this thread (`update_state`, of the
+            # graph or of a subgraph's namespace; from a node of a run on another thread
+            # too) takes the claim of the branch its run would hold: a run in flight on
+            # it refuses the edit (`ResumeConflict`) instead of losing it, or being
+            # refused by it, later. (A put of code that drives the saver itself has the
+            # head's compare-and-set alone, as any checkpointer gives it.)
             if branch is None and parent and self.remit.checkpoint(thread, parent, ns=ns) is None:
                 # (LangGraph reads such a config as a thread with no checkpoint, and
                 # would store the edit as a root under a parent the thread lacks.)
@@ -658,8 +658,8 @@ class RemitSaver(BaseCheckpointSaver[str]):
         and encoded now; False if there is no such edit (`superstep`: its frame that
         commits next, `_edit_superstep`)."""
         thread = _thread(config)
-        if superstep is None or self._runs.active(thread) is not None or current_run() is not None:
-            return False
+        if superstep is None or self._runs.active(thread) is not None:
+            return False  # (an edit of a run's own thread from its node is the run's write)
         ns, checkpoint_id = _ns(config), _conf(config)["checkpoint_id"]
         if _later_superstep(superstep):
             self._still_head(thread, ns, checkpoint_id, config)
