@@ -38,7 +38,7 @@ from pydantic_graph import End
 from pydantic_graph.persistence import NodeSnapshot, RunEndT, Snapshot, StateT
 from typing_extensions import is_typeddict
 
-__all__ = ["ForeignNode", "NotASnapshot", "SnapshotCodec", "Unfit", "Unreadable"]
+__all__ = ["ForeignNode", "NotASnapshot", "SnapshotCodec", "Unfit", "Unreadable", "foreign_node"]
 
 _Path = tuple[str | int, ...]
 #: How deep `_unfit` looks for the bad part of a value.
@@ -95,11 +95,16 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
     """The graph's snapshot adapter and the types it was built from.
 
     Build it inside the graph's node-type context (`set_types`); `node_ids`
-    are the graph's nodes, whose tags pydantic puts in a validation path.
+    are the graph's nodes, whose tags pydantic puts in a validation path, and
+    `node_types` their classes, where known.
     """
 
     def __init__(
-        self, state_type: type[StateT], run_end_type: type[RunEndT], node_ids: Collection[str]
+        self,
+        state_type: type[StateT],
+        run_end_type: type[RunEndT],
+        node_ids: Collection[str],
+        node_types: Mapping[str, type] | None = None,
     ) -> None:
         self.state_type, self.run_end_type = state_type, run_end_type
         snapshot = Snapshot[state_type, run_end_type]  # type: ignore[valid-type]
@@ -108,6 +113,7 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
             Annotated[snapshot, pydantic.Discriminator("kind")]
         )
         self.node_ids = frozenset(node_ids)
+        self.node_types: Mapping[str, type] = dict(node_types or {})
 
     def decode(self, body: bytes) -> Snapshot[StateT, RunEndT]:
         """A stored snapshot: `NotASnapshot` if its bytes are none, `ForeignNode` if its
@@ -243,15 +249,13 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
     def _check_node(self, snapshot: Snapshot[StateT, RunEndT]) -> None:
         """`Unfit` at `node` for a node of another graph: pydantic would only say which of
         the graph's nodes it expected, at the snapshot's root (or, in a graph of one node
-        class, take any node whose fields fit)."""
+        class, take any node whose fields fit), or, for another class of the same name as
+        one of the graph's, that it was "unable to extract tag"."""
         if not isinstance(snapshot, NodeSnapshot) or not self.node_ids:
             return
-        node_id = snapshot.node.get_node_id()
-        if node_id not in self.node_ids:
-            raise Unfit(
-                "node",
-                f"{node_id} is not a node of this graph ({', '.join(sorted(self.node_ids))})",
-            )
+        problem = foreign_node(snapshot.node, self.node_ids, self.node_types)
+        if problem is not None:
+            raise Unfit("node", problem)
 
     def where(self, loc: Sequence[int | str]) -> str:
         """A pydantic validation path as a snapshot's dotted path (`state.inner.amount`)."""
@@ -309,6 +313,30 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
             if found is not None:
                 return found
         return None
+
+
+def foreign_node(
+    node: Any, node_ids: Collection[str], node_types: Mapping[str, type]
+) -> str | None:
+    """Why `node` is not a node of the graph of `node_ids` (classes `node_types`, where
+    known); None if it is one. A class of another module or graph that has the name of
+    one of the graph's nodes is not that node: its fields and its `run` are another's."""
+    node_id = node.get_node_id()
+    if node_id not in node_ids:
+        return f"{node_id} is not a node of this graph ({', '.join(sorted(node_ids))})"
+    declared = node_types.get(node_id)
+    ours = typing.get_origin(declared) or declared  # a generic node given as `Hold[int]`
+    if ours is not None and type(node) is not ours:
+        return (
+            f"{_qualified(type(node))} is not this graph's {node_id} ({_qualified(ours)}): a "
+            "node of another graph or module that has the same name, which this graph "
+            "would read back as its own"
+        )
+    return None
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _glimpse(value: Any) -> str:

@@ -94,7 +94,14 @@ from remit_core.errors import (
     VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, FenceRef, WriteRecord
-from remit_pydantic_graph._codec import ForeignNode, NotASnapshot, SnapshotCodec, Unfit, Unreadable
+from remit_pydantic_graph._codec import (
+    ForeignNode,
+    NotASnapshot,
+    SnapshotCodec,
+    Unfit,
+    Unreadable,
+    foreign_node,
+)
 
 __all__ = ["RemitStatePersistence"]
 
@@ -229,6 +236,13 @@ def _checked_node(call: str, next_node: object) -> BaseNode[Any, Any, Any]:
     `NodeSnapshot` with an AttributeError that names neither the call nor the argument."""
     if isinstance(next_node, BaseNode):
         return next_node
+    if isinstance(next_node, End) and call == "snapshot_node_if_new":
+        # What `GraphRun.next` calls first with the node it was given, or, once the run has
+        # ended, with its End (whose id the End's snapshot renamed: `_advance`).
+        raise TypeError(
+            f"run.next() takes a node to run, got {next_node!r}: a run ends when one of its "
+            "nodes returns End, which is stored then (snapshot_node_if_new() got the End)"
+        )
     hint = " (a run's End goes to snapshot_end)" if isinstance(next_node, End) else ""
     raise TypeError(
         f"{call}() takes next_node, a BaseNode instance of the graph{hint}; "
@@ -284,6 +298,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._line: BranchRecord | None = None
         self._codec: SnapshotCodec[StateT, RunEndT] | None = None
         self._edges: dict[str, tuple[frozenset[str], bool]] = {}
+        self._node_types: dict[str, type] = {}
         self._may_end: frozenset[str] = frozenset()
         self._instance = uuid.uuid4().hex[:8]
         self._resumer = _Resumer()
@@ -314,6 +329,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             for node_id, d in graph.node_defs.items()
         }
         self._may_end = frozenset(n for n, d in graph.node_defs.items() if d.end_edge is not None)
+        self._node_types = {node_id: d.node for node_id, d in graph.node_defs.items()}
         super().set_graph_types(graph)
 
     def should_set_types(self) -> bool:
@@ -321,7 +337,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def set_types(self, state_type: type[StateT], run_end_type: type[RunEndT]) -> None:
         """Build the snapshot codec (called inside the graph's node-type context)."""
-        self._codec = SnapshotCodec(state_type, run_end_type, self._edges)
+        self._codec = SnapshotCodec(state_type, run_end_type, self._edges, self._node_types)
 
     def _types(self) -> SnapshotCodec[StateT, RunEndT]:
         if self._codec is None:
@@ -1222,11 +1238,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 f"resume() takes the node that follows the pause (a BaseNode of the graph), "
                 f"got {type(node).__name__} {node!r}"
             )
-        if self._edges and node.get_node_id() not in self._edges:
-            raise ValueError(
-                f"resume() got {node.get_node_id()}, which is not a node of this graph "
-                f"({', '.join(sorted(self._edges))})"
-            )
+        problem = foreign_node(node, self._edges, self._node_types) if self._edges else None
+        if problem is not None:
+            raise ValueError(f"resume() got a node of another graph: {problem}")
 
     def _resume(
         self, resumer: _Resumer, node: BaseNode[StateT, Any, RunEndT], pause_id: str | None
@@ -1612,6 +1626,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             accept_versions=self.accept_versions,
         )
         other._codec, other._edges, other._may_end = self._codec, self._edges, self._may_end
+        other._node_types = self._node_types
         return other
 
     def __copy__(self) -> RemitStatePersistence[StateT, RunEndT]:
