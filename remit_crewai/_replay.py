@@ -9,7 +9,10 @@ the occurrence that was in flight never runs again. The ledger records how
 often each method completed and the route each router took each time; for
 a Remit-backed flow being restarted, the wrappers `install` puts on CrewAI's
 two method runners let `Replay` decide each meeting: replayed (a router
-fires the route it took at that occurrence) or run for real. CrewAI has no
+fires the route it took at that occurrence) or run for real. A replayed
+router hands its route back to CrewAI's caller as if it had returned it, so
+the route is followed where CrewAI follows it: after the plain listeners of
+the router's own trigger, as in the run being recovered (P6). CrewAI has no
 hook there; other flows, and flows not being restarted, run CrewAI's code
 unchanged.
 """
@@ -45,16 +48,25 @@ def install() -> None:
             if not replayed:
                 self._completed_methods.discard(listener_name)  # its next occurrence runs
             elif self._is_router(listener_name):
-                await _replay_router(self, listener_name, route)
-                return None, None
+                # Its own listeners now; its route is its caller's to follow (below).
+                await self._execute_listeners(listener_name, None)
+                return route, None
         return await run_listener(self, listener_name, result, triggering_event_id)
 
     @functools.wraps(run_start)
     async def execute_start_method(self: Flow[Any], start_method_name: FlowMethodName) -> None:
-        meeting = _meet(self, start_method_name)
+        # CrewAI clears its resuming flag to run a start that a route loops back to; a
+        # restart walks on through it as through the rest of its past.
+        meeting = _meet(self, start_method_name, restarting=True)
         if meeting is not None and not meeting[0]:
             self._completed_methods.discard(start_method_name)
-        await run_start(self, start_method_name)  # a replayed start goes on with its listeners
+        resuming = self._is_execution_resuming
+        if meeting is not None:
+            self._is_execution_resuming = True
+        try:
+            await run_start(self, start_method_name)  # a replayed start goes on with its listeners
+        finally:
+            self._is_execution_resuming = resuming
         if meeting is not None and meeting[1] is not None:
             await _take(self, meeting[1])
 
@@ -62,12 +74,15 @@ def install() -> None:
     engine._execute_start_method = execute_start_method  # type: ignore[assignment]
 
 
-def _meet(flow: Flow[Any], method: FlowMethodName) -> tuple[bool, FlowMethodName | None] | None:
-    """How a restart meets completed `method`: (replayed, route) or None (CrewAI decides)."""
+def _meet(
+    flow: Flow[Any], method: FlowMethodName, *, restarting: bool = False
+) -> tuple[bool, FlowMethodName | None] | None:
+    """How a restart meets completed `method`: (replayed, route) or None (CrewAI decides).
+    `restarting`: ask even while CrewAI's resuming flag is clear (see the start wrapper)."""
     persistence = flow.persistence
     if not (
         isinstance(persistence, RemitFlowPersistence)
-        and flow._is_execution_resuming
+        and (restarting or flow._is_execution_resuming)
         and method in flow._completed_methods
     ):
         return None
@@ -76,20 +91,6 @@ def _meet(flow: Flow[Any], method: FlowMethodName) -> tuple[bool, FlowMethodName
         return None
     replayed, route = meeting
     return replayed, None if route is None else FlowMethodName(route)
-
-
-async def _replay_router(
-    flow: Flow[Any], router: FlowMethodName, route: FlowMethodName | None
-) -> None:
-    """What CrewAI does after running `router`, with the route it took back then: its
-    listeners, the route's listeners, and the start methods waiting for the route."""
-    await flow._execute_listeners(router, None)
-    if route is None:
-        return
-    await _take(flow, route)
-    for start in flow._start_method_names():
-        if flow._start_condition_triggered_by(start, route):
-            await flow._execute_start_method(start)
 
 
 async def _take(flow: Flow[Any], route: FlowMethodName) -> None:
