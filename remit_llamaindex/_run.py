@@ -168,7 +168,7 @@ def check_awaited(state: BrokerState, event: Event, step: StepId | None, **ids: 
     the value while the run goes on to ask for it again."""
     if snap.takes(state, event, step):
         return
-    waits = sorted({w.event_type.rpartition(".")[2] for w in snap.waiters(state) if w.pending})
+    waits = sorted({_awaited(w) for w in snap.waiters(state) if w.pending})
     if waits:
         now = f"it waits for {', '.join(waits)}"
     elif snap.is_idle(state):
@@ -179,11 +179,22 @@ def check_awaited(state: BrokerState, event: Event, step: StepId | None, **ids: 
             "RemitRuntime.recover first"
         )
     raise ResumeConflict(
-        f"no waiter of the run waits for {type(event).__name__} and no step takes it, so "
+        f"no waiter of the run waits for this {type(event).__name__} and no step takes it, so "
         f"the run would drop it ({now}); the event was not delivered: send it once the "
         "run waits for it",
         **ids,
     )
+
+
+def _awaited(waiter: snap.Waiter) -> str:
+    """What `waiter` waits for: its event type, and the `requirements` an event of that
+    type must meet (else a refusal of one that misses them reads "no waiter waits for
+    Reply ... it waits for Reply")."""
+    name = waiter.event_type.rpartition(".")[2]
+    if not waiter.requirements:
+        return name
+    wanted = ", ".join(f"{k}={v!r}" for k, v in sorted(waiter.requirements.items()))
+    return f"{name} with {wanted}"
 
 
 def _stops_process(tick: WorkflowTick) -> bool:
