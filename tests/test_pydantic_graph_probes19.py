@@ -30,26 +30,10 @@ import pytest
 from pydantic import BaseModel, Secret, SecretBytes, SecretStr, field_serializer
 from pydantic_graph import BaseNode, End, GraphRunContext
 from pydantic_graph.graph import Graph
-from pydantic_graph.persistence import Snapshot
+from pydantic_graph_parts import persistence, shape
 
 from remit_core import CheckpointInvalid, ForkWithoutIntent
 from remit_pydantic_graph import RemitStatePersistence
-
-LEASE = 1.0
-
-
-def persistence(url: str, run_id: str, graph: Graph[Any, Any, Any]) -> RemitStatePersistence:
-    p: RemitStatePersistence[Any, Any] = RemitStatePersistence(url, run_id, lease=LEASE)
-    p.set_graph_types(graph)
-    return p
-
-
-def shape(line: list[Snapshot[Any, Any]]) -> list[tuple[str, str]]:
-    return [
-        (type(s.node).__name__, getattr(s, "status", "end")) if s.kind == "node" else ("End", "end")
-        for s in line
-    ]
-
 
 # -- secrets --------------------------------------------------------------------------------
 

@@ -28,27 +28,10 @@ from typing import Any
 import pytest
 from pydantic_graph import BaseNode, End, GraphRunContext
 from pydantic_graph.graph import Graph
-from pydantic_graph.persistence import Snapshot
+from pydantic_graph_parts import persistence, shape
 
 from remit_core import CheckpointInvalid
 from remit_core.conformance.processes import fork, reap
-from remit_pydantic_graph import RemitStatePersistence
-
-LEASE = 1.0
-
-
-def persistence(
-    url: str, run_id: str, graph: Graph[Any, Any, Any], fork_token: str | None = None
-) -> RemitStatePersistence[Any, Any]:
-    p: RemitStatePersistence[Any, Any] = RemitStatePersistence(
-        url, run_id, lease=LEASE, fork_token=fork_token
-    )
-    p.set_graph_types(graph)
-    return p
-
-
-def shape(line: list[Snapshot[Any, Any]]) -> list[tuple[str, str]]:
-    return [(type(s.node).__name__, s.status) if s.kind == "node" else ("End", "end") for s in line]
 
 
 def fresh_run() -> str:

@@ -24,23 +24,9 @@ from typing import Annotated, Any
 import pytest
 from pydantic_graph import BaseNode, Edge, End, GraphRunContext
 from pydantic_graph.graph import Graph
-from pydantic_graph.persistence import Snapshot
+from pydantic_graph_parts import persistence, shape
 
 from remit_pydantic_graph import RemitStatePersistence
-
-LEASE = 1.0
-
-
-def persistence(
-    url: str, run_id: str, graph: Graph[Any, Any, Any]
-) -> RemitStatePersistence[Any, Any]:
-    p: RemitStatePersistence[Any, Any] = RemitStatePersistence(url, run_id, lease=LEASE)
-    p.set_graph_types(graph)
-    return p
-
-
-def shape(line: list[Snapshot[Any, Any]]) -> list[tuple[str, str]]:
-    return [(type(s.node).__name__, s.status) if s.kind == "node" else ("End", "end") for s in line]
 
 
 def fresh_run() -> str:
