@@ -45,6 +45,7 @@ EFFECTS_ONCE = Counter({e: 1 for e in EFFECTS})
 VALUE = "alice"
 OTHER_VALUE = "bob"
 THIRD_VALUE = "carol"
+FOURTH_VALUE = "dave"
 
 
 @dataclass
@@ -944,60 +945,75 @@ def fork_effects(ctx: Context) -> dict[int, Verdict]:
 
 
 def fork_vs_consume(ctx: Context) -> dict[int, Verdict]:
-    """FORK-VS-CONSUME: fork a paused run; resume both branches independently.
+    """FORK-VS-CONSUME: fork a paused run twice; resume each line independently.
 
-    Then each branch's interrupt is consumed: a further value to either branch is
-    refused, leaves that branch as it was and runs nothing ("consumed once").
+    The lines are resumed fork, main, fork (L3 both ways: a fork answered first
+    must leave main's interrupt pending, and main answered first each fork's).
+    Then each line's interrupt is consumed: a further value to any line is
+    refused, leaves that line as it was and runs nothing ("consumed once").
     """
     start, before = ctx.ops(op("start", ctx.run), op("inspect", ctx.run))
     failed = failures(start, before, names=("start", "inspect"))
     if failed:
         return {28: Verdict(False, failed)}
-    forked = ctx.one("fork", ctx.run, before.value["head"], "fork-token-4")
-    if not forked.ok:
-        return {28: Verdict(False, f"fork: {forked.summary()}")}
-    branch = forked.value["branch"]
-    main, main_snap = ctx.ops(op("resume", ctx.run, VALUE), op("inspect", ctx.run))
-    other, other_snap = ctx.ops(
-        op("resume", ctx.run, OTHER_VALUE, branch=branch), op("inspect", ctx.run, branch=branch)
-    )
+    lines: list[tuple[str, str | None, str]] = []
+    for name, token, value in (
+        ("fork", "fork-token-4", OTHER_VALUE),
+        ("fork 2", "fork-token-4b", FOURTH_VALUE),
+    ):
+        forked = ctx.one("fork", ctx.run, before.value["head"], token)
+        if not forked.ok:
+            return {28: Verdict(False, f"{name}: {forked.summary()}")}
+        lines.append((name, forked.value["branch"], value))
+    first, second = lines
+    lines = [first, ("main", None, VALUE), second]
+    answered = []
+    for name, branch, value in lines:
+        resumed, snap = ctx.ops(
+            op("resume", ctx.run, value, branch=branch), op("inspect", ctx.run, branch=branch)
+        )
+        answered.append((name, value, resumed, snap))
     failed = failures(
-        main,
-        main_snap,
-        other,
-        other_snap,
-        names=("resume main", "inspect main", "resume fork", "inspect fork"),
+        *(o for _, _, resumed, snap in answered for o in (resumed, snap)),
+        names=tuple(f"{verb} {name}" for name, *_ in answered for verb in ("resume", "inspect")),
     )
-    got_main = (state_of(main_snap) or {}).get("approved_by")
-    got_fork = (state_of(other_snap) or {}).get("approved_by")
     approve = ctx.entered()["approve"]
     ok = (
         not failed
-        and complete(state_of(main_snap), VALUE)
-        and complete(state_of(other_snap), OTHER_VALUE)
-        and approve == 2
+        and all(complete(state_of(snap), value) for _, value, _, snap in answered)
+        and approve == len(lines)
     )
-    text = (
-        f"main approved_by {got_main!r}, fork approved_by {got_fork!r}, approve entered {approve}"
+    got = ", ".join(
+        f"{name} approved_by {(state_of(snap) or {}).get('approved_by')!r}"
+        for name, _, _, snap in answered
     )
+    text = f"{got} (answered in that order), approve entered {approve}"
     if not ok:
-        return {28: Verdict(False, joined(text, failed))}
-    # (Snapshots of both lines now: a store's resume values are the whole run's.)
-    fork_before, main_before = ctx.ops(
-        op("inspect", ctx.run, branch=branch), op("inspect", ctx.run)
-    )
+        short = [
+            f"{name} ended with log {(state_of(snap) or {}).get('log')!r}"
+            for name, value, _, snap in answered
+            if not complete(state_of(snap), value)
+            and (state_of(snap) or {}).get("approved_by") == value
+        ]
+        return {28: Verdict(False, joined(text, *short, failed))}
+    # (Snapshots of every line first: a store's resume values are the whole run's.)
+    befores = ctx.ops(*(op("inspect", ctx.run, branch=branch) for _, branch, _ in lines))
     mark = ctx.mark()
-    fork_again, fork_after, main_again, main_after = ctx.ops(
-        op("resume", ctx.run, THIRD_VALUE, branch=branch),
-        op("inspect", ctx.run, branch=branch),
-        op("resume", ctx.run, THIRD_VALUE),
-        op("inspect", ctx.run),
+    outcomes = ctx.ops(
+        *(
+            o
+            for _, branch, _ in lines
+            for o in (
+                op("resume", ctx.run, THIRD_VALUE, branch=branch),
+                op("inspect", ctx.run, branch=branch),
+            )
+        ),
         stop_on_error=False,
     )
     ran = ctx.entered(after=mark)
     again = [
-        ("fork", fork_again, fork_before, fork_after),
-        ("main", main_again, main_before, main_after),
+        (name, outcomes[2 * i], befores[i], outcomes[2 * i + 1])
+        for i, (name, _, _) in enumerate(lines)
     ]
     accepted = [f"{name} ({status_of(o)})" for name, o, _, _ in again if not o.raised()]
     changed = [f"{name}: {store_diff(b, a)}" for name, _, b, a in again if not same_store(b, a)]
@@ -1013,7 +1029,7 @@ def fork_vs_consume(ctx: Context) -> dict[int, Verdict]:
                 ),
             )
         }
-    return {28: Verdict(True, joined(text, "a further value refused on both branches"))}
+    return {28: Verdict(True, joined(text, "a further value refused on every line"))}
 
 
 def fork_race(ctx: Context) -> dict[int, Verdict]:
