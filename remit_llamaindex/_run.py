@@ -306,13 +306,17 @@ class Session:
 
     # -- identity --------------------------------------------------------------
     def handle(self) -> dict[str, Any]:
-        """What `ctx.to_dict()` stores for the state: where the run lives in Remit."""
-        return {
+        """What `ctx.to_dict()` stores for the state: where the run lives in Remit; once
+        the run has ended, with the live state too (`snap.carried_handle`)."""
+        handle = {
             "store_type": snap.HANDLE_TYPE,
             "run_id": self.run_id,
             "branch": self.branch,
             "checkpoint_id": self.head_id,
         }
+        if self.mirror.is_running or self.head_id is None:
+            return handle
+        return snap.carried_handle(handle, self.store.payload(self.serializer))
 
     @property
     def fence(self) -> FenceRef | None:
@@ -680,8 +684,13 @@ class Session:
         self.opened.update(fresh)
 
     async def _after_state_write(self) -> None:
-        """A state write while parked comes from outside the run: commit it at once."""
-        if self.claim is not None or self.done:
+        """A state write while parked comes from outside the run: commit it at once.
+
+        A write once the run has ended (its handler's context, as its `StopEvent`
+        streams or after) is not the run's: committed, it would follow the ended head
+        as a "running" one. It stays in the context, which carries it into the
+        context's next run, as the framework's contexts do (`handle`)."""
+        if self.claim is not None or self.done or not self.mirror.is_running:
             return
         async with self.lock():
             await asyncio.to_thread(self.take_claim)

@@ -550,6 +550,20 @@ _HANDLE_FIELDS = (
 )
 
 
+def carried_handle(handle: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """The handle of a run that has ended, with the live state of its context: what a run
+    started from that context begins with (the state written to the context after the
+    run ended included, as the framework's contexts carry it); the ended run is only
+    named, never continued, by it."""
+    return {**handle, "state": state}
+
+
+def carried_state(handle: dict[str, Any]) -> dict[str, Any] | None:
+    """The state payload a handle carries (`carried_handle`), or None."""
+    state = handle.get("state")
+    return state if isinstance(state, dict) else None
+
+
 def check_handle(payload: dict[str, Any], **ids: Any) -> None:
     """Refuse a handle (`is_handle`) whose fields a restore cannot read, naming the field:
     a snapshot edited or written by hand would otherwise fail deep in the restore with a
@@ -568,6 +582,15 @@ def check_handle(payload: dict[str, Any], **ids: Any) -> None:
                 field=f"state.{key}",
                 **ids,
             )
+    if "state" in payload and carried_state(payload) is None:
+        found = payload["state"]
+        raise CheckpointInvalid(
+            "the context's state is a Remit handle whose carried 'state' is not a state "
+            f"payload ({type(found).__name__} {found!r:.60}); nothing was restored or "
+            "stored: restore a snapshot as ctx.to_dict() gave it",
+            field="state.state",
+            **ids,
+        )
 
 
 def state_fields(payload: dict[str, Any]) -> dict[str, Any] | None:

@@ -333,7 +333,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         framework's contexts do across runs (`_carried_state`)."""
         if snap.is_handle(serialized_state):
             assert serialized_state is not None
-            state = self._carried_state(workflow, serialized_state, serializer)
+            state = self._carried_state(workflow, run_id, serialized_state, serializer)
         elif serialized_state:
             state = self._seed(workflow, run_id, serialized_state, serializer)
         else:
@@ -371,12 +371,20 @@ class RemitRuntime(BaseRuntimeDecorator):
         return validated
 
     def _carried_state(
-        self, workflow: Workflow, handle: dict[str, Any], serializer: JsonSerializer
+        self,
+        workflow: Workflow,
+        run_id: str,
+        handle: dict[str, Any],
+        serializer: JsonSerializer,
     ) -> BaseModel:
-        """The state at the checkpoint a context's handle names: what a run started
-        with the context of an ended run begins with (its own run, under its own id;
-        the ended run is only read). A context taken before the run's first
+        """The state a run started with the context of an ended run begins with (its own
+        run, under its own id; the ended run is only read): the context's live state
+        the handle carries (`snap.carried_handle`), validated as a seed, else the
+        state at the checkpoint it names. A context taken before the run's first
         checkpoint names none: the new run begins with a fresh state."""
+        carried = snap.carried_state(handle)
+        if carried is not None:
+            return self._seed(workflow, run_id, carried, serializer)
         checkpoint_id = handle.get("checkpoint_id")
         if checkpoint_id is None:
             return infer_state_type(workflow)()
@@ -415,7 +423,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             schema=self._schema(workflow),
             serializer=serializer,
             ids=lambda: ids,
-            handle=lambda: handle,
+            handle=lambda: snap.carried_handle(handle, store.payload(serializer)),
         )
         key = public_run_id(record.run_id, record.branch)
         status = record.metadata.get("status")
