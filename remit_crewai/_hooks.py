@@ -201,9 +201,10 @@ def _on_start(ctx: Any) -> Any:
             backend._check_new_inputs(ctx.flow.state, inputs, run_id=ctx.flow.flow_id)
         except RemitError as exc:
             raise aborting(exc) from exc
-    if token is not None and inputs is None:
-        # A fork names its run through inputs["id"]: give CrewAI a dict to read it from.
-        inputs = replaced = {}
+    if token is not None and (inputs is None or isinstance(inputs, dict)):
+        # A fork names its run through inputs["id"] (`_hydrate_fork`): give CrewAI a dict
+        # of its own to read it from, not the caller's, which may start another fork.
+        inputs = replaced = dict(inputs or {})
     ex = Execution(
         flow=weakref.ref(ctx.flow),
         inputs=inputs if isinstance(inputs, dict) else None,

@@ -967,7 +967,7 @@ class RemitFlowPersistence(FlowPersistence):
                 session.schemas[name] = schema
         flow = _flow_of(session)
         if flow is not None:
-            session.flow_class = _class_name(type(flow))
+            session.flow_class = _class_name(flow)
         try:
             plan = policy.plan_continue(
                 session.run_id,
@@ -1040,8 +1040,8 @@ class RemitFlowPersistence(FlowPersistence):
     ) -> None:
         """`VersionMismatch` if flow class `saved` wrote `flow_id` (its head checkpoint
         `head`) and `flow`'s class may not continue it (`_check_flow_class`)."""
-        mine = _class_name(type(flow))
-        if saved is None or saved in self.accepts or _same_class(saved, type(flow)):
+        mine = _class_name(flow)
+        if saved is None or saved in self.accepts or _same_class(saved, flow):
             return
         raise VersionMismatch(
             f"flow {flow_id!r} was written by flow class {saved}, not {mine}: "
@@ -1206,6 +1206,7 @@ class RemitFlowPersistence(FlowPersistence):
         if before is not None:
             session.state = before
         waiting = {_interrupt_method(i.interrupt_id) for i in interrupts if i.status == "pending"}
+        _forget_last_run(flow)
         flow._completed_methods = {m for m in ledger.completed if m not in waiting}
         history = _history(ledger)
         flow.human_feedback_history = history
@@ -1609,6 +1610,17 @@ def _joins_of(
     return joins, fired, running
 
 
+def _forget_last_run(flow: Flow[Any]) -> None:
+    """Clear what CrewAI kept of an earlier run of the instance `flow` about to restart, as
+    a new instance has it: CrewAI clears it only for a kickoff without an id, and a restart
+    has one. Else an `or_` listener that failed in that run still counts as fired and
+    never runs again (nor what follows it), a join sees triggers of that run, and the
+    calls that run made count against `max_method_calls` (P1). The ledger is the past."""
+    flow._pending_events.clear()
+    flow._clear_or_listeners()
+    flow._method_call_counts.clear()
+
+
 def _leaves(condition: Any) -> set[str]:
     """The triggers a CrewAI listen condition (a name, or `{"and"|"or": [...]}`) names."""
     if isinstance(condition, str):
@@ -1844,17 +1856,34 @@ def _first_change(plain: Mapping[str, Any], back: Mapping[str, Any] | None) -> s
     return "<root>"
 
 
-def _class_name(cls: type) -> str:
-    """A flow class as its checkpoints record it: `module.Qualname`."""
-    return f"{cls.__module__}.{cls.__qualname__}"
+def _class_name(flow: Flow[Any]) -> str:
+    """The flow class of `flow` as its checkpoints record it: `module.Qualname`, and for a
+    flow built from a declaration (an instance of CrewAI's own class, as every declared
+    flow is) its declared name too (`crewai.flow.flow.Flow:Orders`): else any declared
+    flow would continue any other's, skipping its own methods that share a name."""
+    cls = type(flow)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    return f"{name}:{flow._definition.name}" if _declared(cls) else name
 
 
-def _same_class(saved: str, cls: type) -> bool:
-    """Whether `saved` (`_class_name`) names `cls`, under whichever module name: one
-    process may run the flow's file as `__main__` and another import it as a module
-    (a recovery script), or a package may be imported by another path. The class
-    name decides; a class of another name is another flow."""
-    return saved == cls.__qualname__ or saved.endswith(f".{cls.__qualname__}")
+def _declared(cls: type) -> bool:
+    """Whether `cls` is CrewAI's own flow class (a flow built from a declaration)."""
+    return cls.__module__.split(".")[0] == "crewai"
+
+
+def _same_class(saved: str, flow: Flow[Any]) -> bool:
+    """Whether `saved` (`_class_name`) names the flow class of `flow`, under whichever
+    module name: one process may run the flow's file as `__main__` and another import it
+    as a module (a recovery script), or a package may be imported by another path. The
+    class name decides (a declared flow's name with it); a class of another name is
+    another flow. A declared flow saved before its name was recorded is not checked."""
+    cls = type(flow)
+    short = cls.__qualname__
+    if _declared(cls):
+        if saved == f"{cls.__module__}.{short}":
+            return True
+        short = f"{short}:{flow._definition.name}"
+    return saved == short or saved.endswith(f".{short}")
 
 
 def _text(value: Any) -> str | None:
