@@ -28,7 +28,16 @@ context manager for `with` and `async with`.
 - `lease`: seconds a run's claim lives without a heartbeat (L1); default the
   core's `DEFAULT_LEASE`.
 - `workflow_version` / `accept_versions`: the version label recorded on every
-  checkpoint and the labels a reader accepts (`VersionMismatch` otherwise).
+  checkpoint and the other labels a reader accepts (`VersionMismatch` otherwise);
+  a saver always reads its own `workflow_version`, so `accept_versions=["v1"]` on a
+  "v2" saver reads both.
+
+Options are checked where the saver is made: a `store` that is no URL or `Remit`,
+a `workflow_version` that is no str, `accept_versions` given as one string (write
+`["v1"]`) or holding anything but str, an `allowlist` that is a string or has an
+entry neither a class nor a (module, name) tuple, a `state_schema` with no keys to
+check, and a `serde` without `dumps_typed`/`loads_typed` raise `TypeError` naming
+the option, before any node runs.
 - `serde`: a serializer of your own (LangGraph's `SerializerProtocol`, e.g. its
   `EncryptedSerializer`) in place of Remit's. Values still pass the allowlist at
   write time, and pickle is neither stored nor loaded, whatever it is configured to do.

@@ -51,6 +51,13 @@ from remit_core.errors import (
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, WriteRecord
 from remit_langgraph import _records as rec
+from remit_langgraph._options import (
+    checked_allowlist,
+    checked_serde,
+    checked_state_schema,
+    checked_store,
+    checked_versions,
+)
 from remit_langgraph._runs import LoopCall, Run, Runs, above_saver, calls_at_pause, current_run
 from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import GuardedSerializer, StrictSerializer
@@ -96,20 +103,21 @@ class RemitSaver(BaseCheckpointSaver[str]):
         accept_versions: Iterable[str] | None = None,
         serde: SerializerProtocol | None = None,
     ) -> None:
+        # Every option is checked before the store opens (`_options`).
+        checked_store(store)
+        checked_serde(serde)
+        checked_state_schema(state_schema)
+        allowlist = checked_allowlist(allowlist)
+        self.accept_versions = checked_versions(workflow_version, accept_versions)
+        lease = None if lease is None else checked_lease(lease)
         super().__init__(
             serde=StrictSerializer(allowlist)
             if serde is None
             else GuardedSerializer(serde, allowlist)
         )
-        lease = None if lease is None else checked_lease(lease)  # before the store opens
         self.remit = connect(store) if isinstance(store, str) else store
         self.lease = self.remit.lease if lease is None else lease
         self.workflow_version = workflow_version
-        self.accept_versions = (
-            set(accept_versions)
-            if accept_versions is not None
-            else ({workflow_version} if workflow_version else None)
-        )
         self._runs = Runs(self, state_schema)
         self._indexed: set[tuple[str, Any]] = set()
         self._blobs = rec.BlobCache()
