@@ -266,8 +266,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     `redis://...`) or a `Remit`. `fork_token` allows this instance to fork
     (start a new node on a run that already has one, or run an old snapshot
     again); the same token from any process names the same branch, and a
-    run started with a token is the line it names. `lease` (seconds, above
-    0) is how long a dead resumer's claim blocks the run. `workflow_version`
+    run started with a token is the line it names. `lease` (seconds, at
+    least 0.1) is how long a dead resumer's claim blocks the run. `workflow_version`
     is recorded on every snapshot; a run written by another version is refused
     unless `accept_versions` lists it (this one is always accepted).
     Bad options raise `TypeError` / `ValueError` before the store is opened.
@@ -369,11 +369,29 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return self._types().encode(snapshot)
         except Unfit as exc:
             raise CheckpointInvalid(
-                f"snapshot refused at {exc.field}: {exc.problem}; nothing was written",
+                f"snapshot refused at {exc.field}: {exc.problem}{self._untyped(exc.field)}; "
+                "nothing was written",
                 field=exc.field,
                 run_id=self.run_id,
                 checkpoint_id=snapshot.id,
             ) from exc
+
+    def _untyped(self, field: str) -> str:
+        """Why the graph's state or run-end type is None, for a value refused as not None
+        there: pydantic-graph takes them from the nodes' `BaseNode[State, Deps, RunEnd]`
+        and makes them None where no node declares them (its in-memory runs never check)."""
+        codec = self._types()
+        if field == "state" and codec.state_type is None:
+            which, name, where = "state", "state_type", "first"
+        elif field == "result.data" and codec.run_end_type is None:
+            which, name, where = "run-end", "run_end_type", "third"
+        else:
+            return ""
+        return (
+            f". The graph's {which} type is None: pydantic-graph takes it from the {where} "
+            f"parameter of its nodes' BaseNode[State, Deps, RunEnd], and none of them declares "
+            f"it. Declare it there, or pass Graph(..., {name}=...)"
+        )
 
     # -- reads -------------------------------------------------------------------
     def _status_log(self, checkpoint_id: str) -> dict[str, list[WriteRecord]]:
@@ -1158,7 +1176,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 return None
             if head.top.id == resumer.loaded and head.top.status == "pending":
                 return None  # handed out by this instance's last load_next; still its to run
-            self._set_status(resumer, head.top, "pending")
+            if head.top.status != "pending":
+                # A node loaded again and again (workers polling a pause, each giving it
+                # back) is marked once: every read of a snapshot reads its status log.
+                self._set_status(resumer, head.top, "pending")
             resumer.loaded = resumer.own_head = head.top.id
             resumer.own_node = head.top.snapshot.node
         except BaseException:
