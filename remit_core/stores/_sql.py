@@ -73,11 +73,12 @@ MIGRATIONS: dict[int, list[str]] = {
     ],
     # Engine-specific only: SQLite's one-statement commit (`stores.sqlite`), the
     # same with a few blobs, and both again with fences that carry their holder
-    # (the other engines check the holder in code).
+    # (the other engines check the holder in code); 6, PostgreSQL's id order.
     2: [],
     3: [],
     4: [],
     5: [],
+    6: [],
 }
 
 _CKPT_COLS = (

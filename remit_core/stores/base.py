@@ -27,8 +27,9 @@ from remit_core.records import (
 )
 
 #: Migration steps are numbered from 1; a store records each applied number.
-#: A step may change one engine only (2 to 5: SQLite's one-statement commits).
-SCHEMA_VERSION = 5
+#: A step may change one engine only (2 to 5: SQLite's one-statement commits; 6:
+#: PostgreSQL's order of ids).
+SCHEMA_VERSION = 6
 
 
 def url_options(url: str) -> dict[str, str]:

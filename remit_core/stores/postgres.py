@@ -344,6 +344,19 @@ class PostgresStore(SqlStore):
 
     _lock_suffix = " FOR SHARE"
     _blob_type = "BYTEA"
+    #: 6: ids are ordered by their characters, as SQLite and Redis order them, not by
+    #: the database's default collation (a language's, on most servers: "a" < "B").
+    _engine_migrations: dict[int, list[str]] = {
+        6: [
+            f'ALTER TABLE {table} ALTER COLUMN {column} TYPE TEXT COLLATE "C"'
+            for table, column in (
+                ("remit_checkpoints", "checkpoint_id"),
+                ("remit_branches", "branch"),
+                ("remit_writes", "task_id"),
+                ("remit_interrupts", "interrupt_id"),
+            )
+        ]
+    }
     _acquire_sql = _ACQUIRE_CLAIM_ASYNC
     #: A release does not wait for the WAL flush either. Lost in a server crash,
     #: it leaves the claim held until its lease ends, as if its holder had died (L1).

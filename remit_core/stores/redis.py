@@ -87,6 +87,7 @@ MIGRATIONS: dict[int, str] = {
     3: "no change here (SQLite's one-statement commit with blobs)",
     4: "no change to keys (fences carry their holder; the scripts check it)",
     5: "no change here (SQLite's one-statement commit that releases its claim)",
+    6: "no change here (PostgreSQL orders ids by their characters, as Redis does)",
 }
 
 #: Every per-run key kind, in the order the copy and delete scripts expect.
