@@ -499,7 +499,12 @@ class RemitRuntime(BaseRuntimeDecorator):
         )
         pending = {w.interrupt_id for w in snap.waiters(init) if w.pending}
         for interrupt in remit.interrupts(run_id, branch=branch.branch):
-            if interrupt.status != "consumed":
+            # Only a value accepted for what the head still waits on is decoded: the
+            # answers of earlier rounds are in the journal already, and decoding them
+            # all would make each restore cost the run's whole history, and refuse a
+            # run whose finished round was answered with a class since renamed.
+            wanted = interrupt.interrupt_id in pending or interrupt.interrupt_id in session.asks
+            if interrupt.status != "consumed" or not wanted:
                 continue
             assert interrupt.value is not None
             with snap.decoding(
