@@ -178,6 +178,15 @@ def decode_value(serde: SerializerProtocol, raw: bytes, **ids: Any) -> Any:
     return serde.loads_typed(unpack(raw, **ids))
 
 
+class _Stored:
+    """A blob known stored whose bytes the cache does not keep (see `BlobCache`)."""
+
+    __slots__ = ()
+
+
+_STORED = _Stored()
+
+
 class BlobCache:
     """The channel-value blobs this process wrote or read lately, by thread and key.
 
@@ -189,13 +198,21 @@ class BlobCache:
 
     Entries are kept per (thread, ns), least recently used threads dropped
     first, at most `size` entries in all: a checkpoint adds one entry per
-    changed channel, and one thread's entries are looked up together.
+    changed channel, and one thread's entries are looked up together. The
+    bytes kept are at most `max_bytes` in all (a state of MB-sized values
+    would otherwise hold every version it ever wrote): past it, the oldest
+    blobs' bytes are dropped first, their keys still known stored, so a put
+    does not send an unchanged value again, and a read fetches it.
     """
 
-    def __init__(self, size: int = 4096) -> None:
+    def __init__(self, size: int = 4096, max_bytes: int = 32 * 1024 * 1024) -> None:
         self._size = size
+        self._max_bytes = max_bytes
         self._count = 0
-        self._threads: OrderedDict[tuple[str, str], dict[str, bytes | None]] = OrderedDict()
+        self._bytes = 0
+        self._threads: OrderedDict[tuple[str, str], dict[str, bytes | _Stored | None]] = (
+            OrderedDict()
+        )
         self._lock = threading.Lock()
 
     def get(self, thread: str, ns: str, keys: Iterable[str]) -> dict[str, bytes | None]:
@@ -204,7 +221,12 @@ class BlobCache:
             known = self._threads.get((thread, ns))
             if known is None:
                 return {}
-            return {key: known[key] for key in keys if key in known}
+            found: dict[str, bytes | None] = {}
+            for key in keys:
+                value = known.get(key, _STORED)
+                if not isinstance(value, _Stored):
+                    found[key] = value
+            return found
 
     def holds(self, thread: str, ns: str, key: str) -> bool:
         """Whether `key`'s bytes are known stored (not merely known absent)."""
@@ -215,7 +237,7 @@ class BlobCache:
         """Forget a thread (deleted: its blobs are gone from the store)."""
         with self._lock:
             for key in [k for k in self._threads if k[0] == thread]:
-                self._count -= len(self._threads.pop(key))
+                self._forget(self._threads.pop(key))
 
     def put(self, thread: str, ns: str, blobs: Mapping[str, bytes | None]) -> None:
         with self._lock:
@@ -226,17 +248,42 @@ class BlobCache:
             else:
                 threads.move_to_end((thread, ns))
             before = len(known)
-            known.update(blobs)
+            for key, value in blobs.items():
+                self._bytes -= _held(known.get(key))
+                # (A blob larger than the whole budget is only known stored.)
+                kept = _STORED if value is not None and len(value) > self._max_bytes else value
+                known[key] = kept
+                self._bytes += _held(kept)
             self._count += len(known) - before
             while self._count > self._size:
                 oldest = next(iter(threads.values()))
                 if oldest is known:  # one thread over the budget: drop its oldest half
                     dropped = list(known)[: len(known) // 2 + 1]
-                    for key in dropped:
-                        del known[key]
-                    self._count -= len(dropped)
+                    self._forget({key: known.pop(key) for key in dropped})
                 else:
-                    self._count -= len(threads.popitem(last=False)[1])
+                    self._forget(threads.popitem(last=False)[1])
+            if self._bytes > self._max_bytes:
+                self._shed()
+
+    def _forget(self, entries: Mapping[str, bytes | _Stored | None]) -> None:
+        self._count -= len(entries)
+        self._bytes -= sum(_held(value) for value in entries.values())
+
+    def _shed(self) -> None:
+        """Drop the oldest blobs' bytes (least recently used threads first) down to
+        half the byte budget, so that a put of large values does not shed at each."""
+        for known in self._threads.values():
+            for key, value in known.items():
+                if self._bytes <= self._max_bytes // 2:
+                    return
+                if isinstance(value, bytes):
+                    known[key] = _STORED
+                    self._bytes -= len(value)
+
+
+def _held(value: bytes | _Stored | None) -> int:
+    """The bytes a cache entry holds."""
+    return len(value) if isinstance(value, bytes) else 0
 
 
 def own_blobs(

@@ -98,6 +98,8 @@ if TYPE_CHECKING:
 _GRAPH_FRAME_DEPTH = 4
 #: How many graphs' checks are remembered by their channels (then forgotten at once).
 _GRAPHS_KEPT = 256
+#: How many checkpoints a read of those newer than a head takes at a time.
+_PAGE = 16
 
 
 def above_saver(frame: FrameType | None) -> FrameType | None:
@@ -999,16 +1001,30 @@ class Runs:
     ) -> Iterator[list[WriteRecord]]:
         """The writes of each subgraph checkpoint that an `update_state` after `record`
         edited, on the run's line of its namespace (see `_asked_in_edited_subgraphs`)."""
-        for edit in self.remit.history(run.thread, verify=False):
+        for edit in self._newer_than(run.thread, record.checkpoint_id):
             if (
                 edit.ns == ""
                 or edit.parent_id is None
-                or edit.checkpoint_id <= record.checkpoint_id
                 or edit.metadata.get("source") != "update"
                 or (edit.branch != run.branch and NS_END not in edit.ns)
             ):
                 continue
             yield list(self.remit.writes(run.thread, edit.parent_id, ns=edit.ns))
+
+    def _newer_than(self, thread: str, checkpoint_id: str) -> Iterator[CheckpointRecord]:
+        """The thread's checkpoints (every namespace) newer than `checkpoint_id`, newest
+        first, read a page at a time: a resume reads what was written after its head,
+        not the thread's whole history (whose cost would grow with every pause)."""
+        before = None
+        while True:
+            page = self.remit.history(thread, before_id=before, limit=_PAGE, verify=False)
+            for record in page:
+                if record.checkpoint_id <= checkpoint_id:
+                    return
+                yield record
+            if len(page) < _PAGE:
+                return
+            before = page[-1].checkpoint_id
 
     def _refuse_later_question_of_edited_subgraph(
         self, run: Run, record: CheckpointRecord, here: Sequence[InterruptRecord]

@@ -862,7 +862,10 @@ class RemitSaver(BaseCheckpointSaver[str]):
         records = self.remit.history(thread, verify=False)
         for ns in sorted({r.ns for r in records}):
             in_ns = [r for r in records if r.ns == ns]
-            doomed = set(policy.prunable(in_ns, self.remit.branches(thread, ns=ns), keep_last=1))
+            branches = self.remit.branches(thread, ns=ns)
+            doomed = set(policy.prunable(in_ns, branches, keep_last=1))
+            if doomed:
+                doomed -= self._edited_pauses(in_ns, branches)
             deltas = {
                 ch for r in in_ns for ch in r.metadata.get("counters_since_delta_snapshot") or ()
             }
@@ -870,6 +873,31 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 doomed -= self._delta_sources(in_ns, doomed, deltas)
             if doomed:
                 self.remit.store.delete_checkpoints(thread, ns, sorted(doomed))
+
+    def _edited_pauses(
+        self, records: builtins.list[CheckpointRecord], branches: Sequence[BranchRecord]
+    ) -> set[str]:
+        """The checkpoints under each branch head made by `update_state` back to the
+        pause it edited (its nearest ancestor that is no edit, if its tasks asked there): a
+        resume of the edited pause reads its questions, and which of them an edit of
+        a subgraph replaced, from that checkpoint's writes (`Runs._pause`)."""
+        by_id = {r.checkpoint_id: r for r in records}
+        kept: set[str] = set()
+        for branch in branches:
+            at = None if branch.head_id is None else by_id.get(branch.head_id)
+            chain: builtins.list[str] = []
+            while at is not None and at.metadata.get("source") == "update" and at.parent_id:
+                at = by_id.get(at.parent_id)
+                if at is not None:
+                    chain.append(at.checkpoint_id)
+            if at is not None and chain and self._asks(at):
+                kept.update(chain)
+        return kept
+
+    def _asks(self, record: CheckpointRecord) -> bool:
+        """Whether the tasks of a checkpoint raised an interrupt there."""
+        writes = self.remit.writes(record.run_id, record.checkpoint_id, ns=record.ns)
+        return any(w.channel == INTERRUPT for w in writes)
 
     def _delta_sources(
         self, records: builtins.list[CheckpointRecord], doomed: set[str], deltas: set[str]
