@@ -248,12 +248,17 @@ class BlobCache:
             else:
                 threads.move_to_end((thread, ns))
             before = len(known)
+            size = 0  # (counted inline: a put of every checkpoint comes here)
             for key, value in blobs.items():
-                self._bytes -= _held(known.get(key))
-                # (A blob larger than the whole budget is only known stored.)
-                kept = _STORED if value is not None and len(value) > self._max_bytes else value
-                known[key] = kept
-                self._bytes += _held(kept)
+                if key in known:
+                    size -= _held(known[key])
+                if value is not None:
+                    if len(value) > self._max_bytes:
+                        known[key] = _STORED  # larger than the whole budget: known stored
+                        continue
+                    size += len(value)
+                known[key] = value
+            self._bytes += size
             self._count += len(known) - before
             while self._count > self._size:
                 oldest = next(iter(threads.values()))
