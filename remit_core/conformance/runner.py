@@ -36,6 +36,9 @@ from remit_core.conformance.scenarios import (
 ENTRY_POINT_GROUP = "remit.probe_adapters"
 #: How long one scenario (all its workers) may take before it is killed.
 SCENARIO_TIMEOUT = 600.0
+#: An N/A is the framework's reason it cannot express a scenario: one without a reason
+#: proves nothing, so the cell reads ERROR with this text.
+NO_REASON = "the adapter declared this cell N/A without a reason"
 #: How long the check that a target's server answers may take (`unreachable`).
 REACH_TIMEOUT = 15.0
 
@@ -246,7 +249,7 @@ def _scenario_body(job: _Job, lease: float) -> dict[str, Any]:
     try:
         verdicts = RUNNERS[job.scenario](ctx)
     except ScenarioNotApplicable as exc:
-        return {"na": str(exc) or "not expressible in this framework"}
+        return {"na": str(exc)}
     except WorkerCrashed as exc:
         return {"crashed": str(exc)}
     finally:
@@ -293,7 +296,7 @@ def run_matrix(
             na = dict(adapter.not_applicable(probe_target))
             for cell in cells:
                 if cell.id in na:
-                    column.cells[cell.id] = CellResult(cell.id, "N/A", na[cell.id])
+                    column.cells[cell.id] = _not_applicable(cell.id, na[cell.id])
             for scenario in scenarios:
                 todo = [c for c in cells if c.scenario == scenario and c.id not in na]
                 if not todo:
@@ -356,8 +359,11 @@ def _collect(
 ) -> None:
     wanted = [c.id for c in BY_ID.values() if c.scenario == job.scenario and c.id in selected]
     if outcome.ok and "na" in outcome.value:
+        reason = str(outcome.value["na"]).strip()
         for cell_id in wanted:
-            raw.setdefault((col, cell_id), []).append({"na": outcome.value["na"]})
+            raw.setdefault((col, cell_id), []).append(
+                {"na": reason} if reason else {"error": NO_REASON}
+            )
         return
     if outcome.ok and "crashed" in outcome.value:
         for cell_id in wanted:
@@ -377,6 +383,12 @@ def _collect(
     for key, verdict in outcome.value["verdicts"].items():
         if int(key) in wanted:
             raw.setdefault((col, int(key)), []).append(verdict)
+
+
+def _not_applicable(cell_id: int, reason: object) -> CellResult:
+    """N/A with the adapter's reason; ERROR when it gave none (the matrix prints why)."""
+    text = str(reason or "").strip()
+    return CellResult(cell_id, "N/A", text) if text else CellResult(cell_id, "ERROR", NO_REASON)
 
 
 def _aggregate(cell_id: int, runs: list[dict[str, Any]]) -> CellResult:

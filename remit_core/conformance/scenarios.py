@@ -298,15 +298,17 @@ class Context:
             return f"every other racer ({', '.join(late)}) began after the winner finished"
         return ""
 
+    def proceeders(self, after: int) -> set[str]:
+        """The resumers that entered any step after journal seq `after`."""
+        return {
+            e.resumer or f"pid{e.pid}/tid{e.tid}"
+            for e in self.env.journal.entries()
+            if e.kind == "enter" and e.seq > after
+        }
+
     def proceeded(self, after: int) -> int:
         """How many resumers entered any step after journal seq `after`."""
-        return len(
-            {
-                e.resumer or f"pid{e.pid}/tid{e.tid}"
-                for e in self.env.journal.entries()
-                if e.kind == "enter" and e.seq > after
-            }
-        )
+        return len(self.proceeders(after))
 
 
 # -- formatting observations ------------------------------------------------------
@@ -390,6 +392,21 @@ def checkpoint_before(snapshot: Outcome, step: str) -> str | None:
     return None
 
 
+def acknowledged(proceeded: set[str], acked: set[str], k: int) -> tuple[str, bool]:
+    """A race of k resumers judged: (measured text, passed).
+
+    It passes when exactly one resumer entered a step and that one, and only
+    it, was told its value was taken: a winner told it failed while a loser is
+    told "ok" acknowledges a value the run never continued with (P5).
+    """
+    text = f"{len(proceeded)} of {k} proceeded, {len(acked)} acknowledged"
+    ok = len(proceeded) == 1 and acked == proceeded
+    if len(proceeded) == 1 and len(acked) == 1 and not ok:
+        text += f", but the one that proceeded ({min(proceeded)}) was not the one acknowledged"
+        text += f" ({min(acked)})"
+    return text, ok
+
+
 def saturation(fired: int, k: int) -> float:
     return max(0.0, (fired - 1) / (k - 1))
 
@@ -442,6 +459,17 @@ def resume_twice(ctx: Context) -> dict[int, Verdict]:
     failed = failures(start, first, names=("start", "first resume"))
     if failed:
         v5 = Verdict(False, failed)
+    elif not complete(state_of(before), VALUE):
+        # The second value goes to an interrupt the first consumed: a first value
+        # acknowledged but never carried to the end left nothing consumed to refuse.
+        v5 = Verdict(
+            False,
+            joined(
+                f"the first value was acknowledged ({status_of(first)}) but the run did not "
+                f"complete with it: state {state_of(before)!r}",
+                failures(before, names=("inspect",)),
+            ),
+        )
     elif not second.raised():
         v5 = Verdict(
             False,
@@ -783,7 +811,9 @@ def corrupt_record(ctx: Context) -> dict[int, Verdict]:
     if failed:
         return {22: Verdict(False, failed)}
     checkpoint = str(corrupt.value)
+    mark = ctx.mark()
     resume = ctx.one("resume", ctx.run, VALUE)
+    ran = ctx.entered(after=mark)
     charged = ctx.counts()["charge"]
     if not resume.raised():
         return {
@@ -797,10 +827,15 @@ def corrupt_record(ctx: Context) -> dict[int, Verdict]:
     named = names(text, ctx.run) and names(text, checkpoint)
     if not named:
         return {22: Verdict(False, f"error does not name run and checkpoint: {resume.summary()}")}
+    # A record that fails to decode is never returned as a state: no step runs on it.
     return {
         22: Verdict(
-            charged == 0,
-            joined(resume.summary()[:120], f"charge applied {charged}" if charged else ""),
+            charged == 0 and not ran,
+            joined(
+                resume.summary()[:120],
+                f"but the corrupt record was read as a state: {steps_text(ran)}" if ran else "",
+                f"charge applied {charged}" if charged else "",
+            ),
         )
     }
 
@@ -1070,13 +1105,13 @@ def _k_proc(ctx: Context, k: int, p5: int, p2: int | None) -> dict[int, Verdict]
     _, outcomes = ctx.race(k, lambda i: op("resume", ctx.run, VALUE))
     fired = ctx.proceeded(mark)
     gap = ctx.race_gap(mark, k, ctx.ready)
-    acks = sum(o.ok for o in outcomes)
+    acked = {f"r{i}" for i, o in enumerate(outcomes) if o.ok}
     c = ctx.counts()
     sat = saturation(max(fired, 1), k)
     # Exactly one proceeds, and only that one is told its value was taken: the
     # others are refused (a loser acknowledged without running lost its value).
-    p5_ok = fired == 1 and acks == 1
-    out = {p5: raced(Verdict(p5_ok, f"{fired} of {k} proceeded, {acks} acknowledged", sat), gap)}
+    text, p5_ok = acknowledged(ctx.proceeders(mark), acked, k)
+    out = {p5: raced(Verdict(p5_ok, text, sat), gap)}
     if p2 is not None:
         out[p2] = raced(Verdict(c == EFFECTS_ONCE, effects_text(c), sat), gap)
     return out
@@ -1136,14 +1171,14 @@ def k8_threads(ctx: Context) -> dict[int, Verdict]:
         return {36: Verdict(False, f"worker: {whole.summary()}")}
     fired = ctx.proceeded(mark)
     gap = ctx.race_gap(mark, k, k)  # a threading.Barrier released all k threads
-    acks = sum(r.get("ok", False) for r in whole.value)
-    text = f"{fired} of {k} proceeded, {acks} acknowledged"
-    if fired != 1 or acks != 1:  # what the resumers were told, to tell a refusal from a failure
+    acked = {f"t{i}" for i, r in enumerate(whole.value) if r.get("ok", False)}
+    text, ok = acknowledged(ctx.proceeders(mark), acked, k)
+    if not ok:  # what the resumers were told, to tell a refusal from a failure
         told = sorted(
             {f"{r['error']['class']}: {r['error']['message']}" for r in whole.value if "error" in r}
         )
         text += f"; errors: {told}"
-    return {36: raced(Verdict(fired == 1 and acks == 1, text, saturation(max(fired, 1), k)), gap)}
+    return {36: raced(Verdict(ok, text, saturation(max(fired, 1), k)), gap)}
 
 
 def k8_values(ctx: Context) -> dict[int, Verdict]:
