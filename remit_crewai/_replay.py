@@ -20,6 +20,7 @@ unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Coroutine
 from typing import Any
 
 from crewai.flow import runtime
@@ -54,21 +55,27 @@ def install() -> None:
         return await run_listener(self, listener_name, result, triggering_event_id)
 
     @functools.wraps(run_start)
-    async def execute_start_method(self: Flow[Any], start_method_name: FlowMethodName) -> None:
+    def execute_start_method(
+        self: Flow[Any], start_method_name: FlowMethodName
+    ) -> Coroutine[Any, Any, None]:
+        # A plain function that hands CrewAI a coroutine: a loop through a start (a route
+        # back to it) nests one call of this per round, and a frame of its own on each
+        # would let a flow loop only half the rounds Python's recursion limit lets it.
         # CrewAI clears its resuming flag to run a start that a route loops back to; a
         # restart walks on through it as through the rest of its past.
         meeting = _meet(self, start_method_name, restarting=True)
-        if meeting is not None and not meeting[0]:
+        if meeting is None:
+            return run_start(self, start_method_name)
+        replayed, route = meeting
+        if not replayed:
             self._completed_methods.discard(start_method_name)
         resuming = self._is_execution_resuming
-        if meeting is not None:
-            self._is_execution_resuming = True
-        try:
-            await run_start(self, start_method_name)  # a replayed start goes on with its listeners
-        finally:
-            self._is_execution_resuming = resuming
-        if meeting is not None and meeting[1] is not None:
-            await _take(self, meeting[1])
+        self._is_execution_resuming = True  # (a replayed start goes on with its listeners)
+        started = run_start(self, start_method_name)
+        if route is None:
+            # (Every caller that runs a start with the flag clear sets it back itself.)
+            return started
+        return _then_route(self, started, route, resuming)
 
     engine._execute_single_listener = execute_single_listener  # type: ignore[assignment]
     engine._execute_start_method = execute_start_method  # type: ignore[assignment]
@@ -91,6 +98,18 @@ def _meet(
         return None
     replayed, route = meeting
     return replayed, None if route is None else FlowMethodName(route)
+
+
+async def _then_route(
+    flow: Flow[Any], started: Coroutine[Any, Any, None], route: FlowMethodName, resuming: bool
+) -> None:
+    """Run replayed router start `started`, then follow the route it took at that
+    occurrence (`_take`), CrewAI's resuming flag set back as it was between the two."""
+    try:
+        await started
+    finally:
+        flow._is_execution_resuming = resuming
+    await _take(flow, route)
 
 
 async def _take(flow: Flow[Any], route: FlowMethodName) -> None:

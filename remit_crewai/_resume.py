@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+from collections.abc import Coroutine
 from typing import Any
 
 from crewai.flow import runtime
@@ -74,24 +75,22 @@ def install() -> None:
     run_listeners = engine._execute_listeners
 
     @functools.wraps(run_listeners)
-    async def execute_listeners(
+    def execute_listeners(
         self: Flow[Any], trigger: FlowMethodName, result: Any, *args: Any, **kwargs: Any
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
+        # A plain function that hands CrewAI its own coroutine when there is nothing to
+        # run beside it: a loop through a start nests a call of this per round, and a
+        # frame of its own on each would halve the rounds Python's recursion limit allows.
         persistence = self.persistence
         leftovers = (
             persistence._take_leftovers(self)
             if isinstance(persistence, RemitFlowPersistence)
             else None
         )
+        listeners = run_listeners(self, trigger, result, *args, **kwargs)
         if leftovers is None:
-            await run_listeners(self, trigger, result, *args, **kwargs)
-            return
-        unfinished, late = leftovers
-        await asyncio.gather(
-            run_listeners(self, trigger, result, *args, **kwargs),
-            *(_run_again(self, FlowMethodName(m)) for m in sorted(unfinished)),
-            *(run_listeners(self, FlowMethodName(m), None) for m in sorted(late)),
-        )
+            return listeners
+        return _beside(self, listeners, *leftovers)
 
     engine.from_pending = classmethod(from_pending_releasing)  # type: ignore[assignment]
     engine.resume_async = resume_async_claiming  # type: ignore[assignment]
@@ -112,6 +111,22 @@ def _check_paused_method(flow: Flow[Any]) -> None:
         "nothing was resumed, and the flow still waits for that feedback; resume it "
         "with a flow class that has the method",
         run_id=locate(flow.flow_id)[0],
+    )
+
+
+async def _beside(
+    flow: Flow[Any],
+    listeners: Coroutine[Any, Any, None],
+    unfinished: frozenset[str],
+    late: frozenset[str],
+) -> None:
+    """Run `listeners`, the resume's first, beside what was in flight when the flow
+    paused (`Session.leftovers`): methods that did not complete run again, and the
+    listeners of those that completed after the pause was saved run."""
+    await asyncio.gather(
+        listeners,
+        *(_run_again(flow, FlowMethodName(m)) for m in sorted(unfinished)),
+        *(flow._execute_listeners(FlowMethodName(m), None) for m in sorted(late)),
     )
 
 
