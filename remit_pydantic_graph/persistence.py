@@ -259,6 +259,17 @@ def _checked_end(end: object) -> End[Any]:
     )
 
 
+def _what_commit(snapshot: Snapshot[Any, Any], via: str | None) -> str:
+    """What a commit of `snapshot` stores, in the user's words (for `_lapsed`)."""
+    if via == "update":
+        return f"the state edit (snapshot {snapshot.id!r})"
+    if via == "resume":
+        return f"the answer (snapshot {snapshot.id!r})"
+    if isinstance(snapshot, NodeSnapshot):
+        return f"the next node, {snapshot.node.get_node_id()} (snapshot {snapshot.id!r})"
+    return f"the run's End (snapshot {snapshot.id!r})"
+
+
 class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     """State persistence for pydantic-graph 1.x runs, keeping the Resume Contract.
 
@@ -594,11 +605,31 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         duration: float | None = None,
     ) -> None:
         write, entry = self._status_write(stored, status, duration)
-        self.remit.put_writes([write], mode="expect_absent", fence=self._fence(resumer))
+        with self._lapsed(f"the {status!r} status of snapshot {stored.id!r}", stored.id):
+            self.remit.put_writes([write], mode="expect_absent", fence=self._fence(resumer))
         snapshot = stored.snapshot
         assert isinstance(snapshot, NodeSnapshot)
         stored.status_idx = write.idx
         snapshot.status, snapshot.start_ts, snapshot.duration = status, entry["start_ts"], duration
+
+    @contextmanager
+    def _lapsed(self, what: str, checkpoint_id: str | None) -> Iterator[None]:
+        """`Fenced` that says what happened to a write under a claim that lapsed: the
+        process was paused or slowed past its lease, and another resumer took the run
+        over (L2). The store's own message speaks of fences and holders only."""
+        try:
+            yield
+        except Fenced as exc:
+            raise Fenced(
+                f"this instance's claim on the run lapsed (its lease of {self.lease:g} s ran "
+                "out while the process was paused or slowed) and another resumer took the run "
+                f"over: {what} was not stored. The run goes on there; to go on from here, "
+                "read it again (load_all(), paused()) or continue it with "
+                "iter_from_persistence()",
+                run_id=self.run_id,
+                checkpoint_id=checkpoint_id,
+                scope=self.branch,
+            ) from exc
 
     def _commit(
         self,
@@ -619,17 +650,22 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             None if parent is None else parent.top.id,
             1 if parent is None else parent.branch.head_seq + 1,
         )
-        self.remit.commit(
-            run_id=self.run_id,
-            checkpoint_id=snapshot.id,
-            parent_id=plan.expected_head,
-            state=body,
-            metadata={"kind": snapshot.kind, "nodes": sorted(self._types().node_ids), **metadata},
-            workflow_version=self.workflow_version,
-            fence=claim.fence,
-            plan=plan,
-            release=claim if release else None,
-        )
+        with self._lapsed(_what_commit(snapshot, metadata.get("via")), plan.expected_head):
+            self.remit.commit(
+                run_id=self.run_id,
+                checkpoint_id=snapshot.id,
+                parent_id=plan.expected_head,
+                state=body,
+                metadata={
+                    "kind": snapshot.kind,
+                    "nodes": sorted(self._types().node_ids),
+                    **metadata,
+                },
+                workflow_version=self.workflow_version,
+                fence=claim.fence,
+                plan=plan,
+                release=claim if release else None,
+            )
         resumer.own_head = snapshot.id
         resumer.own_node = snapshot.node if isinstance(snapshot, NodeSnapshot) else None
 
