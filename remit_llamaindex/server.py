@@ -12,7 +12,11 @@ Where the server's own stores fall short, this one keeps the contract:
   the run's leased claim and carries its fence: a second server cannot drive
   a run another live server holds (`ResumeConflict`), and a server whose
   lease was taken over has its writes refused (`Fenced`). The claim is
-  released when the handler ends or goes idle.
+  released when the handler ends or goes idle. A server that read a run's
+  journal to rebuild it (a restart's resume, an idle run's reload) waits out
+  the lease of the holder it finds before its first write of the run: a server
+  killed while it drove the run stops renewing, and its run is taken over once
+  that lease runs out (a live holder renews, and is refused as above).
 - Persistence errors stop the run. The server logs and swallows a failed
   tick append (`_PersistenceInternalRunAdapter.on_tick`); this store then
   cancels the run's task itself, and refuses every later write of that run
@@ -68,7 +72,7 @@ from workflows.context.state_store import (
 
 from remit_core import connect
 from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_lease
-from remit_core.errors import CheckpointInvalid, RemitError
+from remit_core.errors import CheckpointInvalid, RemitError, ResumeConflict
 from remit_core.records import FenceRef, WriteRecord
 from remit_core.schema import StateSchema
 from remit_core.stores import check_url
@@ -82,6 +86,8 @@ NS = "llamaindex.server"
 HANDLE_TYPE = "remit-server"
 _SCOPE = "server"
 _T = TypeVar("_T")
+#: Seconds waited past a holder's lease before taking its run over.
+_SETTLE = 0.1
 
 
 def _now() -> datetime:
@@ -152,6 +158,8 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         self._next: dict[tuple[str, str], int] = {}
         self._stopped: dict[str, RemitError] = {}
         self._runs: dict[str, asyncio.Task[Any]] = {}
+        # Runs whose journal this server read to rebuild them, not yet claimed since.
+        self._rebuilt: set[str] = set()
 
     @property
     def remit(self) -> Remit:
@@ -184,9 +192,27 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         if claim is not None:
             claim.release()
 
+    async def _outwait_holder(self, run_id: str) -> None:
+        """Before the first write of a run this server rebuilt from its journal, take
+        its claim, waiting once for the lease of the holder found to run out: that
+        holder is most often a server that died driving the run (L1). A holder that
+        renews meanwhile is alive, and the write is refused (`ResumeConflict`)."""
+        if run_id not in self._rebuilt:
+            return
+        try:
+            await asyncio.to_thread(self._fence, run_id)
+        except ResumeConflict:
+            held = await asyncio.to_thread(self.remit.store.get_claim, run_id, _SCOPE)
+            if held is not None:
+                left = held.expires_at - self.remit.clock()
+                await asyncio.sleep(max(0.0, left) + _SETTLE)
+            await asyncio.to_thread(self._fence, run_id)
+        self._rebuilt.discard(run_id)
+
     async def _guarded(self, run_id: str, fn: Callable[[], _T]) -> _T:
         """Run a blocking write of `run_id`; a refusal stops the run in this process."""
         try:
+            await self._outwait_holder(run_id)
             return await asyncio.to_thread(fn)
         except RemitError as exc:
             if run_id not in self._stopped:
@@ -301,6 +327,7 @@ class RemitWorkflowStore(AbstractWorkflowStore):
             events = self.remit.writes(run_id, "events", ns=NS)
             self._next[(run_id, "ticks")] = max((seq for seq, _ in rows), default=-1) + 1
             self._next[(run_id, "events")] = max((w.idx for w in events), default=-1) + 1
+            self._rebuilt.add(run_id)
         return rows
 
     async def get_ticks(self, run_id: str) -> list[StoredTick]:
