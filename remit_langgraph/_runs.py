@@ -1633,7 +1633,14 @@ def effect_scope() -> StepScope | None:
             "nothing more of it is stored; continue the thread with an open saver",
             run_id=run.thread,
         )
-    run.settle()
+    if _on_event_loop():
+        # An async node's effect: the commit in flight is not waited for here, which
+        # would hold the event loop (every other run of the server) for it. The
+        # effect's own intent write carries the fence, so a claim that commit finds
+        # taken over or given up refuses the effect as well (L2).
+        run.ensure_live()
+    else:
+        run.settle()
     parts = str(conf.get("checkpoint_ns", "")).split("|")
     # The node's own task: its step and path below; each enclosing task by its place.
     parts = [run.task_identity("|".join(parts[:i]), part) for i, part in enumerate(parts[:-1])] + [
@@ -1650,6 +1657,15 @@ def effect_scope() -> StepScope | None:
     return SharedScope(
         run.remit, run.thread, step_key, run.fence, counts=calls.counts, shared=calls.shared
     )
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread is running an asyncio event loop now."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _closed_under() -> Run | None:
