@@ -37,6 +37,7 @@ refusal from a hook is raised as its own Remit class that is also a
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import uuid
 import weakref
@@ -168,6 +169,28 @@ def aborting(error: RemitError) -> RemitError:
     return out
 
 
+class _TooDeep(RecursionError, HookAborted):
+    """A `RecursionError` CrewAI lets out of a hook (see `too_deep`)."""
+
+
+def too_deep(method: str) -> RecursionError:
+    """The error for a step of a flow whose calls went past Python's recursion limit as
+    it was about to start: a `RecursionError` (what the same flow raises without Remit)
+    that says whose limit it is, not a Remit failure. CrewAI runs a loop through a start
+    (a router routing back to `@start("again")`) as nested calls, a few per round."""
+    limit = sys.getrecursionlimit()
+    reason = (
+        f"step {method!r} did not start: the flow's calls went past Python's recursion "
+        f"limit ({limit}). CrewAI runs a loop through a start as nested calls, a few per "
+        "round, with or without Remit; raise the limit (sys.setrecursionlimit) or loop "
+        "inside one method. The flow is saved up to its last completed step: a restart "
+        "under a higher limit continues it"
+    )
+    error = _TooDeep(reason)
+    error.reason, error.source = reason, "remit"
+    return error
+
+
 def _backend(ctx: Any) -> RemitFlowPersistence | None:
     persistence = getattr(ctx.flow, "persistence", None)
     return persistence if isinstance(persistence, RemitFlowPersistence) else None
@@ -247,6 +270,8 @@ def _on_pre_step(ctx: Any) -> None:
             backend._accept(session, ctx.flow)
     except RemitError as exc:
         raise aborting(exc) from exc
+    except RecursionError as exc:
+        raise too_deep(str(ctx.step_name)) from exc
     except Exception as exc:  # CrewAI would run the step all the same: stop the flow
         raise aborting(
             RemitError(f"Remit could not prepare step {ctx.step_name!r}: {exc!r}")

@@ -199,7 +199,7 @@ def encode(body: Body) -> bytes:
             "completed": list(ledger.completed),
             "counts": ledger.counts,
             "feedback": list(ledger.feedback),
-            "routes": {m: list(taken) for m, taken in ledger.routes.items()},
+            "routes": {m: _runs_of(taken) for m, taken in ledger.routes.items()},
             **(
                 {} if not ledger.joins else {"joins": {k: list(v) for k, v in ledger.joins.items()}}
             ),
@@ -238,9 +238,7 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
                 routes=_mapping(
                     raw.get("routes", {}),
                     "routes",
-                    lambda taken, where: tuple(
-                        None if r is None else _str(r, where) for r in _list(taken, where)
-                    ),
+                    lambda taken, where: _routes(taken, where, counts),
                 ),
                 # Checkpoints written before joins were recorded have none.
                 joins=_mapping(raw.get("joins", {}), "joins", _strs),
@@ -338,6 +336,39 @@ def _feedback(value: Any, where: str) -> dict[str, Any]:
     if type(value["metadata"]) is not dict:
         raise TypeError(f"{where}.metadata is a dict, not {type(value['metadata']).__name__}")
     return value
+
+
+def _runs_of(taken: tuple[str | None, ...]) -> dict[str, list[list[Any]]]:
+    """The routes a router took, stored as runs of one route (`[route, times]`): a loop's
+    router takes the same route round after round, and the ledger is in every checkpoint
+    of the run, so that a list of every route would make each save of an N-round loop
+    grow with N (and the whole run's writes with N squared)."""
+    runs: list[list[Any]] = []
+    for route in taken:
+        if runs and runs[-1][0] == route:
+            runs[-1][1] += 1
+        else:
+            runs.append([route, 1])
+    return {"runs": runs}
+
+
+def _routes(taken: Any, where: str, counts: dict[str, int]) -> tuple[str | None, ...]:
+    """The routes of one router (`where` is `routes.<router>`) as `_runs_of` stores them,
+    at most one per completion `counts` records; or as a list of every route
+    (checkpoints written before routes were stored as runs)."""
+    if type(taken) is list:
+        return tuple(None if r is None else _str(r, where) for r in taken)
+    if type(taken) is not dict or set(taken) != {"runs"}:
+        raise TypeError(f"{where} is a list of routes or their runs")
+    runs = _list(taken["runs"], where)
+    for run in runs:
+        if type(run) is not list or len(run) != 2 or type(run[1]) is not int or run[1] < 1:
+            raise ValueError(f"{where} holds runs of [route, times], not {run!r}")
+    if sum(run[1] for run in runs) > counts.get(where.split(".", 1)[1], 0):
+        raise ValueError(f"{where} holds more routes than the router completed")
+    return tuple(
+        route for r, times in runs for route in [None if r is None else _str(r, where)] * times
+    )
 
 
 def _bytes_or_none(value: Any) -> bytes | None:

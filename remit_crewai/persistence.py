@@ -351,9 +351,9 @@ class RemitFlowPersistence(FlowPersistence):
             raise TypeError(
                 f"context must be a PendingFeedbackContext, got {type(context).__name__}"
             )
+        method = checked_id("method name (context.method_name)", context.method_name)
         with self._writing(flow_uuid, release=True) as session, session.lock:
             plain = self._plain_state(session, state_data)
-            method = str(context.method_name)
             flow = _flow_of(session)
             ledger = session.ledger
             if flow is not None:
@@ -514,7 +514,9 @@ class RemitFlowPersistence(FlowPersistence):
         CrewAI calls this before any listener runs. Deleting the pause here
         would lose it if the resumer died next; instead the resumer's claim
         keeps others out, and its lease lets another resume once it is dead.
+        A flow id that is not one raises as in `load_pending_feedback`.
         """
+        locate(flow_uuid)
 
     # -- beyond CrewAI's interface -----------------------------------------------
     def fork(
