@@ -26,7 +26,10 @@ checkpoint, one log per branch. In pydantic-graph's terms the contract reads:
   it is written (`_codec`); on read, stored bytes are verified and
   version-checked, and a stored node must be one of the graph's; a snapshot
   records its graph's nodes, and one of another graph (each has nodes the other
-  lacks) is refused though its own node has a name this graph knows.
+  lacks) is refused though its own node has a name this graph knows. A state is
+  copied as the call storing it is made: a task still changing it is not read half way.
+  An instance is set up for one graph: another (other node names, classes or types) is
+  refused by `set_graph_types`.
 - P5: `resume(node)` delivers a human's answer to a paused run, once, and
   gives the run back: any process may continue it. A driver that loaded the
   paused node as the answer came does not run it without the answer; an answer
@@ -51,6 +54,7 @@ end also when the task is cancelled (the cancellation comes once they are done).
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import re
 import threading
@@ -231,6 +235,18 @@ def _generated(kind: str, snapshot_id: object) -> bool:
     )
 
 
+def _as_called(state: _T) -> _T:
+    """`state` as it is when a call is made: a copy, taken on the caller's thread before
+    the call goes on in a worker thread (as `FullStatePersistence` copies it). A task the
+    node left behind may go on changing the state on the event loop meanwhile; the worker
+    would read it half changed, and refuse it as reading back as another. A state that
+    cannot be copied (one holding a lock in a field excluded from dumps) is used as it is."""
+    try:
+        return copy.deepcopy(state)
+    except Exception:  # not copyable: still storable, as its dump decides
+        return state
+
+
 def _checked_node(call: str, next_node: object) -> BaseNode[Any, Any, Any]:
     """`next_node` if it is a node: anything else would fail deep inside pydantic-graph's
     `NodeSnapshot` with an AttributeError that names neither the call nor the argument."""
@@ -257,6 +273,25 @@ def _checked_end(end: object) -> End[Any]:
         f"snapshot_end() takes end, the End instance the run returned; "
         f"got {type(end).__name__} {end!r}"
     )
+
+
+def _graph_difference(codec: SnapshotCodec[Any, Any], graph: Graph[Any, Any, Any]) -> str | None:
+    """How `graph` differs from the graph `codec` was built for, in the user's words."""
+    if codec.node_ids != frozenset(graph.node_defs):
+        return "its nodes have other names"
+    other = sorted(
+        node_id
+        for node_id, d in graph.node_defs.items()
+        if node_id in codec.node_types and codec.node_types[node_id] != d.node
+    )
+    if other:
+        return f"its {', '.join(other)} are other classes of the same names"
+    state_type, run_end_type = graph.inferred_types
+    if state_type != codec.state_type:
+        return f"its state type is {state_type!r}, not {codec.state_type!r}"
+    if run_end_type != codec.run_end_type:
+        return f"its run-end type is {run_end_type!r}, not {codec.run_end_type!r}"
+    return None
 
 
 def _what_commit(snapshot: Snapshot[Any, Any], via: str | None) -> str:
@@ -326,15 +361,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 f"set_graph_types() takes the pydantic-graph Graph this run belongs to, "
                 f"got {type(graph).__name__} {graph!r}"
             )
-        typed_for: frozenset[str] = frozenset() if self._codec is None else self._codec.node_ids
-        if typed_for and typed_for != frozenset(graph.node_defs):
-            # Its types were built for another graph: they would refuse this graph's nodes.
-            raise ValueError(
-                f"set_graph_types() got graph {graph.name!r} "
-                f"({', '.join(sorted(graph.node_defs))}), but this instance is set up for a "
-                f"graph of {', '.join(sorted(typed_for))}: one instance persists "
-                "one run of one graph"
-            )
+        self._check_same_graph(graph)
         self._edges = {
             node_id: (frozenset(d.next_node_edges), d.returns_base_node)
             for node_id, d in graph.node_defs.items()
@@ -342,6 +369,24 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._may_end = frozenset(n for n, d in graph.node_defs.items() if d.end_edge is not None)
         self._node_types = {node_id: d.node for node_id, d in graph.node_defs.items()}
         super().set_graph_types(graph)
+
+    def _check_same_graph(self, graph: Graph[StateT, Any, RunEndT]) -> None:
+        """`ValueError` for a graph other than the one the instance's types were built for:
+        other node names, other node classes of the same names (a graph built again by a
+        factory, a module reloaded), or another state or run-end type. Its types are built
+        once: they would read the stored run into the first graph's nodes, and this graph
+        would run their code."""
+        codec = self._codec
+        if codec is None or not codec.node_ids:
+            return
+        differs = _graph_difference(codec, graph)
+        if differs is not None:
+            raise ValueError(
+                f"set_graph_types() got graph {graph.name!r} "
+                f"({', '.join(sorted(graph.node_defs))}), but this instance is set up for a "
+                f"graph of {', '.join(sorted(codec.node_ids))}, and {differs}: one instance "
+                "persists one run of one graph (create another instance for this graph)"
+            )
 
     def should_set_types(self) -> bool:
         return self._codec is None
@@ -914,7 +959,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     # -- the interface pydantic-graph calls ----------------------------------------
     async def snapshot_node(self, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]) -> None:
-        snapshot = NodeSnapshot(state=state, node=_checked_node("snapshot_node", next_node))
+        node = _checked_node("snapshot_node", next_node)
+        snapshot = NodeSnapshot(state=_as_called(state), node=node)
         with self._turn() as resumer:
             await _in_thread(self._advance, resumer, snapshot)
 
@@ -928,7 +974,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 f"snapshot_node_if_new() got snapshot_id {snapshot_id!r}, but next_node's "
                 f"snapshot id is {node.get_snapshot_id()!r}: pass next_node.get_snapshot_id()"
             )
-        snapshot = NodeSnapshot(state=state, node=node)
+        snapshot = NodeSnapshot(state=_as_called(state), node=node)
         with self._turn() as resumer:
             try:
                 await _in_thread(self._snapshot_if_new, resumer, snapshot_id, snapshot)
@@ -1043,7 +1089,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             raise
 
     async def snapshot_end(self, state: StateT, end: End[RunEndT]) -> None:
-        snapshot = EndSnapshot(state=state, result=_checked_end(end))
+        snapshot = EndSnapshot(state=_as_called(state), result=_checked_end(end))
         with self._turn() as resumer:
             await _in_thread(self._advance, resumer, snapshot)
 
@@ -1120,6 +1166,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         alias, resumer.alias = resumer.alias, None
         if alias is not None and alias[0] == snapshot_id:
             snapshot_id = alias[1]
+        if resumer.ran is not None and resumer.ran[0].top.id == snapshot_id:
+            # The node this instance has just run, whose next snapshot is still to come: a
+            # second record_run is refused as pydantic-graph's own persistences refuse it,
+            # and the instance keeps the node (and its claim) for that snapshot.
+            GraphNodeStatusError.check(resumer.ran[0].top.status)
         try:
             head = self._read_head()
             why = self._run_reason(resumer, snapshot_id, head)
@@ -1218,6 +1269,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 self._set_status(resumer, head.top, "pending")
             resumer.loaded = resumer.own_head = head.top.id
             resumer.own_node = head.top.snapshot.node
+            resumer.ran = None  # handed out to run (again): what ran before is not its result
         except BaseException:
             self._drop(resumer)
             raise
@@ -1622,7 +1674,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if pause_id is not None:
             checked_id("pause_id", pause_id)
         with self._turn() as resumer:
-            return await _in_thread(self._update_state, resumer, state, pause_id)
+            return await _in_thread(self._update_state, resumer, _as_called(state), pause_id)
 
     def _update_state(
         self, resumer: _Resumer, state: StateT, pause_id: str | None
