@@ -339,6 +339,16 @@ class _Pool:
             conn.close()
 
 
+def _idled(exc: psycopg.Error) -> StoreUnavailable:
+    """The server ended a session whose transaction sat idle past `idle_txn_timeout_ms`
+    (the process was paused, or slowed, inside a write): nothing of it was kept."""
+    return StoreUnavailable(
+        "the PostgreSQL server ended this write's session: its transaction was idle longer "
+        "than the store's idle_txn_timeout_ms (the process was paused or slowed inside "
+        f"it), so nothing of it was kept ({exc})"
+    )
+
+
 class PostgresStore(SqlStore):
     """A pooled PostgreSQL store; the pool is re-created in a forked child."""
 
@@ -427,6 +437,8 @@ class PostgresStore(SqlStore):
                 yield _PgTxn(cur)
         except psycopg.errors.ProgramLimitExceeded as exc:
             raise _too_large(exc) from None
+        except psycopg.errors.IdleInTransactionSessionTimeout as exc:
+            raise _idled(exc) from exc
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
 
