@@ -52,8 +52,18 @@ class StepScope:
     step_key: str
     fence: FenceRef | None = None
     _occurrences: dict[str, int] = field(default_factory=dict)
+    #: Calls of one step may come from several threads (`asyncio.to_thread` copies the
+    #: step's context, and so its scope): each must get an occurrence of its own.
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def next_key(self, name: str) -> str:
+        """The key of the step's next call of effect `name`."""
+        with self._lock:
+            return self._next_key(name)
+
+    def _next_key(self, name: str) -> str:
         n = self._occurrences.get(name, 0)
         self._occurrences[name] = n + 1
         return f"{self.step_key}/{name}#{n}"
@@ -71,8 +81,8 @@ class SharedScope(StepScope):
     counts: dict[str, int] = field(default_factory=dict)
     shared: list[tuple[str, dict[str, int]]] = field(default_factory=list)
 
-    def next_key(self, name: str) -> str:
-        own = super().next_key(name)
+    def _next_key(self, name: str) -> str:
+        own = super()._next_key(name)
         n = self._occurrences[name] - 1
         self.counts[name] = max(self.counts.get(name, 0), n + 1)
         for step_key, made in self.shared:
@@ -174,6 +184,19 @@ class _Apply:
     #: The key the ledger entry holds: the one the effect was (or may have been)
     #: applied with, also in a run copied from another (whose id gave another key).
     idem: str
+    #: An effect in doubt (reconciled as not applied, or re-applied): it has no
+    #: fenced write of its own before it applies, as a first apply has its intent.
+    #: The driver first re-reads its entry through that write (`_Call.recheck`): a
+    #: holder whose claim was taken over is refused there (L2), and an entry another
+    #: caller finished meanwhile comes back as `_Recorded` instead of an outcome.
+    in_doubt: bool = False
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    """What an in-doubt `_Apply` answers when another caller recorded the outcome."""
+
+    entry: EffectRecord
 
 
 @dataclass(frozen=True)
@@ -206,11 +229,15 @@ def _protocol(
         if action == "reconcile":
             outcome = yield _Reconcile(entry.idempotency_key)
             if outcome is NOT_APPLIED:
-                outcome = yield _Apply(entry.idempotency_key)
+                outcome = yield _Apply(entry.idempotency_key, in_doubt=True)
+                if isinstance(outcome, _Recorded):
+                    return outcome.entry
                 failpoints.hit("effect.after_apply")
             return (yield _Finish(outcome))
         if action == "reapply":
-            outcome = yield _Apply(entry.idempotency_key)
+            outcome = yield _Apply(entry.idempotency_key, in_doubt=True)
+            if isinstance(outcome, _Recorded):
+                return outcome.entry
             failpoints.hit("effect.after_apply")
             return (yield _Finish(outcome))
         raise EffectInDoubt(
@@ -274,17 +301,44 @@ class _Call:
     def store_op(self, op: _Op) -> Any:
         s, store = self.scope, self.scope.remit.store
         if isinstance(op, _Get):
-            return store.get_effect(s.run_id, self.key)
+            return self._checked(store.get_effect(s.run_id, self.key))
         if isinstance(op, _Begin):
             now = s.remit.clock()
-            return store.begin_effect(s.run_id, self.key, self.idem, now=now, fence=s.fence)
+            entry, created = store.begin_effect(
+                s.run_id, self.key, self.idem, now=now, fence=s.fence
+            )
+            return self._checked(entry), created
         assert isinstance(op, _Finish)
         now = s.remit.clock()
         entry = store.finish_effect(
             s.run_id, self.key, _sealed(op.outcome, self.key), now=now, fence=s.fence
         )
         failpoints.hit("effect.after_outcome")
-        return entry
+        return self._checked(entry)
+
+    def recheck(self) -> _Recorded | None:
+        """Before an effect in doubt applies: its entry again, through the fenced
+        intent write (a no-op on an entry that exists); `Fenced` if the claim was
+        taken over, `_Recorded` if the entry is done, else None (apply it)."""
+        entry, _ = self.store_op(_Begin())
+        return _Recorded(entry) if entry.status == "done" else None
+
+    def _checked(self, entry: EffectRecord | None) -> EffectRecord | None:
+        """`entry` if it is an intent without an outcome or a done one with its outcome:
+        anything else was altered in the store, and deciding on it could apply the
+        effect again or return no outcome (P4)."""
+        if entry is None or (entry.status, entry.outcome is None) in _ENTRY_SHAPES:
+            return entry
+        has = "without" if entry.outcome is None else "with"
+        raise CorruptRecord(
+            f"stored effect entry has status {entry.status!r} {has} an outcome",
+            run_id=self.scope.run_id,
+            effect_key=self.key,
+        )
+
+
+#: The (status, outcome is None) pairs an effect's ledger entry can have.
+_ENTRY_SHAPES = frozenset({("intent", True), ("done", False)})
 
 
 def _wants_key(fn: Callable[..., Any]) -> bool:
@@ -302,7 +356,9 @@ def _scope_or_fail(name: str) -> StepScope:
     if scope is None:
         raise RemitError(
             f"effect {name!r} was called outside a Remit step: run the workflow with a "
-            "Remit backend so the effect can be recorded"
+            "Remit backend so the effect can be recorded (a thread the step starts runs "
+            "outside it unless started in the step's context, `contextvars.copy_context()"
+            ".run`, as `asyncio.to_thread` does; give such calls a key= of their own)"
         )
     return scope
 
@@ -427,8 +483,10 @@ def _drive(
         while True:
             op = gen.send(result)
             if isinstance(op, _Apply):
-                with call.applying(op.idem):
-                    result = fn(op.idem)
+                result = call.recheck() if op.in_doubt else None
+                if result is None:
+                    with call.applying(op.idem):
+                        result = fn(op.idem)
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
                 result = reconcile(op.idem)
@@ -468,8 +526,10 @@ async def _adrive(
         while True:
             op = gen.send(result)
             if isinstance(op, _Apply):
-                with call.applying(op.idem):
-                    result = await fn(op.idem)
+                result = await asyncio.to_thread(call.recheck) if op.in_doubt else None
+                if result is None:
+                    with call.applying(op.idem):
+                        result = await fn(op.idem)
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
                 # A plain function's lookup (an HTTP call, say) runs off the event loop.

@@ -17,7 +17,7 @@ import jsonschema
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
-from remit_core.errors import CheckpointInvalid, VersionMismatch
+from remit_core.errors import CheckpointInvalid, RemitError, VersionMismatch
 
 Migration = Callable[[Any], Any]
 
@@ -61,6 +61,12 @@ class Migrations:
 
     def register(self, from_version: int) -> Callable[[Migration], Migration]:
         """Decorator: `@migrations.register(1)` upgrades a version-1 state to version 2."""
+        if type(from_version) is not int:
+            # A "1" would be registered and never found: reading would say none is.
+            raise TypeError(
+                f"a migration's from_version must be an int, got {type(from_version).__name__} "
+                f"{from_version!r}"
+            )
 
         def deco(fn: Migration) -> Migration:
             if from_version in self._steps:
@@ -86,7 +92,17 @@ class Migrations:
                     f"no migration from version {v} is registered",
                     **ids,
                 )
-            value = step(value)
+            try:
+                value = step(value)
+            except RemitError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (the migration's own error, whatever it is)
+                # Raised bare, it would name neither the record nor the step that failed.
+                raise VersionMismatch(
+                    f"state has schema version {from_version}, reader expects {to_version}, "
+                    f"and the migration from version {v} failed: {type(exc).__name__}: {exc}",
+                    **ids,
+                ) from exc
         return value
 
 
@@ -101,6 +117,13 @@ class StateSchema:
         strict: bool = False,
         migrations: Migrations | None = None,
     ) -> None:
+        # Checkpoints store it as a non-negative int: any other would never match.
+        if type(version) is not int:
+            raise TypeError(
+                f"a state schema's version must be an int, got {type(version).__name__} {version!r}"
+            )
+        if version < 0:
+            raise ValueError(f"a state schema's version must be 0 or more, got {version}")
         self.type_ = type_
         self.version = version
         self.strict = strict

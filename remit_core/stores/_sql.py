@@ -262,15 +262,20 @@ def _interrupt(row: Sequence[Any]) -> InterruptRecord:
 
 
 def _effect(row: Sequence[Any]) -> EffectRecord:
-    return EffectRecord(
-        run_id=row[0],
-        effect_key=row[1],
-        idempotency_key=row[2],
-        status=row[3],
-        outcome=None if row[4] is None else bytes(row[4]),
-        created_at=float(row[5]),
-        done_at=None if row[6] is None else float(row[6]),
-    )
+    try:
+        return EffectRecord(
+            run_id=row[0],
+            effect_key=row[1],
+            idempotency_key=row[2],
+            status=row[3],
+            outcome=None if row[4] is None else bytes(row[4]),
+            created_at=float(row[5]),
+            done_at=None if row[6] is None else float(row[6]),
+        )
+    except (ValueError, TypeError) as exc:  # (a column SQLite let hold other text)
+        raise CorruptRecord(
+            f"stored effect entry does not decode: {exc}", run_id=row[0], effect_key=row[1]
+        ) from exc
 
 
 def _claim_of(run_id: str, scope: str, row: Sequence[Any] | None) -> Claim:

@@ -48,7 +48,7 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from redis import Redis
@@ -71,6 +71,7 @@ from remit_core.records import (
     CheckpointRecord,
     Claim,
     EffectRecord,
+    EffectStatus,
     FenceRef,
     InterruptRecord,
     WriteMode,
@@ -797,16 +798,23 @@ class RedisStore(Store):
     @staticmethod
     def _effect(run_id: str, effect_key: str, values: list[bytes | None]) -> EffectRecord:
         idem, status, outcome, created_at, done_at = values
-        assert idem is not None and created_at is not None
-        return EffectRecord(
-            run_id=run_id,
-            effect_key=effect_key,
-            idempotency_key=idem.decode(),
-            status="done" if status == b"done" else "intent",
-            outcome=outcome,
-            created_at=float(created_at),
-            done_at=_float(done_at),
-        )
+        try:
+            if idem is None or status is None or created_at is None:
+                raise ValueError("a field of the entry is missing")
+            return EffectRecord(
+                run_id=run_id,
+                effect_key=effect_key,
+                idempotency_key=idem.decode(),
+                # As stored: the core refuses a status that is neither of the two.
+                status=cast(EffectStatus, status.decode(errors="replace")),
+                outcome=outcome,
+                created_at=float(created_at),
+                done_at=_float(done_at),
+            )
+        except ValueError as exc:  # (UnicodeDecodeError included)
+            raise CorruptRecord(
+                f"stored effect entry does not decode: {exc}", run_id=run_id, effect_key=effect_key
+            ) from exc
 
     def begin_effect(
         self,
