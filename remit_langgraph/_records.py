@@ -139,6 +139,15 @@ def decode_body(raw: bytes, **ids: Any) -> dict[str, Any]:
     return body
 
 
+def restamped(raw: bytes, ts: str, **ids: Any) -> bytes:
+    """The checkpoint body `raw` with the timestamp `ts`: a copy of a checkpoint
+    committed later (a fork's first checkpoint) is created when it is committed."""
+    body = decode_body(raw, **ids)
+    body.pop("lg", None)  # (a body of format 1 is written again as format 2)
+    body["ts"] = ts
+    return _BODY_MARK + ormsgpack.packb(body, option=_BODY_OPTIONS)
+
+
 _BODY_KEYS = frozenset(
     {"v", "ts", "channel_versions", "versions_seen", "updated_channels", "inline"}
 )

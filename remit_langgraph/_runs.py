@@ -32,6 +32,7 @@ import collections
 import contextlib
 import contextvars
 import copy
+import datetime
 import functools
 import threading
 import typing
@@ -86,7 +87,7 @@ from remit_core.records import (
 )
 from remit_core.schema import StateSchema
 from remit_core.stores.base import display_url
-from remit_langgraph._records import THREAD_LIVES, checked_conf, thread_id
+from remit_langgraph._records import THREAD_LIVES, checked_conf, restamped, thread_id
 from remit_langgraph._schema import StateCheck, plain_record_types
 from remit_langgraph._serde import StrictSerializer
 from remit_langgraph._shared_effects import CALLS, Made, TaskCalls
@@ -751,7 +752,8 @@ class Runs:
         writes: Sequence[WriteRecord],
         token: str | None,
     ) -> tuple[CheckpointRecord, list[WriteRecord]]:
-        """Commit a fork's first checkpoint, a copy of its `base`, and return it with its writes.
+        """Commit a fork's first checkpoint, a copy of its `base` (created now, as
+        LangGraph's own fork checkpoints are), and return it with its writes.
 
         LangGraph starts a branch with a checkpoint of its own (source "fork") only
         when it time-travels from a checkpoint the thread has moved past; from a
@@ -776,7 +778,12 @@ class Runs:
             run_id=run.thread,
             checkpoint_id=checkpoint_id,
             parent_id=base.checkpoint_id,
-            state=base.state,
+            state=restamped(
+                base.state,
+                datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                run_id=run.thread,
+                checkpoint_id=base.checkpoint_id,
+            ),
             metadata=metadata,
             fork_token=token,
             schema_version=base.schema_version,

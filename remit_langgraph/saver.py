@@ -304,18 +304,24 @@ class RemitSaver(BaseCheckpointSaver[str]):
             # `get_state_history` reads it), not every branch's checkpoints of the thread.
             conf = {**conf, "checkpoint_ns": ""}
         line = self._fork_line(conf)
+        named = conf.get("checkpoint_id")
         if line is not None:
             records = [r for r in line if before_id is None or r.checkpoint_id < before_id]
+        elif named and thread is not None and ns is not None:
+            # One checkpoint named (`get_state_history` of a config with its id): read
+            # it, not a `limit`-long page of the newest, which would miss an older one.
+            one = self.remit.checkpoint(thread, named, ns=ns)
+            records = [] if one is None or (before_id and named >= before_id) else [one]
         else:
             records = self.remit.history(
                 thread,
                 ns=ns,
                 before_id=before_id,
-                limit=None if filter or thread is None else limit,
+                limit=None if filter or thread is None or named else limit,
                 verify=False,
             )
-        if conf.get("checkpoint_id"):
-            records = [r for r in records if r.checkpoint_id == conf["checkpoint_id"]]
+        if named:
+            records = [r for r in records if r.checkpoint_id == named]
         count = 0
         for raw in records:
             if limit is not None and count >= limit:
