@@ -440,6 +440,10 @@ class Session:
             self.ticks.append(tick)
             self.unsaved.append((seq, tick))
             failure = _remit_failure(tick)
+            if isinstance(failure, Fenced):  # (an effect's write, paused past the lease)
+                raise self._taken_over(
+                    failure, ": the step's effect record was not stored"
+                ) from failure
             if failure is not None:
                 raise failure
             if self.starting and isinstance(tick, TickSessionStart):
@@ -563,19 +567,22 @@ class Session:
             ]
         except (TypeError, ValueError) as exc:  # the framework's serializer refused a value
             raise _Unstorable() from exc
-        self.remit.commit(
-            run_id=self.run_id,
-            checkpoint_id=checkpoint_id,
-            parent_id=self.head_id,
-            state=body,
-            metadata=metadata,
-            fork_token=self.fork_token,
-            schema_version=self.schema_version,
-            workflow_version=self.workflow_version,
-            writes=writes,
-            fence=fence,
-            plan=self._plan(fence),
-        )
+        try:
+            self.remit.commit(
+                run_id=self.run_id,
+                checkpoint_id=checkpoint_id,
+                parent_id=self.head_id,
+                state=body,
+                metadata=metadata,
+                fork_token=self.fork_token,
+                schema_version=self.schema_version,
+                workflow_version=self.workflow_version,
+                writes=writes,
+                fence=fence,
+                plan=self._plan(fence),
+            )
+        except Fenced as exc:  # (paused between its plan and its write)
+            raise self._taken_over(exc, ": this checkpoint was not stored") from exc
         self.head_id = checkpoint_id
         self.unsaved.clear()
         self._open_interrupts(fence)
@@ -605,9 +612,17 @@ class Session:
         current = self.remit.store.get_claim(self.run_id, self.branch)
         if current is not None and (current.fence, current.holder) == (fence.fence, fence.holder):
             return
-        raise Fenced(
+        raise self._taken_over()
+
+    def _taken_over(self, refused: Fenced | None = None, what: str = "") -> Fenced:
+        """The refusal of a write this copy made under a claim that ran out and that
+        another resumer took over (L2), saying so: the store's own refusal names only
+        fence numbers. `what`: what was not stored; `refused`: the store's refusal."""
+        detail = "" if refused is None else f" (the store: {refused.message})"
+        return Fenced(
             f"this process's claim on run {self.run_id!r} ran out and another resumer took "
-            "the run over; its writes are refused and its copy of the run stops",
+            f"the run over; its writes are refused and its copy of the run stops{what}"
+            f"{detail}",
             run_id=self.run_id,
             checkpoint_id=self.head_id,
         )
@@ -714,6 +729,10 @@ class Session:
                     await self._claim_to_deliver(targets)
                 try:
                     await asyncio.to_thread(self._consume, targets, value)
+                except Fenced as exc:  # (paused while it held the claim to deliver)
+                    if took:
+                        await asyncio.to_thread(self.release_claim)
+                    raise self._taken_over(exc, ": the event was not delivered") from exc
                 except BaseException:
                     if took:
                         await asyncio.to_thread(self.release_claim)
@@ -757,7 +776,9 @@ class Session:
             ) from exc
 
     async def _claim_released(self, deadline: float) -> bool:
-        """Wait until the claim held on the run is released (True) or `deadline` passes
+        """Wait until the claim held on the run is released or its lease has run out
+        (True: a holder that died after parking the run, or while delivering to it,
+        releases nothing, and its lease is what frees the run, L1) or `deadline` passes
         (False); `ForkWithoutIntent` as soon as the head moves on: another resumer has
         the run, and taking its claim (its lease may have run out under load) would
         only fence it."""
@@ -771,7 +792,7 @@ class Session:
                     checkpoint_id=self.head_id,
                 )
             claim = await asyncio.to_thread(self.remit.store.get_claim, self.run_id, self.branch)
-            if claim is None or not claim.holder:
+            if claim is None or not claim.holder or claim.expires_at <= self.remit.clock():
                 return True
         return False
 
