@@ -41,6 +41,7 @@ from remit_core.records import (
     Claim,
     FenceRef,
     InterruptRecord,
+    InterruptStatus,
     WriteMode,
     WriteRecord,
 )
@@ -228,6 +229,7 @@ _INT_LIMIT = 2**31
 #: The largest count every engine takes (a 64-bit int).
 _COUNT_LIMIT = 2**63 - 1
 _WRITE_MODES = frozenset({"first", "overwrite", "expect_absent"})
+_INTERRUPT_STATUSES = frozenset({"pending", "consumed"})
 
 
 def _checked_write(w: WriteRecord) -> None:
@@ -1133,12 +1135,29 @@ class Remit:
         r = self.store.get_interrupt(run_id, branch, interrupt_id)
         return None if r is None else self._open_interrupt(r)
 
-    def interrupts(self, run_id: str, *, branch: str | None = None) -> list[InterruptRecord]:
-        """Interrupts of a run (of one branch, if given), oldest first, verified."""
+    def interrupts(
+        self,
+        run_id: str,
+        *,
+        branch: str | None = None,
+        checkpoint_id: str | None = None,
+        status: InterruptStatus | None = None,
+    ) -> list[InterruptRecord]:
+        """Interrupts of a run, oldest first, verified: of one branch, raised at one
+        checkpoint, in one status ("pending" or "consumed"), each if given. The store
+        selects them, so a read of one checkpoint's or of the open ones costs what
+        they are, not the rounds the run had."""
         checked_id("run_id", run_id)
         if branch is not None:
             checked_id("branch", branch)
-        return [self._open_interrupt(r) for r in self.store.list_interrupts(run_id, branch)]
+        if checkpoint_id is not None:
+            checked_id("checkpoint_id", checkpoint_id)
+        if status is not None and status not in _INTERRUPT_STATUSES:
+            raise ValueError(f"status must be 'pending' or 'consumed', not {status!r}")
+        rows = self.store.list_interrupts(
+            run_id, branch, checkpoint_id=checkpoint_id, status=status
+        )
+        return [self._open_interrupt(r) for r in rows]
 
     # -- claims ------------------------------------------------------------
     def claim(

@@ -671,8 +671,9 @@ class Runs:
         run went on. A resume value makes no fork (a fork asks its questions again)."""
         answered = [
             i.interrupt_id
-            for i in self.remit.interrupts(thread, branch=record.branch)
-            if i.checkpoint_id == record.checkpoint_id and i.status == "consumed"
+            for i in self.remit.interrupts(
+                thread, branch=record.branch, checkpoint_id=record.checkpoint_id, status="consumed"
+            )
         ]
         what = "its interrupt was already consumed" if answered else "the run has moved past it"
         return ResumeConflict(
@@ -891,14 +892,14 @@ class Runs:
         it edited. LangGraph re-runs the interrupted node from the edited state, and
         its `interrupt()` takes the value. A fork made by such an edit asks its
         base's question again, as its own (L3)."""
-        raised: dict[str | None, list[InterruptRecord]] = {}
-        for i in self.remit.interrupts(run.thread, branch=record.branch):
-            raised.setdefault(i.checkpoint_id, []).append(i)
         at: CheckpointRecord | None = record
         while at is not None:
-            if at.checkpoint_id in raised:
+            raised = self.remit.interrupts(
+                run.thread, branch=record.branch, checkpoint_id=at.checkpoint_id
+            )
+            if raised:
                 asked = at is record or self._still_asked(run.thread, record, at)
-                return raised[at.checkpoint_id] if asked else []
+                return raised if asked else []
             if at.branch != record.branch:
                 return self._ask_again(run, record.branch, at)
             if at.metadata.get("source") != "update" or at.parent_id is None:
@@ -958,19 +959,16 @@ class Runs:
         """The interrupts raised at a fork's `base`, opened anew on the fork's `branch`."""
         asked = {
             i.interrupt_id: i.prompt
-            for i in self.remit.interrupts(run.thread, branch=base.branch)
-            if i.checkpoint_id == base.checkpoint_id
+            for i in self.remit.interrupts(
+                run.thread, branch=base.branch, checkpoint_id=base.checkpoint_id
+            )
         }
         if not asked:
             return []
         self.remit.open_interrupts(
             run.thread, asked, branch=branch, checkpoint_id=base.checkpoint_id, fence=run.fence
         )
-        return [
-            i
-            for i in self.remit.interrupts(run.thread, branch=branch)
-            if i.checkpoint_id == base.checkpoint_id
-        ]
+        return self.remit.interrupts(run.thread, branch=branch, checkpoint_id=base.checkpoint_id)
 
     def _owed_across_update(
         self, run: Run, writes: Sequence[WriteRecord], here: Sequence[InterruptRecord]
@@ -1425,12 +1423,9 @@ class Runs:
         """A resume write that no run loop announced: consume the interrupt it answers now."""
         record = self.remit.checkpoint(thread, checkpoint_id)
         branch = record.branch if record is not None else MAIN_BRANCH
-        here = [
-            i
-            for i in self.remit.interrupts(thread, branch=branch)
-            if i.checkpoint_id == checkpoint_id
-        ]
-        pending = [i for i in here if i.status == "pending"]
+        pending = self.remit.interrupts(
+            thread, branch=branch, checkpoint_id=checkpoint_id, status="pending"
+        )
         if not pending:
             raise ResumeConflict(
                 "no interrupt is pending on this checkpoint; the resume value was not stored",

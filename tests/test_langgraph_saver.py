@@ -1189,3 +1189,40 @@ def test_input_refused_by_the_states_own_validator_leaves_the_thread_free(store_
     with pytest.raises((CheckpointInvalid, ValidationError), match="lo > hi"):
         graph.invoke({"lo": 11}, cfg, durability="sync")
     assert graph.invoke({"lo": 1}, cfg) == {"name": "ok", "lo": 1}
+
+
+class Rounds(TypedDict):
+    n: int
+
+
+def test_a_resume_reads_the_interrupts_of_its_pause_not_of_every_round(store_url: str) -> None:
+    """A loop that asks a human each round: answering round 40 reads the interrupts
+    raised at the pause it answers, not the 40 the thread raised before."""
+
+    def ask(state: Rounds) -> Rounds:
+        return {"n": state["n"] + interrupt({"round": state["n"]})}
+
+    builder = StateGraph(Rounds)
+    builder.add_node("ask", ask)
+    builder.add_edge(START, "ask")
+    builder.add_conditional_edges("ask", lambda s: "ask" if s["n"] < 100 else END)
+    saver = RemitSaver(store_url)
+    graph = builder.compile(checkpointer=saver)
+    config = {"configurable": {"thread_id": uuid.uuid4().hex}}
+    graph.invoke({"n": 0}, config)
+    store = saver.remit.store
+    listed = store.list_interrupts
+    read: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        found = listed(*args, **kwargs)
+        read.append(len(found))
+        return found
+
+    store.list_interrupts = counted  # type: ignore[method-assign]
+    for _ in range(40):
+        read.clear()
+        graph.invoke(Command(resume=1), config)
+    assert graph.get_state(config).values == {"n": 40}
+    assert read and max(read) <= 1, read
+    assert len(saver.remit.interrupts(config["configurable"]["thread_id"])) == 41

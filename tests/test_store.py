@@ -963,6 +963,32 @@ def test_interrupt_consumed_once_and_second_value_not_stored(store: Store, run_i
     assert len(store.list_interrupts(run_id)) == 3
 
 
+def test_interrupts_selected_by_checkpoint_and_status(remit: Remit, run_id: str) -> None:
+    """A resume reads the interrupts of one checkpoint, or the open ones: the store
+    selects them, whatever else the run raised in earlier rounds."""
+    for n in range(6):
+        remit.open_interrupts(run_id, {f"r{n}": b"ok?"}, checkpoint_id=f"c{n % 3}")
+    remit.open_interrupts(run_id, {"r9": b"ok?"}, branch="fork-a", checkpoint_id="c0")
+    remit.consume(run_id, "r0", b"yes")
+    remit.consume(run_id, "r4", b"no")
+
+    def ids(**selected: Any) -> list[str]:
+        return [i.interrupt_id for i in remit.interrupts(run_id, **selected)]
+
+    assert ids(checkpoint_id="c0") == ["r0", "r3", "r9"]
+    assert ids(branch=MAIN_BRANCH, checkpoint_id="c0") == ["r0", "r3"]
+    assert ids(status="consumed") == ["r0", "r4"]
+    assert ids(branch=MAIN_BRANCH, status="pending") == ["r1", "r2", "r3", "r5"]
+    assert ids(branch=MAIN_BRANCH, checkpoint_id="c1", status="pending") == ["r1"]
+    assert ids(checkpoint_id="c7") == []
+    (answered,) = remit.interrupts(run_id, checkpoint_id="c1", status="consumed")
+    assert (answered.interrupt_id, answered.value, answered.prompt) == ("r4", b"no", b"ok?")
+    with pytest.raises(ValueError, match="status must be 'pending' or 'consumed'"):
+        remit.interrupts(run_id, status="open")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="checkpoint_id"):
+        remit.interrupts(run_id, checkpoint_id="")
+
+
 # -- claims -------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from remit_core.records import (
     EffectRecord,
     FenceRef,
     InterruptRecord,
+    InterruptStatus,
     WriteMode,
     WriteRecord,
 )
@@ -673,12 +674,24 @@ class SqlStore(Store):
             ).fetchone()
         return None if row is None else _interrupt(row)
 
-    def list_interrupts(self, run_id: str, branch: str | None = None) -> list[InterruptRecord]:
+    def list_interrupts(
+        self,
+        run_id: str,
+        branch: str | None = None,
+        *,
+        checkpoint_id: str | None = None,
+        status: InterruptStatus | None = None,
+    ) -> list[InterruptRecord]:
         sql = f"SELECT {_INTR_COLS} FROM remit_interrupts WHERE run_id = ?"
         params: list[Any] = [run_id]
-        if branch is not None:
-            sql += " AND branch = ?"
-            params.append(branch)
+        for column, wanted in (
+            ("branch", branch),
+            ("checkpoint_id", checkpoint_id),
+            ("status", status),
+        ):
+            if wanted is not None:
+                sql += f" AND {column} = ?"
+                params.append(wanted)
         with self._read() as txn:
             rows = txn.execute(sql + " ORDER BY created_at, interrupt_id", params).fetchall()
         return [_interrupt(r) for r in rows]

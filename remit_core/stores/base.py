@@ -22,6 +22,7 @@ from remit_core.records import (
     EffectRecord,
     FenceRef,
     InterruptRecord,
+    InterruptStatus,
     WriteMode,
     WriteRecord,
 )
@@ -242,8 +243,16 @@ class Store(ABC):
         """One interrupt, or None."""
 
     @abstractmethod
-    def list_interrupts(self, run_id: str, branch: str | None = None) -> list[InterruptRecord]:
-        """Interrupts of a run (of one branch, if given), oldest first."""
+    def list_interrupts(
+        self,
+        run_id: str,
+        branch: str | None = None,
+        *,
+        checkpoint_id: str | None = None,
+        status: InterruptStatus | None = None,
+    ) -> list[InterruptRecord]:
+        """Interrupts of a run (of one branch, raised at one checkpoint, in one
+        status: each if given), oldest first."""
 
     # -- claims --------------------------------------------------------------
     @abstractmethod

@@ -74,6 +74,7 @@ from remit_core.records import (
     EffectStatus,
     FenceRef,
     InterruptRecord,
+    InterruptStatus,
     WriteMode,
     WriteRecord,
 )
@@ -748,11 +749,22 @@ class RedisStore(Store):
         cols = {c: v for c, v in zip("skpvuct", values, strict=True) if v is not None}
         return self._interrupt(run_id, member.encode(), cols)
 
-    def list_interrupts(self, run_id: str, branch: str | None = None) -> list[InterruptRecord]:
+    def list_interrupts(
+        self,
+        run_id: str,
+        branch: str | None = None,
+        *,
+        checkpoint_id: str | None = None,
+        status: InterruptStatus | None = None,
+    ) -> list[InterruptRecord]:
         rows = self._cmd("HGETALL", run_prefix(run_id) + "in")
-        found = [self._interrupt(run_id, m, cols) for m, cols in _columns(rows).items()]
-        if branch is not None:
-            found = [i for i in found if i.branch == branch]
+        found = [
+            i
+            for i in (self._interrupt(run_id, m, cols) for m, cols in _columns(rows).items())
+            if (branch is None or i.branch == branch)
+            and (checkpoint_id is None or i.checkpoint_id == checkpoint_id)
+            and (status is None or i.status == status)
+        ]
         return sorted(found, key=lambda i: (i.created_at, i.interrupt_id))
 
     # -- claims --------------------------------------------------------------
