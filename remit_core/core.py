@@ -1297,6 +1297,10 @@ class Remit:
         return self.store.delete_checkpoints(run_id, ns, sorted(doomed))
 
     def copy_run(self, source_run_id: str, target_run_id: str) -> None:
+        """Copy a run's records (checkpoints, branches, channel values, step writes,
+        interrupts, effect ledger; not its claim) to `target_run_id`, as the source
+        is at one instant, while its commits go on. Records the target has already
+        are kept, not overwritten: give it an unused id."""
         checked_id("source_run_id", source_run_id)
         self.store.copy_run(source_run_id, checked_id("target_run_id", target_run_id))
 

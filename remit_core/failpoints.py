@@ -38,6 +38,7 @@ POINTS = frozenset(
         "claim.after_acquire",
         "fork.before_create",
         "fork.in_create",
+        "copy.in_copy",
         "effect.before_intent",
         "effect.after_intent",
         "effect.after_apply",

@@ -42,6 +42,7 @@ from remit_core import (
     WriteConflict,
     WriteRecord,
     codec,
+    failpoints,
     open_store,
     policy,
 )
@@ -1219,6 +1220,40 @@ def test_copy_run(store: Store, run_id: str) -> None:
     # The copy continues independently of its source.
     store.commit_checkpoint(ckpt(target, "c03", "c02", seq=3), expected_head="c02")
     assert head_id(store, target) == "c03" and head_id(store, run_id) == "c02"
+
+
+def test_postgres_copy_run_reads_one_snapshot_while_commits_go_on(run_id: str) -> None:
+    """A copy taken while its source runs is the source at one instant: a commit
+    landing between the copy's tables (here: after its checkpoints, before its
+    branches) is in the copy whole or not at all. SQLite copies in one exclusive
+    write transaction and Redis in one script, so only PostgreSQL can interleave."""
+    import os
+    import signal
+
+    from conftest import PG_URL
+
+    store = PostgresStore(PG_URL)
+    target = f"{run_id}-copy"
+    chain(store, run_id, 2)
+    pid = os.fork()
+    if pid == 0:  # the copier: stops inside its transaction, after the first table
+        try:
+            failpoints.arm("copy.in_copy", "stop")
+            PostgresStore(PG_URL).copy_run(run_id, target)
+        finally:
+            os._exit(0)
+    try:
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        store.commit_checkpoint(ckpt(run_id, "c03", "c02", seq=3), expected_head="c02")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    copied = [c.checkpoint_id for c in store.list_checkpoints(target)]
+    assert copied == ["c02", "c01"]
+    assert head_id(store, target) == "c02"
+    assert head_id(store, run_id) == "c03"
 
 
 # -- the facade: commits, forks, validity --------------------------------------------------

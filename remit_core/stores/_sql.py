@@ -366,6 +366,11 @@ class SqlStore(Store):
         """Where one write statement runs that is atomic by itself (may be `_txn`)."""
         return self._txn()
 
+    def _snapshot_txn(self) -> contextlib.AbstractContextManager[Txn]:
+        """A write transaction whose statements all read one snapshot (`copy_run`
+        reads six tables while commits go on); `_txn` where every transaction does."""
+        return self._txn()
+
     def _lease_write(self) -> contextlib.AbstractContextManager[Txn]:
         """Where a claim is taken, renewed or given up: one statement, as `_atomic`.
 
@@ -837,7 +842,7 @@ class SqlStore(Store):
             "remit_interrupts": _INTR_COLS,
             "remit_effects": _EFFECT_COLS,
         }
-        with self._txn() as txn:
+        with self._snapshot_txn() as txn:
             for table, cols in copies.items():
                 rest = cols.split(", ", 1)[1]
                 txn.execute(
@@ -845,6 +850,7 @@ class SqlStore(Store):
                     "WHERE run_id = ? ON CONFLICT DO NOTHING",
                     (target_run_id, source_run_id),
                 )
+                failpoints.hit("copy.in_copy")
 
 
 def _now() -> float:

@@ -110,6 +110,10 @@ class _PgTxn:
     def execute(self, sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
         return self._cur.execute(_pg_placeholders(sql), params, prepare=True)
 
+    def raw(self, sql: str) -> None:
+        """A statement that is not prepared (a `SET`), with no parameters."""
+        self._cur.execute(sql, prepare=False)
+
 
 #: A commit in one statement, so one round trip: the fence check (the claim row
 #: held `FOR SHARE`), the branch head's compare-and-set, and, only if it moved,
@@ -454,6 +458,15 @@ class PostgresStore(SqlStore):
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
 
     _atomic = _read
+
+    @contextlib.contextmanager
+    def _snapshot_txn(self) -> Iterator[Txn]:
+        # READ COMMITTED reads each statement's own snapshot: a commit landing between
+        # two of `copy_run`'s tables would copy a branch head without its checkpoint.
+        with self._txn() as txn:
+            assert isinstance(txn, _PgTxn)
+            txn.raw("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            yield txn
 
     def commit_checkpoint(
         self,
