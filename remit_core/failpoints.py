@@ -39,6 +39,7 @@ POINTS = frozenset(
         "fork.before_create",
         "fork.in_create",
         "copy.in_copy",
+        "delete.in_delete",
         "effect.before_intent",
         "effect.after_intent",
         "effect.after_apply",

@@ -457,7 +457,7 @@ def test_redis_copy_run_skips_taken_names_and_tokens_as_sql(redis_store: RedisSt
 
 def test_redis_commit_fills_a_branch_with_no_head_as_sql(redis_store: RedisStore) -> None:
     def scenario(s: Store, run_id: str) -> list[Any]:
-        s.create_branch(BranchRecord(run_id, "b", None, "", 0, "base", "tok", 3.0))
+        s.create_branch(BranchRecord(run_id, "b", None, "", 0, None, "tok", 3.0))
         s.commit_checkpoint(
             CheckpointRecord(run_id, "c1", "b", None, b"s", seq=4, created_at=8.0),
             expected_head=None,

@@ -1222,6 +1222,97 @@ def test_copy_run(store: Store, run_id: str) -> None:
     assert head_id(store, target) == "c03" and head_id(store, run_id) == "c02"
 
 
+def test_a_fork_from_a_deleted_checkpoint_is_refused_and_makes_no_branch(
+    store: Store, run_id: str
+) -> None:
+    chain(store, run_id, 3)
+    assert store.delete_checkpoints(run_id, "", ["c01"]) == 1
+    gone = BranchRecord(run_id, "f1", "c01", "", 0, "c01", "tok", 5.0)
+    with pytest.raises(UnknownRecord, match="fork base does not exist") as err:
+        store.create_branch(gone)
+    assert (err.value.run_id, err.value.checkpoint_id) == (run_id, "c01")
+    assert [b.branch for b in store.list_branches(run_id)] == [MAIN_BRANCH]
+    # A token that already has its branch still answers with it.
+    kept = BranchRecord(run_id, "f2", "c02", "", 0, "c02", "tok2", 5.0)
+    assert store.create_branch(kept).base_id == "c02"
+    assert store.delete_checkpoints(run_id, "", ["c02"]) == 0  # a fork base is kept
+    assert store.create_branch(kept).base_id == "c02"
+
+
+def test_postgres_prune_and_fork_of_one_checkpoint_never_leave_a_fork_without_base(
+    run_id: str,
+) -> None:
+    """A delete of old checkpoints (`prune`) that has read which ones branches pin,
+    and a fork made from one of them at that moment: the fork waits for the delete
+    and is refused, so no branch is left whose base is gone. SQLite deletes in one
+    exclusive write transaction and Redis in one script, so only PostgreSQL can
+    interleave them."""
+    import os
+    import signal
+
+    import psycopg
+    from conftest import PG_URL
+
+    store = PostgresStore(PG_URL)
+    chain(store, run_id, 3)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the pruner: stops after reading the pinned checkpoints
+        try:
+            pruner = PostgresStore(PG_URL)
+            with pruner._read() as txn:  # the connection the delete reuses
+                backend = txn.execute("SELECT pg_backend_pid()").fetchone()[0]
+            os.write(write_end, str(backend).encode())
+            failpoints.arm("delete.in_delete", "stop")
+            pruner.delete_checkpoints(run_id, "", ["c01"])
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    pruner_backend = int(os.read(read_end, 64))
+    os.close(read_end)
+    forked: list[Any] = []
+    try:
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        fork = threading.Thread(
+            target=lambda: forked.append(
+                outcome_of(
+                    lambda: store.create_branch(
+                        BranchRecord(run_id, "f1", "c01", "", 0, "c01", "tok", 5.0)
+                    )
+                )
+            )
+        )
+        fork.start()
+        # The fork has run its statements, or waits for the stopped pruner's lock.
+        with psycopg.connect(PG_URL, autocommit=True) as admin:
+            while (
+                fork.is_alive()
+                and not admin.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                    (pruner_backend,),
+                ).fetchone()[0]
+            ):
+                time.sleep(0.01)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        _, status = os.waitpid(pid, 0)
+    fork.join()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    bases = {b.base_id for b in store.list_branches(run_id) if b.base_id is not None}
+    kept = {c.checkpoint_id for c in store.list_checkpoints(run_id)}
+    assert bases <= kept, (bases, kept, forked)
+    assert forked == ["UnknownRecord"]
+
+
+def outcome_of(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__
+    return "ok"
+
+
 def test_postgres_copy_run_reads_one_snapshot_while_commits_go_on(run_id: str) -> None:
     """A copy taken while its source runs is the source at one instant: a commit
     landing between the copy's tables (here: after its checkpoints, before its

@@ -184,10 +184,11 @@ redis.call("HSET", KEYS[1], m .. "\0q", ARGV[4])
 return 1
 """
 
-#: KEYS: fence claims, branches, fork tokens, run index. ARGV: fence, branch member,
-#: token field ("" for none), head id (opt), head seq, base id (opt), fork token
-#: (opt), created_at, escaped run id. Answers the member and columns (h, q, b, t, c)
-#: of the token's branch, or nil.
+#: KEYS: fence claims, branches, fork tokens, run index, checkpoints. ARGV: fence,
+#: branch member, token field ("" for none), head id (opt), head seq, base id
+#: (opt), fork token (opt), created_at, escaped run id, base's checkpoint field
+#: ("" for none). Answers the member and columns (h, q, b, t, c) of the token's
+#: branch, nil, or {"nobase"} if a new branch's base checkpoint is gone.
 CREATE_BRANCH = (
     _PRELUDE
     + r"""
@@ -196,6 +197,9 @@ if err then return err end
 local m, tf = ARGV[2], ARGV[3]
 if redis.call("HEXISTS", KEYS[2], m .. NUL .. "c") == 0
     and (tf == "" or redis.call("HEXISTS", KEYS[3], tf) == 0) then
+  if ARGV[10] ~= "" and redis.call("HEXISTS", KEYS[5], ARGV[10]) == 0 then
+    return {"nobase"}
+  end
   hset_opt(KEYS[2], m .. NUL .. "h", ARGV[4])
   hset_opt(KEYS[2], m .. NUL .. "b", ARGV[6])
   hset_opt(KEYS[2], m .. NUL .. "t", ARGV[7])

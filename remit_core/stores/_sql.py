@@ -366,6 +366,12 @@ class SqlStore(Store):
         """Where one write statement runs that is atomic by itself (may be `_txn`)."""
         return self._txn()
 
+    def _lock_doomed(self, txn: Txn, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> None:
+        """Before `delete_checkpoints` reads which checkpoints branches pin: lock the
+        doomed rows, where a transaction does not hold the whole store, so that a
+        fork made from one of them meanwhile (`_base_kept` waits for the lock) is
+        in that read, or, made after, finds its base gone."""
+
     def _snapshot_txn(self) -> contextlib.AbstractContextManager[Txn]:
         """A write transaction whose statements all read one snapshot (`copy_run`
         reads six tables while commits go on); `_txn` where every transaction does."""
@@ -517,6 +523,12 @@ class SqlStore(Store):
         b = branch
         with self._txn() as txn:
             self._check_fence(txn, fence)
+            if b.base_id is not None and self._is_new(txn, b) and not self._base_kept(txn, b):
+                raise UnknownRecord(
+                    "fork base does not exist (deleted, or never committed)",
+                    run_id=b.run_id,
+                    checkpoint_id=b.base_id,
+                )
             txn.execute(
                 f"INSERT INTO remit_branches ({_BRANCH_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT DO NOTHING",
@@ -798,6 +810,29 @@ class SqlStore(Store):
         return None if row is None else _effect(row)
 
     # -- whole runs ----------------------------------------------------------
+    def _is_new(self, txn: Txn, b: BranchRecord) -> bool:
+        """Whether neither `b`'s name nor its fork token is taken in its namespace."""
+        return (
+            txn.execute(
+                "SELECT 1 FROM remit_branches WHERE run_id = ? AND ns = ? "
+                "AND (branch = ? OR fork_token = ?)",
+                (b.run_id, b.ns, b.branch, b.fork_token),
+            ).fetchone()
+            is None
+        )
+
+    def _base_kept(self, txn: Txn, b: BranchRecord) -> bool:
+        """Whether a fork's base checkpoint exists, locked against its deletion (in
+        `delete_checkpoints`) until the branch that pins it is committed."""
+        return (
+            txn.execute(
+                "SELECT 1 FROM remit_checkpoints WHERE run_id = ? AND ns = ? AND checkpoint_id = ?"
+                + self._lock_suffix,
+                (b.run_id, b.ns, b.base_id),
+            ).fetchone()
+            is not None
+        )
+
     def delete_run(self, run_id: str) -> None:
         with self._txn() as txn:
             for table in _RUN_TABLES:
@@ -806,6 +841,7 @@ class SqlStore(Store):
     def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
         deleted = 0
         with self._txn() as txn:
+            self._lock_doomed(txn, run_id, ns, checkpoint_ids)
             pinned = {
                 v
                 for row in txn.execute(
@@ -815,6 +851,7 @@ class SqlStore(Store):
                 for v in row
                 if v is not None
             }
+            failpoints.hit("delete.in_delete")
             for cid in checkpoint_ids:
                 if cid in pinned:
                     continue

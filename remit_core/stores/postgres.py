@@ -459,6 +459,14 @@ class PostgresStore(SqlStore):
 
     _atomic = _read
 
+    def _lock_doomed(self, txn: Txn, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> None:
+        if checkpoint_ids:
+            txn.execute(
+                "SELECT 1 FROM remit_checkpoints WHERE run_id = ? AND ns = ? "
+                "AND checkpoint_id = ANY(?) FOR UPDATE",
+                (run_id, ns, list(checkpoint_ids)),
+            ).fetchall()
+
     @contextlib.contextmanager
     def _snapshot_txn(self) -> Iterator[Txn]:
         # READ COMMITTED reads each statement's own snapshot: a commit landing between

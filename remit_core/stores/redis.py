@@ -586,12 +586,19 @@ class RedisStore(Store):
             _opt(b.fork_token),
             repr(b.created_at),
             _esc(b.run_id),
+            "" if b.base_id is None else _join(b.base_id, b.ns),
         ]
         failpoints.hit("fork.in_create")
-        keys = [_fence_key(fence, prefix), prefix + "br", prefix + "bt", RUNS_KEY]
+        keys = [_fence_key(fence, prefix), prefix + "br", prefix + "bt", RUNS_KEY, prefix + "ck"]
         reply = self._run("CREATE_BRANCH", keys, args)
         if reply is not None and reply[0] == b"fenced":
             _raise_fenced(fence, reply)
+        if reply is not None and reply[0] == b"nobase":
+            raise UnknownRecord(
+                "fork base does not exist (deleted, or never committed)",
+                run_id=b.run_id,
+                checkpoint_id=b.base_id,
+            )
         if reply is None:
             raise HeadMoved(
                 f"branch name {b.branch!r} is taken by another fork token", run_id=b.run_id
