@@ -357,9 +357,20 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """Remember which node may follow which (for `resume`), then build the adapters.
         A graph other than the one the instance's types were built for is refused."""
         if not isinstance(graph, Graph):
+            kind = type(graph)
+            name = f"{kind.__module__}.{kind.__qualname__}"
+            if kind.__module__.startswith("pydantic_graph.") and kind.__name__ == "Graph":
+                # The builder API (`GraphBuilder(...).build()`) has no persistence
+                # interface: its runs would store nothing. Its repr is a whole diagram.
+                raise TypeError(
+                    f"set_graph_types() got {name}, a graph of pydantic-graph's builder "
+                    "API (GraphBuilder), which has no persistence interface: its runs "
+                    "cannot be stored or resumed. Build the graph from BaseNode classes "
+                    "as a pydantic_graph.graph.Graph to persist its runs"
+                )
             raise TypeError(
-                f"set_graph_types() takes the pydantic-graph Graph this run belongs to, "
-                f"got {type(graph).__name__} {graph!r}"
+                "set_graph_types() takes the BaseNode graph (pydantic_graph.graph.Graph) "
+                f"this run belongs to, got {name}"
             )
         self._check_same_graph(graph)
         self._edges = {
