@@ -1598,8 +1598,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     def _answered_pause_leads_to(self, node: BaseNode[StateT, Any, RunEndT]) -> bool:
         """Whether a pause of this line answered already may lead to `node` (a loop that
         pauses again at the same node has answered pauses that do not)."""
-        for pause in self.remit.interrupts(self.run_id, branch=self.branch):
-            if pause.status != "consumed" or pause.checkpoint_id is None:
+        for pause in self.remit.interrupts(self.run_id, branch=self.branch, status="consumed"):
+            if pause.checkpoint_id is None:
                 continue
             asked = self._read(pause.checkpoint_id).snapshot
             if not isinstance(asked, NodeSnapshot):
