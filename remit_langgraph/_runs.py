@@ -155,6 +155,9 @@ class Run:
     calls: dict[str, TaskCalls] = field(default_factory=dict)
     #: The calls earlier branches made for the tasks of its first step, by "step/place".
     shared: dict[str, Made] = field(default_factory=dict)
+    #: The checkpoint it started at if a task had paused there: a functional-API
+    #: task first run there now runs after the pause was answered (`effect_scope`).
+    past_pause: str | None = None
     #: The thread's life (see `life`), read at the first effect.
     _life: str | None = None
 
@@ -563,6 +566,8 @@ class Runs:
                     not checkpoint_id or record.metadata.get("source") in ("update", "fork")
                 ):
                     record, writes = self._fork_point(loop, run, record, writes, token)
+            if record is not None and any(w.channel == INTERRUPT for w in writes or ()):
+                run.past_pause = record.checkpoint_id
             found = None
             if record is not None and call.check is not None and self.saver.serde.validates_models:
                 # The messages of a chat, just rebuilt, need no second check (`loaded`).
@@ -1652,9 +1657,21 @@ def effect_scope() -> StepScope | None:
     task, path = "|".join(parts), meta.get("langgraph_path")
     step_key = f"{run.branch}{run.life()}/{task}/{step}/{path}"
     place = f"{task}/{path}"
-    if len(parts) > 1:  # a subgraph's task: its calls are not shared with a fork
-        return StepScope(run.remit, run.thread, step_key, run.fence)
     task_id = str(conf.get("checkpoint_ns", "")).partition(":")[2]
+    if len(parts) > 1:
+        call = _call_task(run, str(conf.get("checkpoint_ns", "")))
+        if call is None:  # a subgraph's task: its calls are not shared with a fork
+            return StepScope(run.remit, run.thread, step_key, run.fence)
+        # A functional-API task (`@task` called from a task of the graph's own loop):
+        # its writes are the loop's, so it is shared with a fork as a node is. Its
+        # calls are recorded for a fork only when it runs before the loop's checkpoint
+        # paused: one first run after the answer belongs to the branch that answered
+        # (a fork asks again), while one run again after it finds what it shared.
+        task_id, place = call
+        loop = None if run.loop is None else run.loop()
+        if loop is None or loop.checkpoint["id"] == run.past_pause:
+            shared = run.shared.get(f"{step}/{place}", [])
+            return SharedScope(run.remit, run.thread, step_key, run.fence, shared=shared)
     calls = _task_calls(run, task_id, step, place, step_key)
     return SharedScope(
         run.remit, run.thread, step_key, run.fence, counts=calls.counts, shared=calls.shared
@@ -1678,6 +1695,18 @@ def _closed_under() -> Run | None:
     run = _current.get()
     loop = None if run is None or run.loop is None else run.loop()
     return run if run is not None and loop is not None and run.remit.closed else None
+
+
+def _call_task(run: Run, ns: str) -> tuple[str, str] | None:
+    """The id and place of the task of namespace `ns` if it is one of the run's own
+    loop (a functional-API call, stored with the loop's checkpoint), else None."""
+    loop = None if run.loop is None else run.loop()
+    name, _, task_id = ns.rpartition("|")[2].partition(":")
+    task = None if loop is None else loop.tasks.get(task_id)
+    if task is None:
+        return None
+    meta = task.config.get("metadata") or {}
+    return task_id, f"{name}/{meta.get('langgraph_path')}"
 
 
 def _task_calls(run: Run, task_id: str, step: Any, place: str, step_key: str) -> TaskCalls:
