@@ -1152,7 +1152,7 @@ class Remit:
             checked_id("branch", branch)
         if checkpoint_id is not None:
             checked_id("checkpoint_id", checkpoint_id)
-        if status is not None and status not in _INTERRUPT_STATUSES:
+        if status is not None and (type(status) is not str or status not in _INTERRUPT_STATUSES):
             raise ValueError(f"status must be 'pending' or 'consumed', not {status!r}")
         rows = self.store.list_interrupts(
             run_id, branch, checkpoint_id=checkpoint_id, status=status
@@ -1283,6 +1283,7 @@ class Remit:
         # A fork base is kept: no head moves back for it (nor past it).
         doomed = set(checkpoint_ids) - {b.base_id for b in branches if b.base_id is not None}
         records = self.store.list_checkpoints(run_id, ns)
+        failpoints.hit("delete.before_move")
         for b in branches:
             if b.head_id in doomed:
                 new_head = policy.head_after_delete(b, records, doomed)
@@ -1313,9 +1314,36 @@ class Remit:
         deleted = 0
         for run_id in run_ids:
             records = self.store.list_checkpoints(checked_id("run_id", run_id), None)
+            failpoints.hit("prune.after_list")
             for ns in sorted({r.ns for r in records}):
                 in_ns = [r for r in records if r.ns == ns]
                 branches = self.store.list_branches(run_id, ns)
+                in_ns += self._kept_since(run_id, ns, in_ns, branches, keep_last)
                 doomed = policy.prunable(in_ns, branches, keep_last=keep_last)
                 deleted += self.store.delete_checkpoints(run_id, ns, doomed)
         return deleted
+
+    def _kept_since(
+        self,
+        run_id: str,
+        ns: str,
+        records: Sequence[CheckpointRecord],
+        branches: Sequence[BranchRecord],
+        keep_last: int,
+    ) -> list[CheckpointRecord]:
+        """The checkpoints among the newest `keep_last` of a branch's line that were
+        committed after `records` were listed (the branches, read after, have heads
+        the list lacks): without them the line's walk would stop at the new head and
+        count the older ones it should keep as prunable."""
+        known = {r.checkpoint_id for r in records}
+        extra: list[CheckpointRecord] = []
+        for b in branches:
+            cursor, n = b.head_id, 0
+            while cursor is not None and n < keep_last and cursor not in known:
+                record = self.store.get_checkpoint(run_id, ns, cursor)
+                if record is None:
+                    break
+                known.add(cursor)
+                extra.append(record)
+                cursor, n = record.parent_id, n + 1
+        return extra

@@ -164,8 +164,10 @@ if not head then return nil end
 return redis.call("HGET", KEYS[2], head .. "\0" .. ARGV[2])
 """
 
-#: KEYS: branches. ARGV: branch member, expected head (opt), new head (opt), seq.
-#: Answers 1 if the branch had the expected head and now has the new one, else 0.
+#: KEYS: branches, checkpoints. ARGV: branch member, expected head (opt), new head
+#: (opt), seq, new head's checkpoint field ("" for none). Answers 1 if the branch
+#: had the expected head and now has the new one, 0 if it had another head, -1 if
+#: the new head's checkpoint is gone (nothing moved).
 MOVE_HEAD = r"""
 local m = ARGV[1]
 if redis.call("HEXISTS", KEYS[1], m .. "\0c") == 0 then return 0 end
@@ -175,6 +177,7 @@ if ARGV[2] == "" then
 elseif head ~= string.sub(ARGV[2], 2) then
   return 0
 end
+if ARGV[5] ~= "" and redis.call("HEXISTS", KEYS[2], ARGV[5]) == 0 then return -1 end
 if ARGV[3] == "" then
   redis.call("HDEL", KEYS[1], m .. "\0h")
 else

@@ -34,7 +34,7 @@ from remit_core.records import (
     WriteMode,
     WriteRecord,
 )
-from remit_core.stores.base import Store, display_url, newer_schema, stale_fence
+from remit_core.stores.base import Store, display_url, head_gone, newer_schema, stale_fence
 
 #: Numbered migration steps; each is a list of statements, applied once, in order.
 MIGRATIONS: dict[int, list[str]] = {
@@ -372,6 +372,12 @@ class SqlStore(Store):
         fork made from one of them meanwhile (`_base_kept` waits for the lock) is
         in that read, or, made after, finds its base gone."""
 
+    def _lock_branches(self, txn: Txn, run_id: str) -> None:
+        """In `delete_run`, after its claims: lock the run's branch rows, where a
+        transaction does not hold the whole store, so that a commit without a fence
+        (its head's compare-and-set waits for the lock) is deleted whole or finds no
+        head to move, never leaving a checkpoint of the deleted run."""
+
     def _snapshot_txn(self) -> contextlib.AbstractContextManager[Txn]:
         """A write transaction whose statements all read one snapshot (`copy_run`
         reads six tables while commits go on); `_txn` where every transaction does."""
@@ -583,6 +589,18 @@ class SqlStore(Store):
                     run_id=run_id,
                     checkpoint_id=expected_head,
                 )
+            # The new head must be stored, and stay so to commit: locked against a
+            # delete (`delete_checkpoints` holds its doomed rows while it reads which
+            # ones heads pin), this waits for one in flight and sees its outcome.
+            if new_head is not None and (
+                txn.execute(
+                    "SELECT 1 FROM remit_checkpoints WHERE run_id = ? AND ns = ? "
+                    "AND checkpoint_id = ?" + self._lock_suffix,
+                    (run_id, ns, new_head),
+                ).fetchone()
+                is None
+            ):
+                raise head_gone(run_id, new_head)
 
     def get_blobs(self, run_id: str, ns: str, keys: Sequence[str]) -> dict[str, bytes]:
         if not keys:
@@ -711,7 +729,9 @@ class SqlStore(Store):
                 params.append(wanted)
         with self._read() as txn:
             rows = txn.execute(sql + " ORDER BY created_at, interrupt_id", params).fetchall()
-        return [_interrupt(r) for r in rows]
+        # Ties (one id on several branches at one instant) by branch, in character
+        # order, as every engine orders ids (a column's collation may not be).
+        return sorted(map(_interrupt, rows), key=lambda i: (i.created_at, i.interrupt_id, i.branch))
 
     # -- claims ------------------------------------------------------------
     def acquire_claim(
@@ -768,10 +788,20 @@ class SqlStore(Store):
                 (run_id, effect_key, idempotency_key, None, now, None),
             )
             created = cur.rowcount == 1
+            failpoints.hit("effect.in_intent")
             row = txn.execute(
                 f"SELECT {_EFFECT_COLS} FROM remit_effects WHERE run_id = ? AND effect_key = ?",
                 (run_id, effect_key),
             ).fetchone()
+        if row is None:
+            # The entry was there for the insert and gone for this read (each statement
+            # reads its own snapshot): a delete of the run, unfenced, came between.
+            raise UnknownRecord(
+                "the effect's ledger entry was deleted meanwhile (the run was deleted); "
+                "nothing was recorded",
+                run_id=run_id,
+                effect_key=effect_key,
+            )
         return _effect(row), created
 
     def finish_effect(
@@ -837,6 +867,10 @@ class SqlStore(Store):
         with self._txn() as txn:
             for table in _RUN_TABLES:
                 txn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+                if table == "remit_claims":
+                    self._lock_branches(txn, run_id)
+                elif table == "remit_checkpoints":
+                    failpoints.hit("delete.in_delete")
 
     def delete_checkpoints(self, run_id: str, ns: str, checkpoint_ids: Sequence[str]) -> int:
         deleted = 0

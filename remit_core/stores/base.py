@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from remit_core.errors import Fenced, VersionMismatch
+from remit_core.errors import Fenced, UnknownRecord, VersionMismatch
 from remit_core.records import (
     BlobRecord,
     BranchRecord,
@@ -62,6 +62,17 @@ def newer_schema(applied: Iterable[int], where: str) -> VersionMismatch | None:
     return VersionMismatch(
         f"{where} has schema {newest}, set up by a newer Remit; this one knows up to "
         f"{SCHEMA_VERSION}: upgrade remit"
+    )
+
+
+def head_gone(run_id: str, checkpoint_id: str | None) -> UnknownRecord:
+    """The refusal of `move_head` to a checkpoint that is not stored (deleted
+    meanwhile, e.g. by a prune that read the branches before the move)."""
+    return UnknownRecord(
+        "the branch's new head checkpoint does not exist (deleted meanwhile); "
+        "the head was not moved",
+        run_id=run_id,
+        checkpoint_id=checkpoint_id,
     )
 
 
@@ -175,7 +186,9 @@ class Store(ABC):
         """Set a branch's head to `new_head` if it is still `expected_head` (else `HeadMoved`).
 
         Only deletion uses it, to move a head back before its checkpoint is
-        removed; commits move heads forward with `commit_checkpoint`.
+        removed; commits move heads forward with `commit_checkpoint`. A `new_head`
+        that is not stored (a concurrent delete removed it) is refused with
+        `UnknownRecord`, in the same transaction, so no head names a lost checkpoint.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot move a branch head")
 

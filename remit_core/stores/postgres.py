@@ -54,6 +54,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the extra
     raise ImportError('the PostgreSQL store needs: pip install "remit[postgres]"') from exc
 
+#: How many times a copy runs whose snapshot a concurrent insert into its target
+#: outdated (each on a new snapshot).
+_COPY_ATTEMPTS = 5
 #: How long a connection serves before it is closed and replaced.
 _CONNECTION_LIFETIME = 3600.0
 _IDLE = psycopg.pq.TransactionStatus.IDLE
@@ -467,6 +470,11 @@ class PostgresStore(SqlStore):
                 (run_id, ns, list(checkpoint_ids)),
             ).fetchall()
 
+    def _lock_branches(self, txn: Txn, run_id: str) -> None:
+        txn.execute(
+            "SELECT 1 FROM remit_branches WHERE run_id = ? FOR UPDATE", (run_id,)
+        ).fetchall()
+
     @contextlib.contextmanager
     def _snapshot_txn(self) -> Iterator[Txn]:
         # READ COMMITTED reads each statement's own snapshot: a commit landing between
@@ -475,6 +483,20 @@ class PostgresStore(SqlStore):
             assert isinstance(txn, _PgTxn)
             txn.raw("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             yield txn
+
+    def copy_run(self, source_run_id: str, target_run_id: str) -> None:
+        # The copy's one snapshot may predate a row another client inserted into
+        # the target meanwhile (a second copy to it, a write): its insert-if-absent
+        # then fails as a serialization failure. Nothing of it was kept; run on a
+        # new snapshot, it sees that row and keeps it, as SQLite and Redis do.
+        for attempt in range(_COPY_ATTEMPTS):
+            try:
+                super().copy_run(source_run_id, target_run_id)
+                return
+            except StoreUnavailable as exc:
+                serial = isinstance(exc.__cause__, psycopg.errors.SerializationFailure)
+                if not serial or attempt == _COPY_ATTEMPTS - 1:
+                    raise
 
     def commit_checkpoint(
         self,

@@ -79,7 +79,14 @@ from remit_core.records import (
     WriteRecord,
 )
 from remit_core.stores import _redis_lua as lua
-from remit_core.stores.base import Store, display_url, newer_schema, stale_fence, url_options
+from remit_core.stores.base import (
+    Store,
+    display_url,
+    head_gone,
+    newer_schema,
+    stale_fence,
+    url_options,
+)
 
 #: Numbered layout versions recorded by `setup()`. Keys are created on first
 #: write, so version 1 creates nothing; a later version would convert keys here.
@@ -617,8 +624,18 @@ class RedisStore(Store):
         new_head: str | None,
         new_seq: int,
     ) -> None:
-        args = [_join(ns, branch), _opt_id(expected_head), _opt_id(new_head), new_seq]
-        if not self._run("MOVE_HEAD", [run_prefix(run_id) + "br"], args):
+        args = [
+            _join(ns, branch),
+            _opt_id(expected_head),
+            _opt_id(new_head),
+            new_seq,
+            "" if new_head is None else _join(new_head, ns),
+        ]
+        prefix = run_prefix(run_id)
+        moved = self._run("MOVE_HEAD", [prefix + "br", prefix + "ck"], args)
+        if moved == -1:
+            raise head_gone(run_id, new_head)
+        if not moved:
             raise HeadMoved(
                 f"branch {branch!r} no longer has head {expected_head!r}",
                 run_id=run_id,
@@ -772,7 +789,7 @@ class RedisStore(Store):
             and (checkpoint_id is None or i.checkpoint_id == checkpoint_id)
             and (status is None or i.status == status)
         ]
-        return sorted(found, key=lambda i: (i.created_at, i.interrupt_id))
+        return sorted(found, key=lambda i: (i.created_at, i.interrupt_id, i.branch))
 
     # -- claims --------------------------------------------------------------
     def acquire_claim(
