@@ -10,8 +10,8 @@ writer could recompute any unkeyed digest. Records of format 1 (a 16-byte
 BLAKE2b instead of the CRC) are still read.
 
 `dumps` / `loads` encode plain Python values as JSON with explicit tags for
-the types JSON lacks (datetime, date, time, timedelta, UUID, Decimal, bytes,
-tuple, set, frozenset, non-string dict keys). Anything else, and a subclass
+the types JSON lacks (datetime and time with their `fold`, date, timedelta,
+UUID, Decimal, bytes, tuple, set, frozenset, non-string dict keys). Anything else, and a subclass
 of these that would read back as its base type, is refused at write time with
 `TypeError`; reading never imports or calls anything.
 """
@@ -143,11 +143,13 @@ def _encode(value: Any, exact: bool = True) -> Any:
         )
         return {_TAG: type(value).__name__, "v": items}
     if isinstance(value, dt.datetime):
-        return {_TAG: "datetime", "v": value.isoformat()}
+        # An ISO string keeps no `fold`: the second of a repeated local hour (what
+        # `fromtimestamp` gives as clocks go back) has a tag of its own.
+        return {_TAG: "datetime.fold" if value.fold else "datetime", "v": value.isoformat()}
     if isinstance(value, dt.date):
         return {_TAG: "date", "v": value.isoformat()}
     if isinstance(value, dt.time):
-        return {_TAG: "time", "v": value.isoformat()}
+        return {_TAG: "time.fold" if value.fold else "time", "v": value.isoformat()}
     if isinstance(value, dt.timedelta):
         return {_TAG: "timedelta", "v": [value.days, value.seconds, value.microseconds]}
     if isinstance(value, UUID):
@@ -174,10 +176,14 @@ def _decode_tagged(tag: str, v: Any) -> Any:
         return frozenset(_freeze(_decode(x)) for x in v)
     if tag == "datetime":
         return dt.datetime.fromisoformat(v)
+    if tag == "datetime.fold":
+        return dt.datetime.fromisoformat(v).replace(fold=1)
     if tag == "date":
         return dt.date.fromisoformat(v)
     if tag == "time":
         return dt.time.fromisoformat(v)
+    if tag == "time.fold":
+        return dt.time.fromisoformat(v).replace(fold=1)
     if tag == "timedelta":
         return dt.timedelta(days=v[0], seconds=v[1], microseconds=v[2])
     if tag == "uuid":

@@ -72,7 +72,8 @@ def same(a: Any, b: Any) -> bool:
     if cls is set or cls is frozenset:
         return {(type(x), x) for x in a} == {(type(y), y) for y in b}
     if cls is dt.datetime or cls is dt.time:
-        return a == b and a.utcoffset() == b.utcoffset() and inexact(a) is None
+        same_fold = a.fold == b.fold  # `==` ignores it between naive values
+        return a == b and same_fold and a.utcoffset() == b.utcoffset() and inexact(a) is None
     if cls is float and a != a:
         return b != b  # NaN
     if cls is Decimal and (a.is_nan() or b.is_nan()):

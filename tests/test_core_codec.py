@@ -216,3 +216,15 @@ def test_any_single_bit_flip_is_detected(body: bytes, data: st.DataObject) -> No
     flipped[bit // 8] ^= 1 << (bit % 8)
     with pytest.raises((CorruptRecord, VersionMismatch)):
         codec.unseal(bytes(flipped), f"id-{len(body)}")
+
+
+def test_the_second_of_a_repeated_local_hour_keeps_its_fold() -> None:
+    """A naive datetime or time with `fold=1` (what `fromtimestamp` gives in the hour
+    clocks go back) reads back with it: its ISO string alone would be the first of the
+    two times, an hour early. One with `fold=0` is stored as before."""
+    second = dt.datetime(2021, 11, 7, 1, 30, fold=1)
+    at = dt.time(1, 30, fold=1)
+    back = codec.loads(codec.dumps({"at": second, "t": at, "first": second.replace(fold=0)}))
+    assert (back["at"].fold, back["t"].fold, back["first"].fold) == (1, 1, 0)
+    assert back == {"at": second, "t": at, "first": second.replace(fold=0)}
+    assert codec.dumps(second.replace(fold=0)) == b'{"$remit":"datetime","v":"2021-11-07T01:30:00"}'
