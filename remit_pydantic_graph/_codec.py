@@ -607,6 +607,10 @@ def _difference(
             return None if math.isnan(read) else (path, ours, read)
         if not _equal(ours, read) or _demoted(ours, read, declared) or _zone_lost(ours, read):
             return path, ours, read
+        if isinstance(ours, (datetime.datetime, datetime.time)) and ours.fold != read.fold:
+            # The second of a repeated local hour (`fromtimestamp` as clocks go back): its
+            # ISO form keeps no fold, and `==` of naive values ignores it.
+            return path, ours, read
         return None
     if type(ours) is not type(read) and not isinstance(ours, (Mapping, list, tuple)):
         return path, ours, read

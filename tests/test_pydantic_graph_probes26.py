@@ -14,6 +14,7 @@ Faults found:
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import signal
 import time
@@ -149,3 +150,30 @@ def test_processes_racing_to_continue_a_run_whose_winner_is_killed_after_its_eff
     assert world.sink.counts() == {"charge": 1}
     entered = world.entered()
     assert entered["answer"] == 1 and entered["done"] == 1 and entered["pay"] == 2
+
+
+@dataclass
+class Clock:
+    at: datetime.datetime | None = None
+
+
+@dataclass
+class StampRepeatedHour(BaseNode[Clock, None, str]):
+    async def run(self, ctx: GraphRunContext[Clock]) -> End[str]:
+        ctx.state.at = datetime.datetime(2021, 11, 7, 1, 30, fold=1)
+        return End("stamped")
+
+
+def test_a_naive_datetime_of_the_repeated_hour_is_refused_not_moved_an_hour(url: str) -> None:
+    """P4: the second 01:30 of a night clocks go back (`fold=1`, what `fromtimestamp`
+    gives then) is written by pydantic as its ISO form, which keeps no fold: it would read
+    back as the first 01:30, an hour early, and `==` of naive values ignores the fold. The
+    snapshot is refused naming the field, and nothing of it is stored."""
+    from remit_core import CheckpointInvalid
+
+    graph = Graph(nodes=[StampRepeatedHour])
+    p = RemitStatePersistence(url, run_id=f"fold-{time.time_ns()}")
+    with pytest.raises(CheckpointInvalid, match="state.at") as err:
+        asyncio.run(graph.run(StampRepeatedHour(), state=Clock(), persistence=p))
+    assert "fold=1" in str(err.value)
+    assert all(not isinstance(s, EndSnapshot) for s in asyncio.run(p.load_all()))
