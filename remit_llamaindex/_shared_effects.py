@@ -33,11 +33,14 @@ class WorkItemEffects:
     shared: list[tuple[str, dict[str, int]]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        """A copy, not a view: the step's calls go on counting (other workers, threads)
+        while the checkpoint holding this is written, and its stored metadata must stay
+        the copy sealed in its body."""
         return {
             "step": self.step,
             "item": self.item,
-            "counts": self.counts,
-            "shared": [[key, counts] for key, counts in self.shared],
+            "counts": dict(self.counts),
+            "shared": [[key, dict(counts)] for key, counts in self.shared],
         }
 
     @classmethod

@@ -816,7 +816,11 @@ class RemitRuntime(BaseRuntimeDecorator):
             if not waiting & accepted:
                 return None
         try:
-            return workflow.run(ctx=self.context(workflow, run_id))
+            # The context of the head read above, not of the head read again: one that
+            # ended meanwhile would be run as a context of an ended run, i.e. started
+            # over as a new run, its steps and effects again.
+            ctx = self.context(workflow, run_id, checkpoint_id=record.checkpoint_id)
+            return workflow.run(ctx=ctx)
         except ForkWithoutIntent as exc:
             # The head this recovery read moved on before its claim: another
             # resumer took the run over, and this one lost the race.
