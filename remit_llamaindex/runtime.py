@@ -498,14 +498,17 @@ class RemitRuntime(BaseRuntimeDecorator):
             forked=record.branch != branch.branch,
         )
         pending = {w.interrupt_id for w in snap.waiters(init) if w.pending}
-        for interrupt in remit.interrupts(run_id, branch=branch.branch):
-            # Only a value accepted for what the head still waits on is decoded: the
-            # answers of earlier rounds are in the journal already, and decoding them
-            # all would make each restore cost the run's whole history, and refuse a
-            # run whose finished round was answered with a class since renamed.
-            wanted = interrupt.interrupt_id in pending or interrupt.interrupt_id in session.asks
-            if interrupt.status != "consumed" or not wanted:
-                continue
+        # Only a value accepted for what the head still waits on is read and decoded:
+        # the answers of earlier rounds are in the journal already, and reading them
+        # all would make each restore cost the run's whole history, and refuse a run
+        # whose finished round was answered with a class since renamed.
+        accepted = [
+            asked
+            for interrupt_id in pending | set(session.asks)
+            if (asked := remit.interrupt(run_id, interrupt_id, branch=branch.branch)) is not None
+            and asked.status == "consumed"
+        ]
+        for interrupt in sorted(accepted, key=lambda i: (i.created_at, i.interrupt_id)):
             assert interrupt.value is not None
             with snap.decoding(
                 f"the value accepted for interrupt {interrupt.interrupt_id!r}", **ids
@@ -808,12 +811,12 @@ class RemitRuntime(BaseRuntimeDecorator):
             return None
         if status == snap.WAITING:
             waiting = set(record.metadata.get("waiting", ()))
-            accepted = {
-                i.interrupt_id
-                for i in self.remit.interrupts(record.run_id, branch=record.branch)
-                if i.status == "consumed"
-            }
-            if not waiting & accepted:
+            if not any(
+                (found := self.remit.interrupt(record.run_id, waiter, branch=record.branch))
+                is not None
+                and found.status == "consumed"
+                for waiter in waiting
+            ):
                 return None
         try:
             # The context of the head read above, not of the head read again: one that
@@ -977,14 +980,15 @@ class RemitRuntime(BaseRuntimeDecorator):
         would have answered, if there is one (`why`: what else the message says). One
         of an earlier round of a run with work in `state` (`snap.answered_earlier`) is
         left to `check_awaited`, which says that a step is still in flight."""
-        for interrupt in self.remit.interrupts(record.run_id, branch=record.branch):
+        answered = self.remit.interrupts(record.run_id, branch=record.branch, status="consumed")
+        for interrupt in answered:
             prompt = codec.loads(interrupt.prompt) if interrupt.prompt else {}
             if state is not None and snap.answered_earlier(
                 state, interrupt.interrupt_id, prompt, event
             ):
                 continue
             asked = prompt.get("kind") == "ask" and snap.is_answer(event)
-            if interrupt.status == "consumed" and (asked or snap.would_answer(prompt, event)):
+            if asked or snap.would_answer(prompt, event):
                 return ResumeConflict(
                     f"interrupt was already consumed{why}; the value was not delivered",
                     run_id=run_id,

@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from llamaindex_parts import until_parked
 from workflows import Context, Workflow, step
 from workflows.errors import WorkflowCancelledByUser, WorkflowTimeoutError
 from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
@@ -751,3 +752,87 @@ def test_edited_run_metadata_is_refused_as_corrupt(store_url: str) -> None:
             await rt.respond(TwoWaiters(runtime=rt), run, Reply(to="a", response="yes-a"))
 
     asyncio.run(go())
+
+
+class Round(Event):
+    n: int
+
+
+class AskEachRound(Workflow):
+    @step
+    async def begin(self, ev: StartEvent) -> Round:
+        return Round(n=0)
+
+    @step
+    async def ask(self, ctx: Context, ev: Round) -> Round | StopEvent:
+        answer = await ctx.wait_for_event(
+            HumanResponseEvent,
+            waiter_event=InputRequiredEvent(prefix=f"round {ev.n}?"),
+            waiter_id=f"round-{ev.n}",
+        )
+        if answer.response == "stop":
+            return StopEvent(result=ev.n)
+        return Round(n=ev.n + 1)
+
+
+def test_an_answer_reads_the_interrupts_its_run_waits_on_not_every_rounds(
+    store_url: str,
+) -> None:
+    """A run that asks each round, answered through a new runtime and workflow each
+    time (as another process would): restoring it for the 9th answer reads the
+    interrupt it waits on, not the 8 its earlier rounds consumed."""
+    run = f"rounds-{uuid.uuid4().hex[:12]}"
+    read: list[int] = []
+
+    def counting(rt: RemitRuntime) -> None:
+        store = rt.remit.store
+        listed, got = store.list_interrupts, store.get_interrupt
+
+        def counted_list(*args: Any, **kwargs: Any) -> Any:
+            found = listed(*args, **kwargs)
+            read.append(len(found))
+            return found
+
+        def counted_get(*args: Any, **kwargs: Any) -> Any:
+            found = got(*args, **kwargs)
+            read.append(found is not None)
+            return found
+
+        store.list_interrupts = counted_list  # type: ignore[method-assign]
+        store.get_interrupt = counted_get  # type: ignore[method-assign]
+
+    async def main() -> Any:
+        rt = RemitRuntime(store_url)
+        flow = AskEachRound(timeout=None)
+        flow._runtime = rt
+        handlers = [flow.run(run_id=run)]
+        await until_parked(rt, run)
+        for n in range(9):
+            rt = RemitRuntime(store_url)
+            if n == 8:
+                read.clear()
+                counting(rt)
+            flow = AskEachRound(timeout=None)
+            flow._runtime = rt
+            answer = HumanResponseEvent(response="stop" if n == 8 else f"go {n}")
+            handlers.append(await rt.respond(flow, run, answer))
+            if n == 8:
+                break
+            for _ in range(400):  # until the next round asks
+                head = (await asyncio.to_thread(rt.checkpoints, run))[0]
+                if head.status == "waiting" and any(f"round-{n + 1}" in w for w in head.waiting):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"round {n + 1} never asked: {head}")
+        result = await asyncio.wait_for(handlers[-1], 20.0)
+        # The copies left parked by earlier rounds can take no answer: stop them here.
+        for parked in handlers[:-1]:
+            await parked.cancel_run()
+        await asyncio.gather(*handlers[:-1], return_exceptions=True)
+        return result
+
+    assert asyncio.run(main()) == 8
+    assert 0 < sum(read) <= 3, read
+    assert len(RemitRuntime(store_url).remit.interrupts(run)) == 9
+    assert RemitRuntime(store_url).status(run) == "completed"
