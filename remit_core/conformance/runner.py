@@ -29,6 +29,7 @@ from remit_core.conformance.processes import Outcome, Worker, fork
 from remit_core.conformance.scenarios import (
     RUNNERS,
     Context,
+    LateNotApplicable,
     ScenarioNotApplicable,
     WorkerCrashed,
 )
@@ -250,6 +251,8 @@ def _scenario_body(job: _Job, lease: float) -> dict[str, Any]:
         verdicts = RUNNERS[job.scenario](ctx)
     except ScenarioNotApplicable as exc:
         return {"na": str(exc)}
+    except LateNotApplicable as exc:
+        return {"crashed": f"N/A declared too late: {exc}"}
     except WorkerCrashed as exc:
         return {"crashed": str(exc)}
     finally:

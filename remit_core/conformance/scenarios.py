@@ -9,7 +9,9 @@ here knows which target is expected to pass.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 import uuid
@@ -63,6 +65,13 @@ class ScenarioNotApplicable(Exception):
     """An operation raised the adapter's `NotApplicable`: the scenario's cells read N/A."""
 
 
+class LateNotApplicable(Exception):
+    """An operation raised `NotApplicable` after the scenario had shown the framework
+    expresses it: the same operation went through earlier in the scenario, or this
+    call entered a step or applied an effect before it raised. N/A is a framework's
+    inability, not a way out of a verdict: the scenario's cells read ERROR."""
+
+
 class WorkerCrashed(Exception):
     """A worker ended without an answer nobody asked for: timed out, exited without a
     result, or killed by a signal no crash point was armed to send (the OOM killer, a
@@ -95,6 +104,10 @@ class Context:
         self.armed: dict[int, set[str]] = {}
         self.copies: list[Context] = []
         self.ready = 0
+        #: Operations that went through (or were killed at an armed point) in this scenario.
+        self.expressed: set[str] = set()
+        #: pid -> the names of the operations its `start_ops` worker runs.
+        self.op_names: dict[int, list[str]] = {}
 
     # -- processes -----------------------------------------------------------
     def spawn(
@@ -155,11 +168,15 @@ class Context:
             for name, args, kwargs in ops:
                 if timed:
                     env.journal.record("race", "begin")
+                marks = (env.journal.last_seq(), env.sink.last_seq())
                 try:
                     value = getattr(session, name)(*args, **kwargs)
                     out.append({"ok": True, "value": to_plain(value)})
                 except Exception as exc:  # an operation's failure is an observation
-                    out.append({"ok": False, "error": describe_error(exc)})
+                    # (What it did first tells a late N/A from an inability.)
+                    out.append(
+                        {"ok": False, "error": describe_error(exc), "traces": _traces(env, *marks)}
+                    )
                     if stop_on_error:
                         break
                 finally:
@@ -167,21 +184,39 @@ class Context:
                         env.journal.record("race", "end")
             return out
 
-        return self.spawn(script, **spawn)
+        worker = self.spawn(script, **spawn)
+        self.op_names[worker.pid] = [name for name, _, _ in ops]
+        return worker
 
     def finish_ops(self, worker: Worker, count: int, **wait: Any) -> list[Outcome]:
         """Wait for a `start_ops` worker; one outcome per operation."""
         whole = self.answered(worker, worker.wait(**wait))
+        ran = self.op_names.get(worker.pid, [])
         if not whole.ok:
+            # Killed or stopped at an armed point: the operation it ran got that far.
+            self.expressed.update(ran[:1] if count == 1 else ())
             return [whole] * count
         results = [
             Outcome("ok", value=r["value"]) if r["ok"] else Outcome("error", error=r["error"])
             for r in whole.value
         ]
         results += [Outcome("skipped")] * (count - len(results))
-        for r in results:
+        for i, (r, raw) in enumerate(zip(results, whole.value, strict=False)):
+            name = ran[i] if i < len(ran) else f"operation {i + 1}"
             if r.raised("NotApplicable"):
-                raise ScenarioNotApplicable(r.error["message"] if r.error else "")
+                reason = r.error["message"] if r.error else ""
+                if raw.get("traces"):
+                    raise LateNotApplicable(
+                        f"{name} declared N/A ({reason!r}) after it {raw['traces']}"
+                    )
+                if name in self.expressed:
+                    raise LateNotApplicable(
+                        f"{name} declared N/A ({reason!r}) though an earlier {name} of this "
+                        "scenario went through"
+                    )
+                raise ScenarioNotApplicable(reason)
+            if r.ok:
+                self.expressed.add(name)
         return results
 
     def ops(self, *ops: Op, stop_on_error: bool = True, **spawn: Any) -> list[Outcome]:
@@ -208,9 +243,14 @@ class Context:
             for i in range(k)
         ]
         self.ready = barrier.release(RACE_BARRIER_TIMEOUT)
+        wholes = [self.answered(w, w.wait(stopped_counts=stopped_counts)) for w in workers]
+        # A racer's N/A is judged against every racer: one that went through shows
+        # the framework expresses the operation, whichever racer was reaped first.
+        for w, whole in zip(workers, wholes, strict=True):
+            if whole.ok and any(r["ok"] for r in whole.value):
+                self.expressed.update(self.op_names.get(w.pid, []))
         outcomes = []
-        for w in workers:
-            whole = self.answered(w, w.wait(stopped_counts=stopped_counts))
+        for w, whole in zip(workers, wholes, strict=True):
             if whole.ok:
                 (outcome,) = self.finish_ops(w, 1)
             else:
@@ -240,6 +280,7 @@ class Context:
         self.env.db.backup_to(folder / "world.db")
         ctx.env = ProbeEnv(folder, ctx.target, self.lease)
         ctx.run, ctx.workers, ctx.armed, ctx.copies = self.run, self.workers, self.armed, []
+        ctx.expressed, ctx.op_names, ctx.ready = self.expressed, self.op_names, 0
         self.copies.append(ctx)
         return ctx
 
@@ -309,6 +350,21 @@ class Context:
     def proceeded(self, after: int) -> int:
         """How many resumers entered any step after journal seq `after`."""
         return len(self.proceeders(after))
+
+
+def _traces(env: ProbeEnv, journal_mark: int, sink_mark: int) -> str:
+    """What this process did in the world since the marks: steps entered, effects applied."""
+    pid = os.getpid()
+    entered = Counter(
+        e.name
+        for e in env.journal.entries()
+        if e.kind == "enter" and e.pid == pid and e.seq > journal_mark
+    )
+    applied = env.sink.applied_by(pid, after=sink_mark)
+    return joined(
+        "entered " + " ".join(f"{s}={n}" for s, n in sorted(entered.items())) if entered else "",
+        "applied " + " ".join(f"{e}={n}" for e, n in sorted(applied.items())) if applied else "",
+    )
 
 
 # -- formatting observations ------------------------------------------------------
@@ -581,8 +637,15 @@ def crash_after_effect(ctx: Context) -> dict[int, Verdict]:
     e, c = ctx.entered(), ctx.counts()
     done = complete(state_of(snap), VALUE)
     state = "" if done else f"final state {state_of(snap)!r}"
+    # In doubt, the charge is reconciled (its hook asked "did K happen?"), never applied
+    # again: a repeat under the same key is single only because this sink ignores it.
+    rekeyed = ctx.env.sink.repeats()
+    again = f"applied again under the same key: {dict(rekeyed)}" if rekeyed else ""
     return {
-        11: Verdict(not failed and done and c == EFFECTS_ONCE, joined(effects_text(c), failed)),
+        11: Verdict(
+            not failed and done and c == EFFECTS_ONCE and not rekeyed,
+            joined(effects_text(c), again, failed),
+        ),
         12: Verdict(
             not failed and done and e["prepare"] == 1 and e["approve"] == 1,
             joined(steps_text(e), state, failed),
@@ -700,9 +763,21 @@ def recover_killed(ctx: Context) -> dict[int, Verdict]:
     if no_crash:
         return {18: Verdict(False, no_crash)}
     ctx.wait_lease()
+    mark = ctx.mark()
     first = ctx.ops(op("recover", ctx.run), arm=[("notify.before_effect", "kill")])[0]
-    if first.status != "killed":
+    midway = [e.name for e in ctx.env.journal.entries() if e.kind == "point" and e.seq > mark]
+    if first.status != "killed" or first.signal != signal.SIGKILL:
         return {18: Verdict(False, f"first recovery was not killed midway: {first.summary()}")}
+    if "notify.before_effect" not in midway:
+        # Died before it got midway (charge redone, notify begun): the second recovery
+        # continued the same store as a plain recovery would, which proves nothing here.
+        return {
+            18: Verdict(
+                False,
+                f"first recovery died before notify.before_effect ({first.summary()}; "
+                f"points reached: {', '.join(midway) or 'none'})",
+            )
+        }
     recover, snap = _recover(ctx)
     failed = failures(recover, names=("second recovery",))
     want, got = state_of(ref_snap), state_of(snap)
@@ -938,7 +1013,7 @@ def fork_token_again(ctx: Context) -> dict[int, Verdict]:
     if failed or base is None:
         return {26: Verdict(False, failed or "no stored checkpoint before charge")}
     first = ctx.one("fork", ctx.run, base, "fork-token-2")
-    applied = ctx.counts()
+    applied, repeated, mark = ctx.counts(), ctx.env.sink.repeats(), ctx.mark()
     second, after = ctx.ops(op("fork", ctx.run, base, "fork-token-2"), op("inspect", ctx.run))
     failed = failures(first, second, after, names=("first fork", "second fork", "inspect"))
     if failed:
@@ -946,14 +1021,25 @@ def fork_token_again(ctx: Context) -> dict[int, Verdict]:
     grew = after.value["branches"] - before.value["branches"]
     same_branch = first.value["branch"] == second.value["branch"]
     same_out = state_of(first) == state_of(second)
-    # The same branch again: its effects are in the ledger, none is applied a second time.
+    # The same branch again: its steps are durably completed (P1) and its effects in
+    # the ledger. None is run or applied a second time, not even under the same
+    # idempotency keys (the sink ignores those, but a real system may not).
     reapplied = ctx.counts() - applied
+    rekeyed = ctx.env.sink.repeats() - repeated
+    rerun = ctx.entered(after=mark)
     text = (
         f"{grew} new branch(es); branch {'same' if same_branch else 'different'}; "
         f"outputs {'identical' if same_out else 'differ'}"
         + (f"; the second presentation {effects_text(reapplied)}" if reapplied else "")
+        + (f"; the second presentation re-ran the fork: {steps_text(rerun)}" if rerun else "")
+        + (
+            f"; the second presentation applied again under the same keys: {dict(rekeyed)}"
+            if rekeyed
+            else ""
+        )
     )
-    return {26: Verdict(grew == 1 and same_branch and same_out and not reapplied, text)}
+    ok = grew == 1 and same_branch and same_out and not (reapplied or rerun or rekeyed)
+    return {26: Verdict(ok, text)}
 
 
 def fork_effects(ctx: Context) -> dict[int, Verdict]:
@@ -962,16 +1048,23 @@ def fork_effects(ctx: Context) -> dict[int, Verdict]:
     base = checkpoint_before(before, "notify")
     if failed or base is None:
         return {27: Verdict(False, failed or "no stored checkpoint before notify")}
+    mark = ctx.mark()
     forked = ctx.one("fork", ctx.run, base, "fork-token-3")
     c = ctx.counts()
     failed = failures(forked, names=("fork",))
     # The fork must really continue (to the end): a fork that runs nothing applies nothing.
     ran = complete(state_of(forked), VALUE)
+    # Nor is charge applied again under its key (the sink ignores that; a real
+    # system may not), or run again at all: it is in the shared prefix.
+    rekeyed = ctx.env.sink.repeats()["charge"]
+    rerun = ctx.entered(after=mark)["charge"]
     return {
         27: Verdict(
-            not failed and ran and c["charge"] == 1,
+            not failed and ran and c["charge"] == 1 and not rekeyed and not rerun,
             joined(
                 f"charge applied {c['charge']} after the fork",
+                f"applied again under the same key {rekeyed} time(s)" if rekeyed else "",
+                f"charge entered {rerun} time(s) by the fork" if rerun else "",
                 "" if ran or failed else f"the fork ended {status_of(forked)}",
                 failed,
             ),

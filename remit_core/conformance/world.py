@@ -45,6 +45,15 @@ CREATE TABLE IF NOT EXISTS effects (
     t REAL NOT NULL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS effects_by_key ON effects (key) WHERE key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS repeats (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    key TEXT NOT NULL,
+    run TEXT,
+    pid INTEGER NOT NULL,
+    resumer TEXT,
+    t REAL NOT NULL
+);
 """
 
 #: The label of the resumer now running in this thread/task (set by the harness).
@@ -160,18 +169,20 @@ class EffectSink:
         """Apply effect `name`; a repeated `idempotency_key` is ignored (not counted).
 
         Returns a receipt, the same for a repeated key, as a payment API would.
+        An ignored repeat is noted apart (`repeats`): the caller applied the
+        effect again, and only the key rule of this sink kept it single.
         """
-        self._db.insert(
-            "INSERT OR IGNORE INTO effects (name, key, run, pid, resumer, t) VALUES (?,?,?,?,?,?)",
-            (
-                name,
-                idempotency_key,
-                current_run.get(),
-                os.getpid(),
-                current_resumer.get(),
-                time.time(),
-            ),
+        row = (
+            name,
+            idempotency_key,
+            current_run.get(),
+            os.getpid(),
+            current_resumer.get(),
+            time.time(),
         )
+        columns = "(name, key, run, pid, resumer, t) VALUES (?,?,?,?,?,?)"
+        if not self._db.insert(f"INSERT OR IGNORE INTO effects {columns}", row):
+            self._db.insert(f"INSERT INTO repeats {columns}", row)
         return f"{name}:{idempotency_key or 'no-key'}"
 
     def happened(self, idempotency_key: str) -> bool:
@@ -193,6 +204,25 @@ class EffectSink:
             + ("WHERE run = ? " if run is not None else "")
             + "GROUP BY name",
             (run,) if run is not None else (),
+        )
+        return Counter({name: int(n) for name, n in rows})
+
+    def repeats(self) -> Counter[str]:
+        """Applications attempted again under a key already applied (ignored, not
+        counted), per effect name."""
+        rows = self._db.execute("SELECT name, COUNT(*) FROM repeats GROUP BY name")
+        return Counter({name: int(n) for name, n in rows})
+
+    def last_seq(self) -> int:
+        """The seq of the newest counted application (0 if none)."""
+        rows = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM effects")
+        return int(rows[0][0])
+
+    def applied_by(self, pid: int, *, after: int = 0) -> Counter[str]:
+        """Counted applications process `pid` made after seq `after`, per effect name."""
+        rows = self._db.execute(
+            "SELECT name, COUNT(*) FROM effects WHERE pid = ? AND seq > ? GROUP BY name",
+            (pid, after),
         )
         return Counter({name: int(n) for name, n in rows})
 
