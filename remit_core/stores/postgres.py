@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from remit_core import failpoints
-from remit_core.errors import HeadMoved, StoreUnavailable
+from remit_core.errors import HeadMoved, StoreUnavailable, VersionMismatch
 from remit_core.records import (
     BlobRecord,
     CheckpointRecord,
@@ -47,7 +47,7 @@ from remit_core.stores._sql import (
     _flat,
     int_option,
 )
-from remit_core.stores.base import stale_fence, url_options
+from remit_core.stores.base import display_url, newer_schema, stale_fence, url_options
 
 try:
     import psycopg
@@ -104,14 +104,49 @@ def _pg_placeholders(sql: str) -> str:
     return sql.replace("?", "%s")
 
 
-class _PgTxn:
-    """Adapts a psycopg cursor to the `?`-placeholder statements of `_sql`."""
+def _outdated_plan(exc: psycopg.Error) -> bool:
+    """Whether `exc` is the server refusing a prepared statement whose result columns
+    changed type since it was prepared (another session altered a table: a newer
+    Remit's migration, most likely)."""
+    return isinstance(exc, psycopg.errors.FeatureNotSupported) and "cached plan" in str(exc)
 
-    def __init__(self, cur: psycopg.Cursor[Any]) -> None:
+
+class _Outdated(Exception):
+    """A prepared statement failed as `_outdated_plan` inside a transaction (which
+    the failure aborted); the store decides what to raise."""
+
+
+class _PgTxn:
+    """Adapts a psycopg cursor to the `?`-placeholder statements of `_sql`.
+
+    `stale` is set once a prepared statement of the connection was outdated by a
+    change of the tables: the connection is then closed after use, so that none
+    of its other prepared statements fails later.
+    """
+
+    def __init__(self, cur: psycopg.Cursor[Any], store: PostgresStore) -> None:
         self._cur = cur
+        self._store = store
+        self.stale = False
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
-        return self._cur.execute(_pg_placeholders(sql), params, prepare=True)
+        try:
+            return self._cur.execute(_pg_placeholders(sql), params, prepare=True)
+        except psycopg.errors.FeatureNotSupported as exc:
+            if not _outdated_plan(exc):
+                raise
+            self.stale = True
+            if self._cur.connection.pgconn.transaction_status != _IDLE:
+                raise _Outdated() from exc
+            # Outside a transaction the statement did not run (its plan was refused
+            # first): refuse it if a newer Remit changed the tables, else run it anew.
+            done = self._cur.execute(
+                "SELECT version FROM remit_migrations", prepare=False
+            ).fetchall()
+            refusal = self._store._refuse_newer(int(r[0]) for r in done)
+            if refusal is not None:
+                raise refusal from exc
+            return self._cur.execute(_pg_placeholders(sql), params, prepare=False)
 
     def raw(self, sql: str) -> None:
         """A statement that is not prepared (a `SET`), with no parameters."""
@@ -414,6 +449,8 @@ class PostgresStore(SqlStore):
             raise ValueError(f"bad PostgreSQL URL {url!r}: {str(exc).strip()}") from None
         self._pool: _Pool | None = None
         self._pid = -1
+        #: Set once a newer Remit is found to have migrated the store (`_refuse_newer`).
+        self._newer: str | None = None
         self._lock = threading.Lock()
 
     def _get_pool(self) -> _Pool:
@@ -430,6 +467,8 @@ class PostgresStore(SqlStore):
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Cursor[Any]]]:
+        if self._newer is not None:
+            raise VersionMismatch(self._newer)
         pool = self._get_pool()
         conn, cur, expires = pool.get()
         try:
@@ -440,8 +479,16 @@ class PostgresStore(SqlStore):
     @contextlib.contextmanager
     def _txn(self) -> Iterator[Txn]:
         try:
-            with self._connection() as (conn, cur), conn.transaction():
-                yield _PgTxn(cur)
+            with self._connection() as (conn, cur):
+                txn = _PgTxn(cur, self)
+                try:
+                    with conn.transaction():
+                        yield txn
+                finally:
+                    if txn.stale:
+                        conn.close()
+        except _Outdated as exc:
+            raise self._outdated(exc) from exc.__cause__
         except psycopg.errors.ProgramLimitExceeded as exc:
             raise _too_large(exc) from None
         except psycopg.errors.IdleInTransactionSessionTimeout as exc:
@@ -453,12 +500,38 @@ class PostgresStore(SqlStore):
     def _read(self) -> Iterator[Txn]:
         # Pooled connections are in autocommit mode: one statement, one round trip.
         try:
-            with self._connection() as (_, cur):
-                yield _PgTxn(cur)
+            with self._connection() as (conn, cur):
+                txn = _PgTxn(cur, self)
+                try:
+                    yield txn
+                finally:
+                    if txn.stale:
+                        conn.close()
         except psycopg.errors.ProgramLimitExceeded as exc:
             raise _too_large(exc) from None
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL store failed: {exc}") from exc
+
+    def _refuse_newer(self, applied: Iterable[int]) -> VersionMismatch | None:
+        """The refusal of a store a newer Remit migrated while this process used it;
+        from then on every call raises it (this Remit does not know the new tables)."""
+        refusal = newer_schema(applied, f"the store at {display_url(self.url)}")
+        if refusal is not None:
+            self._newer = refusal.message + " (migrated while this process used it)"
+            return VersionMismatch(self._newer)
+        return None
+
+    def _outdated(self, exc: _Outdated) -> VersionMismatch | StoreUnavailable:
+        """What a transaction whose prepared statement the tables outdated raises
+        (nothing of it was kept): `VersionMismatch` if a newer Remit migrated the
+        store, else `StoreUnavailable` (the connection is replaced; call again)."""
+        refusal = self._refuse_newer(self.applied_migrations())
+        if refusal is not None:
+            return refusal
+        return StoreUnavailable(
+            "a table of the PostgreSQL store changed while this process had statements "
+            f"prepared on it; nothing of this write was kept: call again ({exc.__cause__})"
+        )
 
     _atomic = _read
 

@@ -106,6 +106,11 @@ MIGRATIONS_KEY = "remit:migrations"
 
 #: redis-py options the store sets itself (replies as bytes, text as UTF-8).
 _OWN_OPTIONS = frozenset({"decode_responses", "encoding", "encoding_errors"})
+#: redis-py options that make it send a command again after a timeout or a dropped
+#: connection: a script whose reply was lost would run twice (see `_no_resend`).
+_RESEND_OPTIONS = ("retry_on_timeout", "retry_on_error")
+#: The values of a flag that redis-py reads as false (or unset).
+_FALSE = frozenset({"", "0", "F", "FALSE", "N", "NO"})
 
 _SEP = "\x00"
 _TAG_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
@@ -287,6 +292,25 @@ def _parameters(cls: type) -> set[str]:
     return names - {"self"}
 
 
+def _no_resend(options: dict[str, str], url: str) -> None:
+    """Refuse URL options that have redis-py re-send a command whose reply was lost.
+
+    The script may have run: run again, a consume that landed answers that the
+    interrupt was already consumed, and an effect's first intent reads as one left
+    in doubt. Without a re-send the caller sees `StoreUnavailable` and re-asks
+    through the core, which tells its own landed commit from another's.
+    """
+    for name in _RESEND_OPTIONS:
+        value = options.get(name)
+        if value is not None and value.strip().upper() not in _FALSE:
+            raise ValueError(
+                f"Redis URL option {name}={value!r} in {display_url(url)!r} would have "
+                "redis-py send a script again after its reply was lost, and a script "
+                "that had run would run twice (a consume that landed would answer "
+                "ResumeConflict): leave it out; a lost reply raises StoreUnavailable"
+            )
+
+
 class RedisStore(Store):
     """A pooled Redis store; the pool is re-created in a forked child."""
 
@@ -306,6 +330,7 @@ class RedisStore(Store):
                 f"Redis URL option {own[0]!r} in {self.url!r} is Remit's own: the store reads "
                 "replies as bytes and ids as UTF-8; leave it out"
             )
+        _no_resend(options, self.url)
         db = urlsplit(self.url).path.strip("/")
         if db and not (db.isascii() and db.isdigit()) and "db" not in options:
             # redis-py would ignore it and use database 0.
