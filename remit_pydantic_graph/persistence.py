@@ -1404,8 +1404,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             snapshot = NodeSnapshot(state=paused.top.snapshot.state, node=node)
             body = self._encode(snapshot)
             pause_id = paused.top.id
+            # The pause's node rides with it (`_answered_pause_leads_to` reads it there).
+            asked = paused.top.snapshot.node
+            assert isinstance(asked, BaseNode)  # (a paused head is a node: `_paused_head`)
             self.remit.open_interrupts(
-                self.run_id, {pause_id: None}, branch=self.branch, checkpoint_id=pause_id
+                self.run_id,
+                {pause_id: asked.get_node_id().encode()},
+                branch=self.branch,
+                checkpoint_id=pause_id,
             )
             # The one atomic step: of all resumers, exactly one gets past it. Losers never
             # take the run's claim, so they cannot get in the way of the winner's run.
@@ -1597,15 +1603,26 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     def _answered_pause_leads_to(self, node: BaseNode[StateT, Any, RunEndT]) -> bool:
         """Whether a pause of this line answered already may lead to `node` (a loop that
-        pauses again at the same node has answered pauses that do not)."""
+        pauses again at the same node has answered pauses that do not).
+
+        One read of the line's answered pauses, each naming its node (an interrupt's
+        prompt), whatever rounds the run has had: a snapshot is read only for a pause
+        stored without its node's name. No read at all if no node leads to `node`."""
+        name = node.get_node_id()
+        leading = {n for n, (edges, any_node) in self._edges.items() if any_node or name in edges}
+        if not leading:
+            return False
         for pause in self.remit.interrupts(self.run_id, branch=self.branch, status="consumed"):
-            if pause.checkpoint_id is None:
+            if pause.prompt is not None:
+                asked = pause.prompt.decode("utf-8", "replace")
+            elif pause.checkpoint_id is not None:
+                snapshot = self._read(pause.checkpoint_id).snapshot
+                if not isinstance(snapshot, NodeSnapshot):
+                    continue
+                asked = snapshot.node.get_node_id()
+            else:
                 continue
-            asked = self._read(pause.checkpoint_id).snapshot
-            if not isinstance(asked, NodeSnapshot):
-                continue
-            edges = self._edges.get(asked.node.get_node_id())
-            if edges is None or edges[1] or node.get_node_id() in edges[0]:
+            if asked in leading:
                 return True
         return False
 
