@@ -47,3 +47,24 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def world(tmp_path: Path) -> Path:
     """The file of the world database the tests' effects and journals are kept in."""
     return tmp_path / "world.db"
+
+
+@pytest.fixture(autouse=True)
+def _close_named_stores() -> Iterator[None]:
+    """After each test, close the stores of URLs that name their connections
+    (`?application_name=` / `?client_name=`, for tests that cut a store's own
+    connections): each such URL is a test's own, and its pool would otherwise stay
+    open for the rest of the session (one per URL and process) and use up the
+    server's connection slots."""
+    yield
+    from remit_core import stores
+
+    with stores._cache_lock:
+        named = [
+            key
+            for key in stores._cache
+            if "application_name=" in key[0] or "client_name=" in key[0]
+        ]
+        closing = [stores._cache.pop(key) for key in named]
+    for store in closing:
+        store.close()
