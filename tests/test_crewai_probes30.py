@@ -18,42 +18,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
-import redis
-from conftest import PG_URL, REDIS_URL, engine_url
+from conftest import engine_url
+from store_cuts import cut, tagged
 from test_crewai_flows import child
 
 from remit_core import StoreUnavailable, VersionMismatch, failpoints
 from remit_core.conformance.world import EffectSink, Journal, WorldDB
-
-
-def tagged(engine: str) -> tuple[str, str]:
-    """A URL of `engine` whose connections carry a name of their own, and that name."""
-    name = f"remit-cut-{uuid.uuid4().hex[:12]}"
-    if engine == "postgresql":
-        return f"{PG_URL}?application_name={name}", name
-    return f"{REDIS_URL}?client_name={name}", name
-
-
-def cut(engine: str, name: str) -> int:
-    """End every server connection named `name`; how many were ended."""
-    if engine == "postgresql":
-        with psycopg.connect(PG_URL, autocommit=True) as admin:
-            rows = admin.execute(
-                "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
-                "WHERE application_name = %s AND pid <> pg_backend_pid()",
-                (name,),
-            ).fetchall()
-        return len(rows)
-    admin = redis.Redis.from_url(REDIS_URL)
-    try:
-        ids = [c["id"] for c in admin.client_list() if c.get("name") == name]
-        for client_id in ids:
-            admin.execute_command("CLIENT", "KILL", "ID", client_id)
-        return len(ids)
-    finally:
-        admin.close()
 
 
 def order_flow(url: str, world: Path) -> tuple[Any, type[Any]]:

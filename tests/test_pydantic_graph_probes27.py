@@ -30,13 +30,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
-import redis
-from conftest import PG_URL, REDIS_URL
 from pydantic_graph import BaseNode, End, GraphRunContext
 from pydantic_graph.graph import Graph
 from pydantic_graph_parts import persistence
+from store_cuts import cut, tagged
 from test_pydantic_graph_persistence import (
     GRAPH,
     Answer,
@@ -51,34 +49,6 @@ from remit_core.conformance.processes import fork
 from remit_pydantic_graph import RemitStatePersistence
 
 # -- cutting the persistence's connections at a failpoint -----------------------------------
-
-
-def tagged(engine: str) -> tuple[str, str]:
-    """A URL of `engine` whose connections carry a name of their own, and that name."""
-    name = f"remit-pg27-{uuid.uuid4().hex[:12]}"
-    if engine == "postgresql":
-        return f"{PG_URL}?application_name={name}", name
-    return f"{REDIS_URL}?client_name={name}", name
-
-
-def cut(engine: str, name: str) -> int:
-    """End every server connection named `name`; how many were ended."""
-    if engine == "postgresql":
-        with psycopg.connect(PG_URL, autocommit=True) as admin:
-            rows = admin.execute(
-                "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
-                "WHERE application_name = %s AND pid <> pg_backend_pid()",
-                (name,),
-            ).fetchall()
-        return len(rows)
-    admin = redis.Redis.from_url(REDIS_URL)
-    try:
-        ids = [c["id"] for c in admin.client_list() if c.get("name") == name]
-        for client_id in ids:
-            admin.execute_command("CLIENT", "KILL", "ID", client_id)
-        return len(ids)
-    finally:
-        admin.close()
 
 
 @pytest.fixture
