@@ -1091,7 +1091,10 @@ class Remit:
     ) -> InterruptRecord:
         """Consume a pending interrupt with `value`, once across all resumers (P5).
 
-        Raises `ResumeConflict` if it was already consumed (nothing stored).
+        Raises `ResumeConflict` if it was already consumed (nothing stored). The
+        record names this call as its consumer (`consumed_by`: the instance's
+        holder and a serial): a consume whose reply was lost is asked after on a
+        fresh connection, and answered as landed if it did.
         """
         checked_id("run_id", run_id)
         checked_id("interrupt_id", interrupt_id)
@@ -1104,17 +1107,46 @@ class Remit:
             # A prompt that fails to verify is refused before the value is stored: after,
             # the value would be consumed by a resumer told that its resume failed.
             self._open_interrupt(pending)
-        record = self.store.consume_interrupt(
-            run_id,
-            branch,
-            interrupt_id,
-            codec.seal(value, f"value\x00{branch}\x00{interrupt_id}"),
-            consumer=self.holder,
-            now=self.clock(),
-            fence=fence,
-        )
+        consumer = f"{self.holder}/{next(_holder_serial)}"
+        try:
+            record = self.store.consume_interrupt(
+                run_id,
+                branch,
+                interrupt_id,
+                codec.seal(value, f"value\x00{branch}\x00{interrupt_id}"),
+                consumer=consumer,
+                now=self.clock(),
+                fence=fence,
+            )
+        except StoreUnavailable as lost:
+            record = self._landed_consume(run_id, branch, interrupt_id, consumer, lost)
         failpoints.hit("interrupt.after_consume")
         return self._open_interrupt(record)
+
+    def _landed_consume(
+        self,
+        run_id: str,
+        branch: str,
+        interrupt_id: str,
+        consumer: str,
+        lost: StoreUnavailable,
+    ) -> InterruptRecord:
+        """The record of a consume that failed in flight, if it landed all the same.
+
+        A connection lost after the store committed but before its reply arrived
+        leaves the interrupt consumed by this call: the value is the run's, and
+        raising would tell its resumer otherwise (asked again, it would get
+        `ResumeConflict`). One read, on a fresh connection, tells: consumed by
+        this call, it is acknowledged; pending, or unreadable, the failure stands
+        and a retry can consume it.
+        """
+        try:
+            again = self.store.get_interrupt(run_id, branch, interrupt_id)
+        except StoreUnavailable:
+            raise lost from lost.__cause__
+        if again is None or again.status != "consumed" or again.consumed_by != consumer:
+            raise lost
+        return again
 
     def _open_interrupt(self, r: InterruptRecord) -> InterruptRecord:
         ids = {"run_id": r.run_id, "checkpoint_id": r.checkpoint_id, "interrupt_id": r.interrupt_id}
