@@ -400,7 +400,21 @@ def _unfit(
         found = _unfit(child, child_type, (*path, key), above)
         if found is not None:
             return found
+    if isinstance(value, bytes) and not _utf8(value):
+        problem = (
+            f"{problem}: pydantic writes bytes as UTF-8 text, and these are binary data. "
+            "Declare the field pydantic.Base64Bytes, or set ser_json_bytes='base64' and "
+            "val_json_bytes='base64' in its model's config, to store them"
+        )
     return path, problem
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _raised(exc: Exception) -> str:
@@ -589,7 +603,8 @@ def _difference(
     compared by its data), sequences item by item, NaN equals NaN; anything
     else by `==`. A tuple read back as a list (or a list as a tuple) is equal
     only where its `declared` type makes it one (a tuple in a `list[int]`
-    field); in an `Any` field it would come back as another type.
+    field); in an `Any` field it would come back as another type. So is a
+    mapping read back as a plain dict (a `defaultdict` in an `Any` field).
     """
     children: Callable[[Any], Mapping[Any, Any]] | None = None
     if dataclasses.is_dataclass(ours) and not isinstance(ours, type):
@@ -597,6 +612,10 @@ def _difference(
     elif isinstance(ours, pydantic.BaseModel):
         children = _model_fields
     elif isinstance(ours, Mapping) and isinstance(read, Mapping):
+        if type(ours) is not type(read) and not _declares(declared, type(read)):
+            # A `defaultdict`, `Counter` or `OrderedDict` in an `Any` field reads back as a
+            # plain dict: equal, but one whose missing keys raise `KeyError` on resume.
+            return path, ours, read
         children = dict
     elif isinstance(ours, (list, tuple)) and isinstance(read, (list, tuple)):
         if type(ours) is not type(read) and not _declares(declared, type(read)):
@@ -693,17 +712,22 @@ def _key_type(declared: Any) -> Any:
 
 
 def _declares(declared: Any, kind: type) -> bool:
-    """Whether every type `declared` allows for a sequence reads it back as `kind`
-    (`list[int]`, `Sequence[int]` for a list): then a round trip that gives a `kind`
-    follows the declared type. `Any`, or a union that also allows another sequence
-    type, would not have changed it."""
+    """Whether every type `declared` allows for a sequence or a mapping reads it back as
+    `kind` (`list[int]`, `Sequence[int]` for a list; `dict[str, int]` for a dict): then a
+    round trip that gives a `kind` follows the declared type. `Any`, or a union that also
+    allows another sequence type, would not have changed it."""
     while typing.get_origin(declared) is Annotated:
         declared = typing.get_args(declared)[0]
     origin = typing.get_origin(declared) or declared
     if origin in (Union, types.UnionType):
         members = [m for m in typing.get_args(declared) if m is not type(None)]
         return all(_declares(m, kind) for m in members)
-    return isinstance(origin, type) and origin is not object and issubclass(kind, origin)
+    if not isinstance(origin, type) or origin is object:
+        return False
+    try:
+        return issubclass(kind, origin)
+    except TypeError:  # a TypedDict takes no class checks: it reads back as a plain dict
+        return is_typeddict(origin) and kind is dict
 
 
 def _dataclass_fields(obj: Any) -> dict[str, Any]:

@@ -839,7 +839,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             raise ForkWithoutIntent(
                 f"{whose} ({head.top.id}): a node started after its End would run that line "
                 "again and give it a second End. Read its result with load_all() (its last "
-                "snapshot is the End); to run one of its nodes again, fork that node's "
+                "snapshot is the End); to go on from its final state (a graph that lives "
+                "across runs), start the next run under a run_id of its own with that "
+                "snapshot's state; to run one of its nodes again, fork that node's "
                 "snapshot with a new token (await persistence.fork(snapshot_id, token)) and "
                 "continue the fork with iter_from_persistence()",
                 **ids,
