@@ -10,12 +10,14 @@ the lease ran out. And a resume that failed before its feedback was consumed
 claim back at EXECUTION_END, while CrewAI lets the same instance `resume` again:
 that retry must claim the flow again and consume the pause, not run past it.
 The wrappers `install` puts on `from_pending` and `resume_async` do both, and
-refuse feedback that is not a str by name before anything runs, and a flow class
-that no longer has the method the flow paused at (`VersionMismatch`). A resume also
-runs what was in flight beside the paused method (`Session.leftovers`): CrewAI
-resumes only the paused method's listeners, and a sibling step still running
-when the flow paused would never run (or its listeners never would). The
-wrapper on `_execute_listeners` runs them beside the resume's first listeners.
+refuse feedback that is not a str by name before anything runs, a flow class
+that no longer has the method the flow paused at, and one whose state model no
+longer reads the paused state (`VersionMismatch` naming the field, where CrewAI
+raises a bare `ValueError`). A resume also runs what was in flight beside the
+paused method (`Session.leftovers`): CrewAI resumes only the paused method's
+listeners, and a sibling step still running when the flow paused would never run
+(or its listeners never would). The wrapper on `_execute_listeners` runs them
+beside the resume's first listeners.
 Other flows run CrewAI's code unchanged.
 """
 
@@ -34,8 +36,8 @@ from crewai.flow.types import FlowMethodName
 from remit_core.errors import VersionMismatch
 from remit_crewai._ledger import locate
 from remit_crewai._replay import _take
-from remit_crewai._session import current_from_pending, current_resumers
-from remit_crewai.persistence import RemitFlowPersistence
+from remit_crewai._session import Session, current_from_pending, current_resumers
+from remit_crewai.persistence import RemitFlowPersistence, _added_since, _refused_state
 
 
 def install() -> None:
@@ -56,11 +58,16 @@ def install() -> None:
                 session = persistence._session_of(flow.flow_id, flow)
                 if session is not None and not session.closed:
                     persistence._check_flow_class(session, flow)
+                    _as_paused(flow, session)
             return flow
-        except BaseException:
-            for session in current_resumers.get():
-                if session not in before and not session.closed:
-                    RemitFlowPersistence._release(session)
+        except BaseException as exc:
+            opened = [s for s in current_resumers.get() if s not in before and not s.closed]
+            for session in opened:
+                RemitFlowPersistence._release(session)
+            for session in opened:
+                refusal = _refused_state(cls, session, exc)
+                if refusal is not None:
+                    raise refusal from exc
             raise
         finally:
             current_from_pending.reset(claiming)
@@ -112,6 +119,23 @@ def _check_paused_method(flow: Flow[Any]) -> None:
         "with a flow class that has the method",
         run_id=locate(flow.flow_id)[0],
     )
+
+
+def _as_paused(flow: Flow[Any], session: Session) -> None:
+    """Give the dict state of `flow`, loaded by `from_pending`, the keys it paused with
+    and those its class's `initial_state` added since (`_added_since`), no others: CrewAI
+    loads the paused state over a new flow's initial state, which would bring back a
+    key a step deleted before the pause, with its default (P1: the resume continues
+    the state the pause saved)."""
+    state = flow.state
+    if session.head is None or not isinstance(state, dict):
+        return
+    if not isinstance(flow.initial_state, dict):
+        return  # (a dict state its class does not give, as a declared flow's, is CrewAI's)
+    added = _added_since(flow, session.state, session.initial_keys)
+    kept = {**added, **session.state, "id": flow.flow_id}
+    state.clear()
+    state.update(kept)
 
 
 async def _beside(

@@ -182,6 +182,9 @@ class Session:
     model: str | None = None
     #: The flow class that wrote the head (`module.Qualname`), recorded with each commit.
     flow_class: str | None = None
+    #: The keys of that class's `initial_state` dict (a dict state's defaults) as it wrote
+    #: the head, recorded with each commit; None if not recorded (a model state).
+    initial_keys: tuple[str, ...] | None = None
     routes: dict[tuple[str, int | None], str | None] = field(default_factory=dict)
     answered: dict[tuple[str, int | None], dict[str, Any]] = field(default_factory=dict)
     #: Occurrences of each method started in this process and not completed yet: two

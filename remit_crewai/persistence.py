@@ -18,6 +18,7 @@ While a process drives a flow it holds a `Session` for it (`remit_crewai._sessio
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import enum
 import functools
@@ -721,6 +722,7 @@ class RemitFlowPersistence(FlowPersistence):
             },
             flow_class=None if record is None else _text(record.metadata.get("flow")),
             model=None if record is None else _text(record.metadata.get("model")),
+            initial_keys=None if record is None else _keys(record.metadata.get("initial_keys")),
         )
 
     @contextlib.contextmanager
@@ -970,6 +972,8 @@ class RemitFlowPersistence(FlowPersistence):
         flow = _flow_of(session)
         if flow is not None:
             session.flow_class = _class_name(flow)
+            if isinstance(flow.state, dict):
+                session.initial_keys = _initial_keys(flow)
         try:
             plan = policy.plan_continue(
                 session.run_id,
@@ -998,6 +1002,11 @@ class RemitFlowPersistence(FlowPersistence):
                 "kind": kind,
                 **({} if session.state_type is None else {"model": _name(session.state_type)}),
                 **({} if session.flow_class is None else {"flow": session.flow_class}),
+                **(
+                    {}
+                    if session.initial_keys is None
+                    else {"initial_keys": list(session.initial_keys)}
+                ),
                 **session.schemas,
             },
             workflow_version=self.workflow_version,
@@ -1207,6 +1216,10 @@ class RemitFlowPersistence(FlowPersistence):
         before = self._state_before_asks(session)
         if before is not None:
             session.state = before
+        if session.head is not None and isinstance(flow.state, dict):
+            # (Nothing saved before the asking step: it starts from the initial state.)
+            known = None if before == {} else session.initial_keys
+            session.state = {**_added_since(flow, session.state, known), **session.state}
         waiting = {_interrupt_method(i.interrupt_id) for i in interrupts if i.status == "pending"}
         _forget_last_run(flow)
         flow._completed_methods = {m for m in ledger.completed if m not in waiting}
@@ -1892,6 +1905,40 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _keys(value: Any) -> tuple[str, ...] | None:
+    """A list of str recorded with a checkpoint, as a tuple; None if it is not one."""
+    if isinstance(value, list) and all(isinstance(k, str) for k in value):
+        return tuple(value)
+    return None
+
+
+def _initial_keys(flow: Flow[Any]) -> tuple[str, ...]:
+    """The keys of `flow`'s `initial_state` dict (none if its class declares none)."""
+    initial = getattr(flow, "initial_state", None)
+    return tuple(sorted(str(k) for k in initial if k != "id")) if isinstance(initial, dict) else ()
+
+
+def _added_since(
+    flow: Flow[Any], state: Mapping[str, Any], known: tuple[str, ...] | None
+) -> dict[str, Any]:
+    """The defaults `flow` continues its saved dict `state` with: the keys of its class's
+    `initial_state` dict that the class did not declare (`known`, recorded with the
+    checkpoint) when `state` was saved, added since by a later deployment, each with its
+    default, as a new flow starts with it. CrewAI clears a dict state before it restores
+    one, so such a key would be missing, where a model state gets the default of a field
+    added since. A known key that `state` lacks was deleted by a step: it stays deleted,
+    as in an uninterrupted run (P6). `known` None (a checkpoint saved before the keys
+    were recorded): every key of `initial_state` that `state` lacks."""
+    initial = getattr(flow, "initial_state", None)
+    if not isinstance(initial, dict):
+        return {}
+    return {
+        k: copy.deepcopy(v)
+        for k, v in initial.items()
+        if k != "id" and k not in state and k not in (known or ())
+    }
+
+
 def _name(model: type[BaseModel]) -> str:
     """The user's model a state type is (CrewAI wraps it in a class of its own)."""
     own = next(
@@ -1929,6 +1976,33 @@ def _check_kept(
             field=lost,
             run_id=flow_id,
         )
+
+
+def _refused_state(
+    flow_class: type[Any], session: Session, error: BaseException
+) -> VersionMismatch | None:
+    """`VersionMismatch` naming the model that saved the paused flow of `session` and the
+    field, if `error` is CrewAI's refusal of that state by `flow_class`'s state model as
+    `from_pending` loads it (a bare `ValueError`, its cause pydantic's `ValidationError`):
+    the model was reshaped since the pause (a type narrowed, a field it now forbids). A
+    restart by id of the same flow is refused so (`_check_model_restart`); None for any
+    other error."""
+    cause = error.__cause__
+    if not isinstance(error, ValueError) or not isinstance(cause, ValidationError):
+        return None
+    errors, field = cause.errors(), ""
+    for part in errors[0].get("loc", ()) if errors else ():
+        field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
+    field = field or "<root>"
+    return VersionMismatch(
+        f"the paused flow's state was saved by {session.model or 'a dict state'}, and the "
+        f"state model of {flow_class.__name__} does not read its field {field!r}: resume it "
+        "with the class that saved it; nothing was resumed, and the flow still waits for "
+        "its feedback",
+        field=field,
+        run_id=session.run_id,
+        checkpoint_id=session.head,
+    )
 
 
 @functools.lru_cache(maxsize=256)
