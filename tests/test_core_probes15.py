@@ -16,11 +16,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from conftest import ENGINES, PG_URL, engine_url
 
 from remit_core import Remit, WriteRecord
 from remit_core.stores import open_store
 from remit_core.stores.postgres import PostgresStore
-from tests.conftest import ENGINES, PG_URL, engine_url
 
 #: A database of the test server whose default collation orders text as a language does.
 _LANGUAGE_DB = "remit_probe15_icu"

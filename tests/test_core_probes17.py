@@ -12,11 +12,11 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from conftest import PG_URL
 
 from remit_core import Remit, failpoints
 from remit_core.errors import StoreUnavailable
 from remit_core.stores import open_store
-from tests.conftest import PG_URL
 
 
 def test_a_write_idle_past_the_servers_timeout_is_store_unavailable_and_kept_out() -> None:

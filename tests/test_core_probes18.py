@@ -20,14 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import PG_URL
+from test_store import chain
 
 from remit_core import MAIN_BRANCH, Remit, failpoints
 from remit_core.errors import HeadMoved, UnknownRecord
 from remit_core.stores import open_store
 from remit_core.stores.base import Store
 from remit_core.stores.postgres import PostgresStore
-from tests.conftest import PG_URL
-from tests.test_store import chain
 
 
 def _outcome(fn: Callable[[], Any]) -> str:
