@@ -729,9 +729,12 @@ class Remit:
         )  # fmt: skip
         try:
             return self._commit(ask, release)
-        except (ForkWithoutIntent, HeadMoved) as exc:
+        except (ForkWithoutIntent, HeadMoved, Fenced) as exc:
             # A retry of a commit that landed (its reply was lost) finds its parent
-            # no longer a head: the same checkpoint stored is its answer.
+            # no longer a head, or (`release`) the claim it gave up released: the
+            # same checkpoint stored is its answer.
+            if isinstance(exc, Fenced) and release is None:
+                raise
             stored = self._landed(exc, ask)
             if release is not None:
                 with contextlib.suppress(StoreUnavailable):
@@ -824,9 +827,12 @@ class Remit:
         failpoints.hit("checkpoint.after_commit")
         return opened
 
-    def _landed(self, exc: ForkWithoutIntent | HeadMoved, ask: _CommitAsk) -> CheckpointRecord:
+    def _landed(
+        self, exc: ForkWithoutIntent | HeadMoved | Fenced, ask: _CommitAsk
+    ) -> CheckpointRecord:
         """The stored checkpoint `checkpoint_id` if it is this commit's, verified; else
-        re-raise `exc` (naming the stored checkpoint and what differs if there is one)."""
+        re-raise `exc` (naming the stored checkpoint and what differs if there is one;
+        `Fenced` as it was: the claim is what refused the write)."""
         run_id, checkpoint_id, ns, blobs = ask.run_id, ask.checkpoint_id, ask.ns, ask.blobs
         found = self.store.get_checkpoint(run_id, ns, checkpoint_id)
         if found is None:
@@ -847,6 +853,8 @@ class Remit:
             differs = next((f"blob {k!r}" for k, v in blobs.items() if kept.get(k) != v), None)
         if differs is None and ask.writes:
             differs = self._writes_differ(ask.writes)
+        if differs is not None and isinstance(exc, Fenced):
+            raise exc
         if differs is not None:
             raise type(exc)(
                 f"checkpoint {checkpoint_id!r} is already stored with another {differs}; "
@@ -1023,8 +1031,27 @@ class Remit:
             # with them in one atomic call, as with a commit, but never alone.
             check_fence_run(fence, writes[0].run_id)
         failpoints.hit("writes.before")
-        self.store.put_writes([self._seal_write(w) for w in writes], mode=mode, fence=fence)
+        try:
+            self.store.put_writes([self._seal_write(w) for w in writes], mode=mode, fence=fence)
+        except StoreUnavailable as lost:
+            if mode != "expect_absent":
+                raise  # (the same call again stores them, or finds them stored)
+            self._landed_writes(writes, lost)
         failpoints.hit("writes.after")
+
+    def _landed_writes(self, writes: Sequence[WriteRecord], lost: StoreUnavailable) -> None:
+        """Return if an "expect_absent" put that failed in flight landed all the same.
+
+        Its retry would find the slots taken by itself (`WriteConflict`). One read,
+        on a fresh connection, tells: every slot holding what this call wrote, the
+        put is acknowledged; else, or unreadable, the failure stands.
+        """
+        try:
+            differs = self._writes_differ(writes)
+        except StoreUnavailable:
+            raise lost from lost.__cause__
+        if differs is not None:
+            raise lost
 
     def writes(
         self, run_id: str, checkpoint_id: str, *, ns: str = "", after_idx: int | None = None
@@ -1213,9 +1240,29 @@ class Remit:
             checked_id("holder", holder, empty=True)
         lease = self.lease if lease is None else checked_lease(lease)
         holder = holder or f"{self.holder}/{next(_holder_serial)}"
-        claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
+        try:
+            claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
+        except StoreUnavailable as lost:
+            claim = self._landed_claim(run_id, scope, holder, lost)
         failpoints.hit("claim.after_acquire")
         return ClaimHandle(self, claim, lease, heartbeat)
+
+    def _landed_claim(self, run_id: str, scope: str, holder: str, lost: StoreUnavailable) -> Claim:
+        """The claim of a take that failed in flight, if it landed all the same.
+
+        A take whose reply was lost leaves the run claimed by this call's holder, a
+        holder no one else has: raising would leave its caller's retry (a new holder)
+        in `ResumeConflict` with itself until the lease ran out. One read, on a fresh
+        connection, tells: held by this holder, the claim is this call's; else, or
+        unreadable, the failure stands.
+        """
+        try:
+            taken = self.store.get_claim(run_id, scope)
+        except StoreUnavailable:
+            raise lost from lost.__cause__
+        if taken is None or taken.holder != holder:
+            raise lost
+        return taken
 
     def claim_at_head(
         self,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from remit_core import codec, failpoints, policy
 from remit_core.core import check_fence_run, checked_id
-from remit_core.errors import CorruptRecord, EffectInDoubt, RemitError
+from remit_core.errors import CorruptRecord, EffectInDoubt, RemitError, StoreUnavailable
 from remit_core.records import EffectRecord, FenceRef
 
 if TYPE_CHECKING:
@@ -304,9 +304,12 @@ class _Call:
             return self._checked(store.get_effect(s.run_id, self.key))
         if isinstance(op, _Begin):
             now = s.remit.clock()
-            entry, created = store.begin_effect(
-                s.run_id, self.key, self.idem, now=now, fence=s.fence
-            )
+            try:
+                entry, created = store.begin_effect(
+                    s.run_id, self.key, self.idem, now=now, fence=s.fence
+                )
+            except StoreUnavailable as lost:
+                entry, created = self._landed_intent(now, lost), True
             return self._checked(entry), created
         assert isinstance(op, _Finish)
         now = s.remit.clock()
@@ -315,6 +318,23 @@ class _Call:
         )
         failpoints.hit("effect.after_outcome")
         return self._checked(entry)
+
+    def _landed_intent(self, now: float, lost: StoreUnavailable) -> EffectRecord:
+        """The intent of a `begin_effect` that failed in flight, if it landed all the same.
+
+        Raising would leave the effect in doubt on every replay (`EffectInDoubt`
+        without `reconcile` or `idempotent`), though it was never applied. One read,
+        on a fresh connection, tells: an intent stamped with this call's time is this
+        call's (the occurrence's turn, and the claim's fence, keep other callers out),
+        and the effect applies; else, or unreadable, the failure stands.
+        """
+        try:
+            entry = self.scope.remit.store.get_effect(self.scope.run_id, self.key)
+        except StoreUnavailable:
+            raise lost from lost.__cause__
+        if entry is None or entry.status != "intent" or entry.created_at != now:
+            raise lost
+        return entry
 
     def recheck(self) -> _Recorded | None:
         """Before an effect in doubt applies: its entry again, through the fenced
