@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
+from workflows.errors import WorkflowCancelledByUser
 from workflows.events import Event
 from workflows.runtime.control_loop import replay_ticks_stream
 from workflows.runtime.types.internal_state import BrokerState, InProgressState
@@ -404,7 +405,10 @@ class Session:
 
     async def _take_claim_patiently(self) -> None:
         """`take_claim`, retried while another holder has the claim, for up to
-        `claim_patience` seconds (a dead holder's lease runs out meanwhile)."""
+        `claim_patience` seconds (a dead holder's lease runs out meanwhile). A run that
+        moved on elsewhere is refused as lost (`_lost_run`), not as a fork: this copy
+        asked for no fork, it lost the run (a waiter's timeout firing in a parked copy
+        whose run was answered or cancelled elsewhere)."""
         deadline = time.monotonic() + self.claim_patience
         while True:
             try:
@@ -413,6 +417,8 @@ class Session:
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.1)
+            except ForkWithoutIntent as exc:  # (a parked copy: the run moved on elsewhere)
+                raise await self._lost_run("nothing ran here and nothing was stored") from exc
             else:
                 self.claim_patience = 0.0
                 return
@@ -704,11 +710,25 @@ class Session:
         A write once the run has ended (its handler's context, as its `StopEvent`
         streams or after) is not the run's: committed, it would follow the ended head
         as a "running" one. It stays in the context, which carries it into the
-        context's next run, as the framework's contexts do (`handle`)."""
+        context's next run, as the framework's contexts do (`handle`). Once the run
+        moved on elsewhere, the write is refused with `ResumeConflict`, and this copy
+        stops at once (`_stop_moved`), as the watcher would stop it later."""
         if self.claim is not None or self.done or not self.mirror.is_running:
             return
         async with self.lock():
-            await asyncio.to_thread(self.take_claim)
+            try:
+                await asyncio.to_thread(self.take_claim)
+            except ForkWithoutIntent as exc:
+                # The run moved on elsewhere: this copy lost it, as a refused event does.
+                ended = await self._lost_run("its state write was not stored")
+                await self._stop_moved(ended)
+                raise ResumeConflict(
+                    "the run moved on elsewhere (another process, thread or RemitRuntime "
+                    "answered, continued or cancelled it) since this copy of it parked; the "
+                    "state write was not stored, and this copy stopped",
+                    run_id=self.key,
+                    checkpoint_id=self.head_id,
+                ) from exc
             try:
                 await asyncio.to_thread(self._commit, snap.status_of(self.mirror, None))
             finally:
@@ -819,22 +839,43 @@ class Session:
                     continue
                 if self.head_id != seen:
                     continue  # (this copy moved the run on itself meanwhile)
-                head, status = moved
-                if status == snap.CANCELLED:
-                    await self.inner.cancel()  # (a parked copy's cancel writes nothing)
-                    return
-                await self.stop_lost(
-                    ResumeConflict(
-                        f"the run moved on elsewhere (its head is {head!r}, {status}): "
-                        "another process, thread or RemitRuntime answered or continued "
-                        "it, so this parked copy of it can take no answer and stopped; "
-                        "nothing ran here. Read the outcome with RemitRuntime.status or "
-                        "RemitRuntime.result",
-                        run_id=self.key,
-                        checkpoint_id=seen,
-                    )
-                )
+                await self._stop_moved(self._moved_refusal(seen, *moved, "nothing ran here"))
                 return
+
+    def _moved_refusal(
+        self, seen: str | None, head: str | None, status: str, what: str
+    ) -> ResumeConflict | WorkflowCancelledByUser:
+        """What a parked copy whose run moved on from `seen` to `head` (`status`) elsewhere
+        ends with: `WorkflowCancelledByUser` if the run was cancelled, else
+        `ResumeConflict` saying so; `what` says what came of this copy's own work."""
+        if status == snap.CANCELLED:
+            return WorkflowCancelledByUser()
+        return ResumeConflict(
+            f"the run moved on elsewhere (its head is {head!r}, {status}): another process, "
+            "thread or RemitRuntime answered or continued it, so this parked copy of it can "
+            f"take no answer and stopped; {what}. Read the outcome with RemitRuntime.status "
+            "or RemitRuntime.result",
+            run_id=self.key,
+            checkpoint_id=seen,
+        )
+
+    async def _lost_run(self, what: str) -> ResumeConflict | WorkflowCancelledByUser:
+        """The refusal of this parked copy's write (`what` says what was not stored) once
+        `take_claim` found the run moved on elsewhere (`_moved_refusal`)."""
+        seen = self.head_id
+        moved = None if seen is None else await asyncio.to_thread(self._moved_on, seen)
+        head, status = moved if moved is not None else (None, "unknown")
+        return self._moved_refusal(seen, head, status, what)
+
+    async def _stop_moved(self, refusal: ResumeConflict | WorkflowCancelledByUser) -> None:
+        """Stop this parked copy of a run that moved on elsewhere, running and storing
+        nothing: as a cancel stops it if the run was cancelled, else with `refusal`."""
+        if self.inner is None:
+            return
+        if isinstance(refusal, WorkflowCancelledByUser):
+            await self.inner.cancel()  # (a parked copy's cancel writes nothing)
+        else:
+            await self.stop_lost(refusal)
 
     def _moved_on(self, seen: str) -> tuple[str | None, str] | None:
         """The stored head and its status if the branch moved on from `seen`, else None."""

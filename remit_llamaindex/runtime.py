@@ -47,7 +47,13 @@ from workflows.context.state_store import (
 )
 from workflows.context.state_store_integration import decode_seed_state
 from workflows.errors import WorkflowCancelledByUser, WorkflowRuntimeError
-from workflows.events import Event, StartEvent, StopEvent, WorkflowFailedEvent
+from workflows.events import (
+    Event,
+    StartEvent,
+    StopEvent,
+    WorkflowCancelledEvent,
+    WorkflowFailedEvent,
+)
 from workflows.handler import WorkflowHandler
 from workflows.plugins.basic import BasicRuntime, get_current_run_id
 from workflows.runtime.runtime_decorators import (
@@ -1285,6 +1291,10 @@ class _Internal(BaseInternalRunAdapterDecorator):
             # as the framework does when a step fails, so that its readers end too.
             step = str(getattr(tick, "step_id", "") or "")
             await self.write_to_event_stream(WorkflowFailedEvent(step_name=step, exception=exc))
+            raise
+        except WorkflowCancelledByUser:
+            # (A parked copy whose run was cancelled elsewhere: it ends as a cancel ends it.)
+            await self.write_to_event_stream(WorkflowCancelledEvent())
             raise
 
     async def send_event(self, tick: WorkflowTick) -> None:
