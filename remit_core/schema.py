@@ -46,7 +46,8 @@ def _plain_only(node: Any) -> bool:
     return True
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
+def field_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
+    """A validation error's location as a field path: `items[1].amount`, `<root>`."""
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
@@ -211,7 +212,7 @@ class StateSchema:
 
 def _invalid(exc: ValidationError, ids: Mapping[str, Any]) -> CheckpointInvalid:
     first = exc.errors()[0]
-    path = _field_path(tuple(first.get("loc", ())))
+    path = field_path(tuple(first.get("loc", ())))
     return CheckpointInvalid(
         f"state does not satisfy its schema at {path}: {first.get('msg')}", field=path, **ids
     )
@@ -242,7 +243,7 @@ def _json_invalid(
     if error.validator == "required" and isinstance(error.instance, Mapping):
         missing = [k for k in error.validator_value if k not in error.instance]
         loc += tuple(missing[:1])
-    path = _field_path(loc)
+    path = field_path(loc)
     return CheckpointInvalid(
         f"state does not satisfy its schema at {path}: {error.message}", field=path, **ids
     )

@@ -59,7 +59,7 @@ from remit_core.errors import (
     VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, CheckpointRecord, InterruptRecord
-from remit_core.schema import StateSchema
+from remit_core.schema import StateSchema, field_path
 from remit_core.stores import check_url, open_store
 from remit_crewai._ledger import (
     ASK_CHECKPOINT,
@@ -1990,10 +1990,8 @@ def _refused_state(
     cause = error.__cause__
     if not isinstance(error, ValueError) or not isinstance(cause, ValidationError):
         return None
-    errors, field = cause.errors(), ""
-    for part in errors[0].get("loc", ()) if errors else ():
-        field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
-    field = field or "<root>"
+    errors = cause.errors()
+    field = field_path(tuple(errors[0].get("loc", ())) if errors else ())
     return VersionMismatch(
         f"the paused flow's state was saved by {session.model or 'a dict state'}, and the "
         f"state model of {flow_class.__name__} does not read its field {field!r}: resume it "
