@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from remit_core.stores.base import Store
+from remit_core.stores.base import Store, display_url
 
 __all__ = ["Store", "check_url", "open_store"]
 
@@ -18,7 +18,8 @@ def check_url(url: str) -> str:
     nothing, so a persistence made with a mistyped URL is refused where it is made."""
     if not isinstance(url, str) or url.split(":", 1)[0].lower() not in _SCHEMES:
         raise ValueError(
-            f"unsupported store URL {url!r}: use sqlite:///file.db, postgresql://... or redis://..."
+            f"unsupported store URL {display_url(url) if isinstance(url, str) else url!r}: "
+            "use sqlite:///file.db, postgresql://... or redis://..."
         )
     return url
 
@@ -41,9 +42,26 @@ def _build(url: str) -> Store:
     return RedisStore(url)
 
 
+def _store_key(url: str) -> str:
+    """What `url` names for the cache: a relative SQLite path resolved against the
+    working directory now, so that a URL opened again after `os.chdir` names the
+    file it names there, not the one it named first."""
+    if not isinstance(url, str) or url.split(":", 1)[0].lower() != "sqlite":
+        return url
+    from remit_core.stores.sqlite import sqlite_path
+
+    try:
+        path = sqlite_path(url)
+    except ValueError:
+        return url  # (refused by the store, naming it)
+    if path == ":memory:" or os.path.isabs(path):
+        return url
+    return f"sqlite:///{os.path.abspath(path)}?{url.partition('?')[2]}"
+
+
 def open_store(url: str, *, setup: bool = True) -> Store:
     """The process-wide store for `url` (one pool per URL and process), set up once."""
-    key = (url, os.getpid())
+    key = (_store_key(url), os.getpid())
     with _cache_lock:
         store = _cache.get(key)
         if store is None:

@@ -99,9 +99,13 @@ def int_option(
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"store URL option {name}={raw!r} is not an integer ({url!r})") from None
+        raise ValueError(
+            f"store URL option {name}={raw!r} is not an integer ({display_url(url)!r})"
+        ) from None
     if value < minimum:
-        raise ValueError(f"store URL option {name}={value} is below {minimum} ({url!r})")
+        raise ValueError(
+            f"store URL option {name}={value} is below {minimum} ({display_url(url)!r})"
+        )
     return value
 
 

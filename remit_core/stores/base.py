@@ -39,19 +39,26 @@ def url_options(url: str) -> dict[str, str]:
     options: dict[str, str] = {}
     for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
         if name in options:
-            raise ValueError(f"store URL option {name!r} is given twice in {url!r}")
+            raise ValueError(f"store URL option {name!r} is given twice in {display_url(url)!r}")
         options[name] = value
     return options
 
 
 def display_url(url: str) -> str:
-    """`url` fit to show in an error: with no password."""
+    """`url` fit to show in an error: with no password (in the address or, as libpq
+    takes one, a `password=` option)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")
-    user = netloc[0].partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+    if parts.password is not None:
+        netloc = parts.netloc.rpartition("@")
+        user = netloc[0].partition(":")[0]
+        parts = parts._replace(netloc=f"{user}:***@{netloc[2]}")
+    if "password=" in parts.query.lower():
+        query = "&".join(
+            f"{k}=***" if k.strip().lower() == "password" else f"{k}{eq}{v}"
+            for k, eq, v in (item.partition("=") for item in parts.query.split("&"))
+        )
+        parts = parts._replace(query=query)
+    return urlunsplit(parts)
 
 
 def newer_schema(applied: Iterable[int], where: str) -> VersionMismatch | None:

@@ -422,7 +422,8 @@ class PostgresStore(SqlStore):
         self._max = int_option(query, "max_size", max(4, self._min), url, minimum=1)
         if self._min > self._max:
             raise ValueError(
-                f"PostgreSQL URL: min_size={self._min} is above max_size={self._max} ({url!r})"
+                f"PostgreSQL URL: min_size={self._min} is above max_size={self._max} "
+                f"({display_url(url)!r})"
             )
         # A client paused inside a transaction (a SIGSTOPped "zombie") would keep its
         # row locks and block the takeover that L1 promises; the server ends such a
@@ -446,7 +447,9 @@ class PostgresStore(SqlStore):
             # checked by the server or at connect).
             psycopg.pq.Conninfo.parse(self._conninfo.encode())
         except psycopg.Error as exc:
-            raise ValueError(f"bad PostgreSQL URL {url!r}: {str(exc).strip()}") from None
+            raise ValueError(
+                f"bad PostgreSQL URL {display_url(url)!r}: {str(exc).strip()}"
+            ) from None
         self._pool: _Pool | None = None
         self._pid = -1
         #: Set once a newer Remit is found to have migrated the store (`_refuse_newer`).

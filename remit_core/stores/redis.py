@@ -327,26 +327,29 @@ class RedisStore(Store):
         own = sorted(set(options) & _OWN_OPTIONS)
         if own:
             raise ValueError(
-                f"Redis URL option {own[0]!r} in {self.url!r} is Remit's own: the store reads "
-                "replies as bytes and ids as UTF-8; leave it out"
+                f"Redis URL option {own[0]!r} in {display_url(self.url)!r} is Remit's own: the "
+                "store reads replies as bytes and ids as UTF-8; leave it out"
             )
         _no_resend(options, self.url)
         db = urlsplit(self.url).path.strip("/")
         if db and not (db.isascii() and db.isdigit()) and "db" not in options:
             # redis-py would ignore it and use database 0.
-            raise ValueError(f"Redis URL {self.url!r} names database {db!r}, not a number")
+            raise ValueError(
+                f"Redis URL {display_url(self.url)!r} names database {db!r}, not a number"
+            )
         try:
             pool = ConnectionPool.from_url(self.url, decode_responses=False)
         except ValueError as exc:
-            raise ValueError(f"bad Redis URL {self.url!r}: {exc}") from exc
+            raise ValueError(f"bad Redis URL {display_url(self.url)!r}: {exc}") from exc
         # redis-py hands an option it does not know to each new connection, which
         # would fail only at the first command.
         known = _parameters(type(pool)) | _parameters(pool.connection_class)
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(
-                f"unknown Redis URL option {unknown[0]!r} in {self.url!r} (the options are "
-                "redis-py's connection and pool arguments, e.g. socket_timeout, max_connections)"
+                f"unknown Redis URL option {unknown[0]!r} in {display_url(self.url)!r} (the "
+                "options are the Redis client's connection and pool arguments, e.g. "
+                "socket_timeout, max_connections)"
             )
         return pool, Redis(connection_pool=pool), os.getpid()
 
