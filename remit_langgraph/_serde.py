@@ -2,7 +2,9 @@
 
 Values are encoded as LangGraph's own `JsonPlusSerializer` encodes them
 (msgpack with extension types), so a checkpoint reads the same as LangGraph's
-savers would write it. The differences are the ones that matter for safety:
+savers would write it (but for a datetime with `fold=1`, which LangGraph's form
+would read back an hour early: it keeps its fold, in a form LangGraph's savers read
+too). The differences are the ones that matter for safety:
 
 - write time: every object that is not plain data must have its type in the
   allowlist, else `CheckpointInvalid` names the type and where it sits in the
@@ -22,14 +24,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import datetime as dt
 import enum
 import functools
 import importlib
 import sys
 import threading
+import types
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import ormsgpack
 from langgraph._internal._serde import curated_core_allowlist
@@ -65,6 +70,58 @@ _OPTIONS = ormsgpack.OPT_NON_STR_KEYS
 
 #: Types of values a walk need not enter: plain data, and (when empty) containers.
 _SHALLOW_TYPES = _PLAIN_TYPES | _EMPTY_FINE
+
+
+def _encoded(obj: Any) -> bytes:
+    """`obj` in LangGraph's msgpack form, except that a datetime with `fold=1` (the
+    second of a repeated local hour) keeps it (`_default`)."""
+    return ormsgpack.packb(obj, default=_default, option=jsonplus._option)
+
+
+#: LangGraph's encoder of one extension value, its nested values encoded by
+#: `_encoded` (a model's or a dataclass's datetime fields keep their fold too).
+_langgraph_default = types.FunctionType(
+    jsonplus._msgpack_default.__code__,
+    {**vars(jsonplus), "_msgpack_enc": _encoded},
+    jsonplus._msgpack_default.__name__,
+)
+
+
+def _kept_zone(zone: Any) -> bool:
+    """Whether a datetime with `fold=1` is stored with its zone `zone` as it is: a
+    fixed offset, or an IANA zone by its key (LangGraph's own safe types), where the
+    fold picks the offset of the zone's repeated hour."""
+    return type(zone) is dt.timezone or (type(zone) is ZoneInfo and zone.key is not None)
+
+
+def _default(obj: Any) -> Any:
+    """LangGraph's encoding of `obj`, but for a datetime with `fold=1`: LangGraph
+    stores a datetime by its ISO form, which keeps no fold, so a naive datetime of the
+    hour clocks go back would read back an hour early. Such a one is stored by its
+    fields (as LangGraph stores a time), which LangGraph's readers rebuild too; its
+    zone as it is if it is a fixed offset or an IANA zone, else (a zone no reader
+    could rebuild) as the fixed offset its ISO form names. A datetime with `fold=0`
+    is stored as LangGraph stores it."""
+    if isinstance(obj, dt.datetime) and obj.fold:
+        zone = obj.tzinfo
+        if zone is not None and not _kept_zone(zone):
+            zone = dt.datetime.fromisoformat(obj.isoformat()).tzinfo
+        fields = {
+            "year": obj.year,
+            "month": obj.month,
+            "day": obj.day,
+            "hour": obj.hour,
+            "minute": obj.minute,
+            "second": obj.second,
+            "microsecond": obj.microsecond,
+            "tzinfo": zone,
+            "fold": 1,
+        }
+        return ormsgpack.Ext(
+            jsonplus.EXT_CONSTRUCTOR_KW_ARGS,
+            _encoded((obj.__class__.__module__, obj.__class__.__name__, fields)),
+        )
+    return _langgraph_default(obj)
 
 
 def _nothing_inside(values: Collection[Any]) -> bool:
@@ -194,7 +251,7 @@ class StrictSerializer(SerializerProtocol):
             return "bytearray", bytes(obj)
         self.check(obj, path, **ids)
         try:
-            return "msgpack", jsonplus._msgpack_enc(obj)
+            return "msgpack", _encoded(obj)
         except (TypeError, ormsgpack.MsgpackEncodeError) as exc:
             raise CheckpointInvalid(
                 f"value at {path} cannot be serialized ({exc}); store plain data or "
