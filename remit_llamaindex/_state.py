@@ -10,6 +10,8 @@ how to write such a step). Every writer
 where the state is re-validated against the run's declared model, so a value
 that slipped past the model (`validate_assignment` off, `model_construct`)
 is refused with `CheckpointInvalid` and the stored state stays as it was. A
+`set` of a path the model has no field for (or of a value a model that validates
+assignments refuses) is refused the same way, naming the path. A
 value the checkpoint could not hold as it is (a datetime or bytes in an
 untyped store, a tuple that would come back as a list) is refused there too,
 inside the step, naming its key, rather than failing the commit afterwards.
@@ -28,7 +30,7 @@ from workflows.context.serializers import BaseSerializer, JsonSerializer
 from workflows.context.state_store import MODEL_T, InMemoryStateStore
 
 from remit_core.schema import StateSchema
-from remit_llamaindex._storable import checked_state
+from remit_llamaindex._storable import checked_state, set_path
 
 
 class RemitStateStore(InMemoryStateStore[MODEL_T]):
@@ -70,6 +72,16 @@ class RemitStateStore(InMemoryStateStore[MODEL_T]):
             if previous is not None:
                 await self._memory_storage.save(previous)
             raise
+
+    async def set(self, path: str, value: Any) -> None:
+        """The framework's `set`, but a path the model has no field for (or a value it
+        refuses on assignment) is `CheckpointInvalid` naming the path, as every other
+        refused write is, rather than the framework's `ValueError`; nothing is stored."""
+        async with self._lock.acquire_write():
+            async with self._storage.session() as storage:
+                state = await self._load_state(storage)
+                edited = set_path(state, path, value, "nothing was stored", **self._ids())
+                await self._save_state(edited, storage)
 
     def checked(self, state: BaseModel) -> BaseModel:
         """`state` as a write stores it: validated, storable, a typed value in the form its

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from workflows.context.serializers import JsonSerializer
-from workflows.context.state_store import KNOWN_UNSERIALIZABLE_KEYS, DictState
+from workflows.context.state_store import KNOWN_UNSERIALIZABLE_KEYS, DictState, set_by_path_copy
 
 from remit_core.errors import CheckpointInvalid
 from remit_core.schema import StateSchema
@@ -229,6 +229,28 @@ def checked_state(
             return back
     check_storable(state, serializer, **ids)
     return state
+
+
+def set_path(state: BaseModel, path: str, value: Any, outcome: str, **ids: Any) -> BaseModel:
+    """`state` with `value` set at `path` (the framework's `set_by_path_copy`, which
+    leaves `state` as it is), or `CheckpointInvalid` naming `path` when the model has no
+    field there or refuses the value on assignment (`validate_assignment`). The
+    framework would raise its own `ValueError` (or the model's `ValidationError`), unlike
+    every other refused state write; `outcome` says what came of the write."""
+    try:
+        return set_by_path_copy(state, path, value)
+    except ValidationError as exc:  # a model that validates assignments
+        raise CheckpointInvalid(
+            f"state does not satisfy its schema at {path}: {exc.errors()[0].get('msg')}; {outcome}",
+            field=path,
+            **ids,
+        ) from exc
+    except (ValueError, TypeError, AttributeError, LookupError) as exc:
+        raise CheckpointInvalid(
+            f"{type(state).__name__} has no field {path!r} ({exc}); {outcome}",
+            field=path,
+            **ids,
+        ) from exc
 
 
 def check_storable(state: BaseModel, serializer: JsonSerializer, **ids: Any) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from workflows.context.context import Context
 from workflows.context.serializers import BaseSerializer, JsonSerializer
 from workflows.context.state_store import (
@@ -43,7 +43,6 @@ from workflows.context.state_store import (
     StateStore,
     create_in_memory_payload,
     infer_state_type,
-    set_by_path_copy,
 )
 from workflows.context.state_store_integration import decode_seed_state
 from workflows.errors import WorkflowCancelledByUser, WorkflowRuntimeError
@@ -88,7 +87,6 @@ from remit_core import codec, connect, failpoints, policy
 from remit_core.core import DEFAULT_LEASE, Remit, checked_id, checked_lease
 from remit_core.effects import scoped
 from remit_core.errors import (
-    CheckpointInvalid,
     CorruptRecord,
     ForkWithoutIntent,
     RemitError,
@@ -113,7 +111,7 @@ from remit_llamaindex._run import (
     validated_event,
 )
 from remit_llamaindex._state import RemitStateStore
-from remit_llamaindex._storable import check_event_storable, checked_state
+from remit_llamaindex._storable import check_event_storable, checked_state, set_path
 
 logger = logging.getLogger("remit_llamaindex")
 _FIRST_ATTEMPT = RetryAttempt()
@@ -1250,24 +1248,10 @@ def _check_target(handler: WorkflowHandler, step: str, event: Event) -> None:
 
 
 def _edited(state: BaseModel, values: Mapping[str, Any], **ids: Any) -> BaseModel:
-    """`state` with `values` set by path (the framework's `set_by_path_copy`), or
-    `CheckpointInvalid` naming a path the state has no field for."""
+    """`state` with `values` set by path (`set_path`: `CheckpointInvalid` naming a path
+    the state has no field for, or a value its model refuses on assignment)."""
     for path, value in values.items():
-        try:
-            state = set_by_path_copy(state, path, value)
-        except ValidationError as exc:  # a model that validates assignments
-            raise CheckpointInvalid(
-                f"state does not satisfy its schema at {path}: {exc.errors()[0].get('msg')}; "
-                "the edit was not written",
-                field=path,
-                **ids,
-            ) from exc
-        except (ValueError, TypeError, AttributeError, LookupError) as exc:
-            raise CheckpointInvalid(
-                f"{type(state).__name__} has no field {path!r} ({exc}); the edit was not written",
-                field=path,
-                **ids,
-            ) from exc
+        state = set_path(state, path, value, "the edit was not written", **ids)
     return state
 
 
