@@ -48,6 +48,8 @@ def display_url(url: str) -> str:
     """`url` fit to show in an error: with no password (in the address or, as libpq
     takes one, a `password=` option)."""
     parts = urlsplit(url)
+    if parts.password is None and "password=" not in parts.query.lower():
+        return url  # (as given: a round trip through urlunsplit rewrites sqlite:////abs)
     if parts.password is not None:
         netloc = parts.netloc.rpartition("@")
         user = netloc[0].partition(":")[0]
