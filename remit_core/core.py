@@ -733,7 +733,7 @@ class Remit:
             # A retry of a commit that landed (its reply was lost) finds its parent
             # no longer a head, or (`release`) the claim it gave up released: the
             # same checkpoint stored is its answer.
-            if isinstance(exc, Fenced) and release is None:
+            if isinstance(exc, Fenced) and not self._released_by_itself(release):
                 raise
             stored = self._landed(exc, ask)
             if release is not None:
@@ -741,6 +741,17 @@ class Remit:
                     self.store.release_claim(release.claim)
                 release._given_up()
             return stored
+
+    def _released_by_itself(self, release: ClaimHandle | None) -> bool:
+        """Whether the claim a commit gave up (`release`) is released at its own fence:
+        no one took it since, so a `Fenced` retry may be a commit of its own that landed.
+        A claim taken over since (a higher fence) means a zombie's commit: refused, even
+        if the new holder stored a checkpoint like it (L2)."""
+        if release is None:
+            return False
+        held = release.claim
+        current = self.store.get_claim(held.run_id, held.scope)
+        return current is not None and current.fence == held.fence and current.holder == ""
 
     def _commit(self, ask: _CommitAsk, release: ClaimHandle | None) -> CheckpointRecord:
         run_id, ns, parent_id, fork_token = ask.run_id, ask.ns, ask.parent_id, ask.fork_token
