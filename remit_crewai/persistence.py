@@ -400,15 +400,17 @@ class RemitFlowPersistence(FlowPersistence):
         record, body = self._read_head(run_id, branch)
         if record is None or body is None:
             return None
-        interrupts = self.remit.interrupts(run_id, branch=branch)
+        # Only the open ones: a loop's consumed feedback grows with its rounds.
         pending = [
             (i.interrupt_id, self._as_paused(run_id, record.checkpoint_id, i).prompt)
-            for i in interrupts
-            if i.status == "pending"
+            for i in self.remit.interrupts(run_id, branch=branch, status="pending")
         ]
         if not pending:
             unopened = self._paused_head(run_id, record.checkpoint_id)
-            if unopened is not None and not any(i.interrupt_id == unopened[1] for i in interrupts):
+            if (
+                unopened is not None
+                and self.remit.interrupt(run_id, unopened[1], branch=branch) is None
+            ):
                 pending = [(unopened[1], unopened[2])]
         if not pending:
             return None
@@ -429,18 +431,18 @@ class RemitFlowPersistence(FlowPersistence):
         run_id, branch = locate(flow_uuid)
         session = self._open(flow_uuid, heartbeat=False)
         try:
-            interrupts = self.remit.interrupts(run_id, branch=branch)
-            pending = [i for i in interrupts if i.status == "pending"]
+            # Only the open ones: a loop's consumed feedback grows with its rounds.
+            pending = self.remit.interrupts(run_id, branch=branch, status="pending")
             if not pending:
-                pending = self._unopened_pause(session, interrupts)
+                pending = self._unopened_pause(session)
             if not pending:
-                consumed = [i for i in interrupts if i.status == "consumed"]
-                if consumed:
+                consumed = self._last_consumed(session)
+                if consumed is not None:
                     raise ResumeConflict(
                         "the feedback this flow waited for was already given; nothing is "
                         "pending, and a second value is not stored",
                         run_id=run_id,
-                        interrupt_id=consumed[-1].interrupt_id,
+                        interrupt_id=consumed.interrupt_id,
                     )
                 session.handle.release()
                 return None
@@ -459,9 +461,7 @@ class RemitFlowPersistence(FlowPersistence):
         add_resumer(session)
         return {**session.state, "id": flow_uuid}, context
 
-    def _unopened_pause(
-        self, session: Session, interrupts: list[InterruptRecord]
-    ) -> list[InterruptRecord]:
+    def _unopened_pause(self, session: Session) -> list[InterruptRecord]:
         """The interrupt of the pause the head records (through edits made on it), opened
         now if the process that saved the pause died (or lost the store) before opening
         it; none if the head is no pause or its interrupt exists (pending or consumed)."""
@@ -469,7 +469,7 @@ class RemitFlowPersistence(FlowPersistence):
         if paused is None:
             return []
         checkpoint_id, interrupt_id, prompt = paused
-        if any(i.interrupt_id == interrupt_id for i in interrupts):
+        if self.remit.interrupt(session.run_id, interrupt_id, branch=session.branch) is not None:
             return []
         self.remit.open_interrupts(
             session.run_id,
@@ -1197,12 +1197,11 @@ class RemitFlowPersistence(FlowPersistence):
         the next save) still counts; a method whose feedback is still pending
         runs again, so that it pauses again.
         """
-        interrupts = self.remit.interrupts(session.run_id, branch=session.branch)
         ledger = session.ledger
         for i in sorted(
             (
                 i
-                for i in [*self._given_at_base(session), *interrupts]
+                for i in [*self._given_at_base(session), *self._given_since_head(session)]
                 if i.status == "consumed" and i.value is not None
             ),
             key=lambda i: i.consumed_at or 0.0,
@@ -1220,7 +1219,10 @@ class RemitFlowPersistence(FlowPersistence):
             # (Nothing saved before the asking step: it starts from the initial state.)
             known = None if before == {} else session.initial_keys
             session.state = {**_added_since(flow, session.state, known), **session.state}
-        waiting = {_interrupt_method(i.interrupt_id) for i in interrupts if i.status == "pending"}
+        waiting = {
+            _interrupt_method(i.interrupt_id)
+            for i in self.remit.interrupts(session.run_id, branch=session.branch, status="pending")
+        }
         _forget_last_run(flow)
         flow._completed_methods = {m for m in ledger.completed if m not in waiting}
         history = _history(ledger)
@@ -1245,13 +1247,53 @@ class RemitFlowPersistence(FlowPersistence):
             asked, checkpoint_id = True, record.parent_id
         return {} if asked else None
 
+    def _given_since_head(self, session: Session) -> list[InterruptRecord]:
+        """The feedback consumed on the flow's line after its head was written: at most that
+        of the pause the head ends (the pause, its feedback method's completion, edits made
+        on them), whose resumer consumed it and died before its next save. Every save after
+        a consume holds that feedback in its ledger, and a later consume needs a later
+        pause: so a restart reads one interrupt, however many rounds the loop has had."""
+        occurrence = self._head_pause(session)
+        if occurrence is None:
+            return []
+        given = self.remit.interrupt(session.run_id, occurrence, branch=session.branch)
+        return [] if given is None else [given]
+
+    def _head_pause(self, session: Session) -> str | None:
+        """The interrupt id of the pause the head ends, through its feedback method's
+        completion and edits made on them; None if the head ends no pause."""
+        checkpoint_id = session.head
+        while checkpoint_id is not None:
+            record = self.remit.checkpoint(session.run_id, checkpoint_id)
+            if record is None:
+                return None
+            body = decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
+            if body.kind in ("pause", "feedback"):
+                return f"{body.method}#{body.ledger.occurrence(body.method)}"
+            if body.kind != "edit":
+                return None
+            checkpoint_id = record.parent_id
+        return None
+
+    def _last_consumed(self, session: Session) -> InterruptRecord | None:
+        """The newest feedback consumed on the flow's branch, or None if none was: that of
+        the pause the head ends, else the newest of its ledger's feedback that a consumed
+        interrupt of this branch holds (feedback given at once has none)."""
+        candidates = [self._head_pause(session)]
+        candidates += [f["interrupt"] for f in reversed(session.ledger.feedback)]
+        for interrupt_id in dict.fromkeys(c for c in candidates if c is not None):
+            found = self.remit.interrupt(session.run_id, interrupt_id, branch=session.branch)
+            if found is not None and found.status == "consumed":
+                return found
+        return None
+
     def _given_at_base(self, session: Session) -> list[InterruptRecord]:
         """The feedback a fork's head was given, consumed on the line it was forked from.
 
         CrewAI saves a feedback method's completion before the next step consumes
         the feedback, so that checkpoint (and an edit made on it) holds no feedback
-        in its ledger: a restart of the main line finds it among the line's consumed
-        interrupts, and a fork made there must find it where it was consumed."""
+        in its ledger: a restart of the main line reads it on its own branch
+        (`_given_since_head`), and a fork made there must find it where it was consumed."""
         for record, body in self._fork_line(session):
             if body.kind == "feedback":
                 occurrence = f"{body.method}#{body.ledger.occurrence(body.method)}"
