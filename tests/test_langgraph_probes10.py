@@ -142,7 +142,10 @@ def test_k_recoverers_of_a_fan_out_killed_after_one_branchs_effect(
 
     killed(doomed)
     entered = len(world.entries())
-    got = race(4, lambda i: graph.invoke(None, cfg, durability=durability))
+    # The recoverers hold their claim with a long lease: a heartbeat a loaded machine
+    # delays past a short one would let a late recoverer in, as L1 allows.
+    steady = fan_out(world, RemitSaver(url, lease=30.0))
+    got = race(4, lambda i: steady.invoke(None, cfg, durability=durability))
     # One recovers; the others get ResumeConflict, or, come after it ended, find
     # nothing left to run.
     assert "ok" in [out for _, _, out in got]
