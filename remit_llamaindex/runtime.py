@@ -457,6 +457,8 @@ class RemitRuntime(BaseRuntimeDecorator):
         run_id, base_id = handle["run_id"], handle["checkpoint_id"]
         token = handle.get("fork_token")
         remit = self.remit
+        if token is not None and remit.fork_branch(run_id, token) is None:
+            self._check_fork_base(workflow, run_id, base_id, serializer)
         found = (
             remit.fork(run_id, base_id, token)
             if token is not None
@@ -523,6 +525,24 @@ class RemitRuntime(BaseRuntimeDecorator):
             elif interrupt.interrupt_id in session.asks:
                 session.inject(value, ask=interrupt.interrupt_id)
         return session
+
+    def _check_fork_base(
+        self, workflow: Workflow, run_id: str, base_id: str, serializer: JsonSerializer
+    ) -> None:
+        """Read the base of a fork a token would make as the fork would read it, before
+        the branch is made: a base that does not verify, was written by a version this
+        runtime refuses, or holds work or state `workflow` cannot take raises as a
+        restore of it does (`CorruptRecord`, `VersionMismatch`, `CheckpointInvalid`),
+        and no branch is stored (made first, it would outlive the refusal: a branch
+        stored for a restore that was refused). A base the store does not hold is left
+        to the fork, which refuses it."""
+        if self.remit.checkpoint(run_id, base_id) is None:
+            return
+        record = self._checkpoint(run_id, base_id)
+        ids = {"run_id": run_id, "checkpoint_id": base_id}
+        ctx = snap.decode(record.state, **ids)
+        snap.broker_state(ctx, workflow, serializer, **ids)
+        self._state(workflow, record, ctx, serializer)
 
     def _session(
         self,
