@@ -604,7 +604,8 @@ def _difference(
     else by `==`. A tuple read back as a list (or a list as a tuple) is equal
     only where its `declared` type makes it one (a tuple in a `list[int]`
     field); in an `Any` field it would come back as another type. So is a
-    mapping read back as a plain dict (a `defaultdict` in an `Any` field).
+    mapping read back as a plain dict (a `defaultdict` in an `Any` field), and a set
+    read back as a frozenset, or a frozenset as a set.
     """
     children: Callable[[Any], Mapping[Any, Any]] | None = None
     if dataclasses.is_dataclass(ours) and not isinstance(ours, type):
@@ -621,6 +622,12 @@ def _difference(
         if type(ours) is not type(read) and not _declares(declared, type(read)):
             return path, ours, read
         children = _indexed
+    elif isinstance(ours, (set, frozenset)) and isinstance(read, (set, frozenset)):
+        if type(ours) is not type(read) and not _declares(declared, type(read)):
+            # A set in a `frozenset[str] | set[str]` field reads back as a frozenset (no
+            # `add` on resume), a frozenset in `set[str] | frozenset[str]` as a set.
+            return path, ours, read
+        return _set_difference(ours, read, path, declared)
     if children is None:
         if isinstance(ours, float) and isinstance(read, float) and math.isnan(ours):
             return None if math.isnan(read) else (path, ours, read)
@@ -652,6 +659,26 @@ def _difference(
     return None
 
 
+def _set_difference(
+    ours: Collection[Any], read: Collection[Any], path: _Path, declared: Any
+) -> tuple[_Path, Any, Any] | None:
+    """Where the set `read` differs from the set `ours`: a set is equal when its members
+    are, by `==`, which an enum member and its value, or a datetime and the same instant at
+    another offset, pass. Each member is compared with the member it equals, as a mapping's
+    keys are (a `StrEnum` member in a `set[Any]` reads back as its str). Named at the set:
+    its members have no path of their own."""
+    if not _equal(ours, read):
+        return path, ours, read
+    if _plain(ours):
+        return None
+    member_type = next((part for _, _, part in _parts(ours, declared)), Any)
+    members = {member: member for member in read}
+    for member in ours:
+        if _difference(member, members.get(member, member), path, member_type) is not None:
+            return path, ours, read
+    return None
+
+
 def _zone_lost(ours: Any, read: Any) -> bool:
     """Whether `read`, a datetime (or time) equal to `ours`, lost `ours`'s time zone.
     pydantic writes an aware datetime with its UTC offset only, and reads it back in that
@@ -677,10 +704,24 @@ def _demoted(ours: Any, read: Any, declared: Any) -> bool:
     """Whether `read`, equal to the enum member `ours`, came back as another type that
     `declared` does not make it (a `StrEnum` member in an `Any` field reads back as its
     str). A member read back as what its field declares (a `str` field) follows the
-    declared type."""
+    declared type, unless the field also names the member's enum (`Color | str`): pydantic
+    keeps the member there, and reads its JSON value back as the `str`."""
     if not isinstance(ours, enum.Enum) or type(read) is type(ours):
         return False
-    return not _admits(declared, read)
+    return _names_enum(declared, ours) or not _admits(declared, read)
+
+
+def _names_enum(declared: Any, member: enum.Enum) -> bool:
+    """Whether `declared` names `member`'s enum: is it, or has it as a union's member, or
+    is a `Literal` holding `member` itself."""
+    while typing.get_origin(declared) is Annotated:
+        declared = typing.get_args(declared)[0]
+    origin = typing.get_origin(declared) or declared
+    if origin in (Union, types.UnionType):
+        return any(_names_enum(m, member) for m in typing.get_args(declared))
+    if origin is typing.Literal:
+        return any(v is member for v in typing.get_args(declared))
+    return isinstance(origin, type) and issubclass(origin, enum.Enum) and isinstance(member, origin)
 
 
 def _admits(declared: Any, value: Any) -> bool:
