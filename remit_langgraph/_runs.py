@@ -53,6 +53,7 @@ from langgraph._internal._constants import (
     TASKS,
 )
 from langgraph._internal._serde import build_serde_allowlist
+from langgraph.channels.base import BaseChannel
 from langgraph.checkpoint.base import (
     BaseCheckpointSaver,
     CheckpointTuple,
@@ -61,7 +62,9 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.serde.types import INTERRUPT, RESUME
 from langgraph.config import get_config
+from langgraph.errors import EmptyInputError, InvalidUpdateError
 from langgraph.pregel import Pregel
+from langgraph.pregel._io import map_command
 from langgraph.pregel._loop import AsyncPregelLoop, PregelLoop, SyncPregelLoop
 from langgraph.types import Command, Interrupt
 from pydantic_core import PydanticSerializationError, to_jsonable_python
@@ -70,6 +73,7 @@ from remit_core import Remit, codec, policy
 from remit_core.core import ClaimHandle
 from remit_core.effects import SharedScope, StepScope, register_scope_resolver
 from remit_core.errors import (
+    CheckpointInvalid,
     Fenced,
     ForkWithoutIntent,
     RemitError,
@@ -310,6 +314,51 @@ def _is_resume_map(resume: Any) -> bool:
     )
 
 
+def _check_command(command: Command, specs: Mapping[str, Any], thread: str) -> None:
+    """Raise, before anything is claimed or stored, what LangGraph raises only as it
+    maps a command to writes and applies them, after the run started (its resume
+    value consumed, its claim held until the loop is garbage-collected): a resume
+    dict with a key that is no str (LangGraph tests each key as an interrupt id,
+    until one is a str that is not: `{1: "a"}` raises `TypeError`),
+    `graph=Command.PARENT` at the top (`InvalidUpdateError`), a `goto` that is no
+    node name or `Send` (`TypeError`), an empty `Command()` (`EmptyInputError`,
+    which LangGraph means to raise), and an update its keys' channels refuse
+    whatever the state (two values for a plain key: `CheckpointInvalid`; LangGraph
+    stores such an update, and every later run of the thread fails applying it)."""
+    if isinstance(command.resume, dict):
+        for key in command.resume:
+            if not isinstance(key, str):
+                raise TypeError(
+                    "a resume value that is a dict needs str keys: LangGraph tests them "
+                    f"as interrupt ids, and {key!r} is a {type(key).__name__}; the value "
+                    "was not stored (wrap it, e.g. Command(resume={'value': ...}))"
+                )
+            if not _is_resume_map({key: None}):
+                break  # LangGraph reads the dict as one plain value
+    for _ in map_command(command):
+        pass
+    if command.resume is None and not command.update and not command.goto:
+        # (LangGraph means to raise this, and fails with an UnboundLocalError instead.)
+        raise EmptyInputError("Received empty Command input")
+    grouped: dict[str, list[Any]] = {}
+    for key, value in command._update_as_tuples() if command.update else ():
+        grouped.setdefault(key, []).append(value)
+    for key, values in grouped.items():
+        spec = specs.get(key)
+        if not isinstance(spec, BaseChannel):
+            continue
+        try:
+            spec.copy().update(values)  # (an empty copy: only what no state changes fails)
+        except InvalidUpdateError as exc:
+            raise CheckpointInvalid(
+                f"the command's update cannot be applied to {key!r} ({exc}); nothing was stored",
+                field=key,
+                run_id=thread,
+            ) from exc
+        except Exception:  # noqa: BLE001, S112 (a reducer that needs the real state: checked later)
+            continue
+
+
 def _is_send_path(task_path: str) -> bool:
     """Whether a stored task path is a `Send` branch's (`~__pregel_push, <index>, ...`),
     not a task another task called (`~__pregel_push, ~__pregel_pull, ...`)."""
@@ -490,6 +539,8 @@ class Runs:
         loop = call.loop
         conf = checked_conf(dict(config.get("configurable") or {}))
         thread = thread_id(conf.get("thread_id"))
+        if isinstance(loop.input, Command):
+            _check_command(loop.input, loop.specs, thread)
         token = conf.get("fork_token")
         checkpoint_id = conf.get("checkpoint_id")
         writes = None
@@ -547,10 +598,16 @@ class Runs:
                     "not stored (start the run with its input)",
                     run_id=thread,
                 )
+            found = None
             if record is not None:
                 run.committed.add(record.checkpoint_id)
                 if writes is None:
                     writes = self.remit.writes(thread, record.checkpoint_id)
+                if isinstance(loop.input, Command) and loop.input.resume is not None:
+                    # The head is read (its version accepted, its values decoded and
+                    # migrated) before its interrupt is consumed: a head this saver
+                    # refuses refuses the value too, with nothing stored (P4, P5).
+                    found = self._read_head(call, record, writes)
                 owed = self._settle_resume(loop, run, record, writes)
                 edited = record.metadata.get("source") == "update"
                 if (branch != MAIN_BRANCH or edited) and (
@@ -566,16 +623,11 @@ class Runs:
                     not checkpoint_id or record.metadata.get("source") in ("update", "fork")
                 ):
                     record, writes = self._fork_point(loop, run, record, writes, token)
+                    found = None
             if record is not None and any(w.channel == INTERRUPT for w in writes or ()):
                 run.past_pause = record.checkpoint_id
-            found = None
-            if record is not None and call.check is not None and self.saver.serde.validates_models:
-                # The messages of a chat, just rebuilt, need no second check (`loaded`).
-                with self.saver.serde.noting() as noted:
-                    found = self.saver._tuple(record, writes)
-                call.check.loaded(found.checkpoint["channel_values"], noted)
-            elif record is not None:
-                found = self.saver._tuple(record, writes)
+            if found is None and record is not None:
+                found = self._read_head(call, record, writes)
             if found is not None and run.resume_spent and found.pending_writes:
                 found = found._replace(
                     pending_writes=[
@@ -591,6 +643,18 @@ class Runs:
             handle.release()
             raise
         return run, found
+
+    def _read_head(
+        self, call: LoopCall, record: CheckpointRecord, writes: list[WriteRecord] | None
+    ) -> CheckpointTuple:
+        """The tuple of the checkpoint a run starts from."""
+        if call.check is not None and self.saver.serde.validates_models:
+            # The messages of a chat, just rebuilt, need no second check (`loaded`).
+            with self.saver.serde.noting() as noted:
+                found = self.saver._tuple(record, writes)
+            call.check.loaded(found.checkpoint["channel_values"], noted)
+            return found
+        return self.saver._tuple(record, writes)
 
     def _release_dropped(self) -> None:
         """Release the claims of dropped loops' runs (see `attach`)."""
@@ -646,6 +710,10 @@ class Runs:
                 run_id=thread,
                 checkpoint_id=checkpoint_id,
             )
+        # A base this saver cannot read (another workflow version, a state it cannot
+        # migrate, values that fail to verify) is refused before its branch is made:
+        # the refused run stores nothing, and the token stays free (P3, P4).
+        self.saver._tuple(record)
         return record, self.fork(thread, checkpoint_id, token)
 
     def _claim_head(

@@ -72,10 +72,16 @@ _OPTIONS = ormsgpack.OPT_NON_STR_KEYS
 _SHALLOW_TYPES = _PLAIN_TYPES | _EMPTY_FINE
 
 
+#: LangGraph's msgpack options, but a str with a lone surrogate raises: LangGraph
+#: writes each as "?", and such a value would read back as another.
+_STRICT_OPTION = jsonplus._option & ~ormsgpack.OPT_REPLACE_SURROGATES
+
+
 def _encoded(obj: Any) -> bytes:
     """`obj` in LangGraph's msgpack form, except that a datetime with `fold=1` (the
-    second of a repeated local hour) keeps it (`_default`)."""
-    return ormsgpack.packb(obj, default=_default, option=jsonplus._option)
+    second of a repeated local hour) keeps it (`_default`), and a lone surrogate is
+    refused (`_STRICT_OPTION`)."""
+    return ormsgpack.packb(obj, default=_default, option=_STRICT_OPTION)
 
 
 #: LangGraph's encoder of one extension value, its nested values encoded by

@@ -151,9 +151,11 @@ class RemitSaver(BaseCheckpointSaver[str]):
         blobs = self._blobs.get(record.run_id, record.ns, keys.values())
         missing = [k for k in keys.values() if k not in blobs]
         if missing:
-            fetched: dict[str, bytes | None] = dict(
-                self.remit.blobs(record.run_id, missing, ns=record.ns)
-            )
+            try:
+                stored = self.remit.blobs(record.run_id, missing, ns=record.ns)
+            except CorruptRecord as exc:  # (checkpoints share a blob: name the one read)
+                raise CorruptRecord(exc.message, **{**exc.ids, **ids}) from exc
+            fetched: dict[str, bytes | None] = dict(stored)
             for k in missing:
                 if k not in fetched and rec.is_own_version(k.split(":", 1)[0]):
                     fetched[k] = None  # an emptied channel's version: never a value
