@@ -2,8 +2,9 @@
 
 `FlowPersistence` never sees which methods completed, which flow instance
 is running, or the feedback a resume delivers; CrewAI's global interception
-hooks do. Installed once per process by the first `RemitFlowPersistence`,
-they act only on flows whose persistence is one:
+hooks do. Installed once per process when `remit_crewai` is imported (before any
+`RemitFlowPersistence` exists: CrewAI's default-persistence factory may make the first
+one in the middle of `from_pending`), they act only on flows whose persistence is one:
 
 - EXECUTION_START: a kickoff with `inputs["id"]` claims that flow and hands
   it its completion ledger, which `_replay` replays as CrewAI restarts it; so

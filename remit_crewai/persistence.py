@@ -233,10 +233,8 @@ class RemitFlowPersistence(FlowPersistence):
         return self._store_url or url
 
     def model_post_init(self, context: Any, /) -> None:
-        from remit_crewai._hooks import install
-
+        # (The CrewAI hooks are registered when `remit_crewai` is imported: see `__init__`.)
         self._pin()
-        install()
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -624,12 +622,12 @@ class RemitFlowPersistence(FlowPersistence):
 
         Validated like any save (against `state_type` for a model state);
         nothing is written if it fails, or if `changes` name another `id`. The edit
-        completes no method. A flow whose state is a model needs `state_type`
-        (`TypeError` without it):
-        Remit records the model's name, never imports it. A flow with no checkpoint
-        is `UnknownRecord`: an edit never makes a flow. While a kickoff or resume holds
-        the flow, in this process or another, the edit is `ResumeConflict`: the run's
-        next save would overwrite it.
+        completes no method and runs no workflow code: it keeps the workflow version of
+        the checkpoint it edits, whatever this persistence's. A flow whose state is a
+        model needs `state_type` (`TypeError` without it): Remit records the model's
+        name, never imports it. A flow with no checkpoint is `UnknownRecord`: an edit
+        never makes a flow. While a kickoff or resume holds the flow, in this process or
+        another, the edit is `ResumeConflict`: the run's next save would overwrite it.
         """
         if not isinstance(changes, Mapping):
             raise TypeError(
@@ -656,10 +654,10 @@ class RemitFlowPersistence(FlowPersistence):
                 raise UnknownRecord(
                     "flow has no checkpoint to edit; nothing was written", run_id=session.run_id
                 )
+            head = self.remit.checkpoint(session.run_id, session.head)
             if state_type is not None:
                 session.state_type = _with_id(state_type)
             elif session.state_type is None:
-                head = self.remit.checkpoint(session.run_id, session.head)
                 model = None if head is None else head.metadata.get("model")
                 if model is not None:
                     raise TypeError(
@@ -676,8 +674,13 @@ class RemitFlowPersistence(FlowPersistence):
             plain = self._plain_state(session, merged)
             if session.state_type is not None:
                 _check_kept(session.state_type, state, plain, flow_id)
-            # A finished flow's restart still returns what its last step returned.
-            self._commit(session, plain, "", "edit", session.ledger, session.output)
+            # A finished flow's restart still returns what its last step returned. The edit
+            # runs no workflow code: it keeps the version that wrote the flow, which an
+            # operator's persistence made without one would otherwise lock out (P4).
+            version = self.workflow_version if head is None else head.workflow_version
+            self._commit(
+                session, plain, "", "edit", session.ledger, session.output, version=version
+            )
 
     # -- sessions ------------------------------------------------------------
     def _accepted(self) -> set[str] | None:
@@ -963,7 +966,12 @@ class RemitFlowPersistence(FlowPersistence):
         output: bytes | None = None,
         *,
         prompt: bytes | None = None,
+        version: str | None = None,
     ) -> CheckpointRecord:
+        """Commit `plain` as the session's new head, fenced, stamped with workflow `version`
+        (default: that of the flow's own persistence when it writes to this store, else
+        this persistence's: a method `@persist`ed to this store by a persistence of no
+        version saves into its flow's run, whose own deployment must still accept it)."""
         remit = self.remit
         for name in _SCHEMAS:
             schema = self._schema(session, name)
@@ -974,6 +982,9 @@ class RemitFlowPersistence(FlowPersistence):
             session.flow_class = _class_name(flow)
             if isinstance(flow.state, dict):
                 session.initial_keys = _initial_keys(flow)
+            own = flow.persistence
+            if version is None and isinstance(own, RemitFlowPersistence) and self._stores_for(flow):
+                version = own.workflow_version
         try:
             plan = policy.plan_continue(
                 session.run_id,
@@ -1009,7 +1020,7 @@ class RemitFlowPersistence(FlowPersistence):
                 ),
                 **session.schemas,
             },
-            workflow_version=self.workflow_version,
+            workflow_version=self.workflow_version if version is None else version,
             fence=session.fence,
             plan=plan,
         )
