@@ -733,7 +733,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their writes) that LangGraph runs `run_ids` wrote.
 
-        The threads a run wrote to come from the saver's run index (see `_index_run`);
+        The threads a run wrote to come from the saver's run index (see `_index_runs`);
         a deleted branch head moves back to the newest checkpoint that remains.
         """
         if isinstance(run_ids, str):
@@ -798,11 +798,40 @@ class RemitSaver(BaseCheckpointSaver[str]):
         """
         source = rec.thread_id(source_thread_id, "source_thread_id")
         target = rec.thread_id(target_thread_id, "target_thread_id")
+        # The target's claim is held from the check to the end of the copy: two copies
+        # into one new id at once would both find it unused and both copy, mixing two
+        # threads' lines and ledgers in it (and a run started on it meanwhile would
+        # write among the copied records).
+        try:
+            guard = self.remit.claim(target, MAIN_BRANCH, lease=self.lease)
+        except ResumeConflict as held:
+            raise RemitError(
+                f"copy_thread's target_thread_id {target!r} is in use (another copy_thread "
+                "into it, or a run on it, is in flight); nothing was copied: copy to a "
+                "thread id never used",
+                run_id=target,
+            ) from held
+        with guard:
+            self._copy_into_unused(source, target)
+
+    def _copy_into_unused(self, source: str, target: str) -> None:
+        """`copy_thread`'s work, under the target's claim.
+
+        The copy's effects are keyed as in its source's life (the ledger it copies),
+        so the source's life marks are copied first: a copy that dies midway has
+        either no record but those marks (a copy again completes it) or its records
+        keyed as the ledger they came with, never records whose keys miss it. The
+        records themselves are copied in one transaction."""
+        lives = [
+            dataclasses.replace(w, checkpoint_id=target)
+            for w in self.remit.writes(rec.THREAD_LIVES, source)
+        ]
+        marks = {(w.task_id, w.idx) for w in self.remit.writes(rec.THREAD_LIVES, target)}
         used = (
             self.remit.history(target, limit=1, verify=False)
             or self.remit.branches(target)
             or self.remit.interrupts(target)
-            or self.remit.writes(rec.THREAD_LIVES, target)
+            or (marks and marks != {(w.task_id, w.idx) for w in lives})
         )
         if used:
             raise RemitError(
@@ -811,28 +840,32 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 "out again); nothing was copied: copy to a thread id never used",
                 run_id=target,
             )
+        if lives and not marks:
+            self.remit.put_writes(lives, mode="first")
+        # The run index names the target before its records land (and again after, for
+        # runs the source committed meanwhile): a copy that dies after its records
+        # leaves none that `delete_for_runs` cannot find.
+        self._index_runs(target, self.remit.history(source, verify=False))
         self.remit.copy_run(source, target)
-        # The copy's effects are keyed as in its source's life (the ledger it copied).
-        lives = self.remit.writes(rec.THREAD_LIVES, source)
-        self.remit.delete_checkpoints(rec.THREAD_LIVES, "", [target])
-        if lives:
-            self.remit.put_writes(
-                [dataclasses.replace(w, checkpoint_id=target) for w in lives], mode="first"
-            )
-        for r in self.remit.history(target, verify=False):
-            self._index_run(target, r.metadata.get("run_id"))
+        self._index_runs(target, self.remit.history(target, verify=False))
 
-    def _index_run(self, thread: str, lg_run: Any) -> None:
-        """Note that LangGraph run `lg_run` writes to `thread` (once per process).
+    def _index_runs(self, thread: str, records: Iterable[CheckpointRecord]) -> None:
+        """Note that the LangGraph runs that wrote `records` write to `thread` (each
+        once per process), in one write.
 
         `delete_for_runs` names runs, not threads; this index (a Remit run of its
         own whose step writes map run -> thread) finds them without scanning the
-        store. A put stores the entry with its checkpoint, in one commit.
+        store. A put stores its entry with its checkpoint, in one commit.
         """
-        entry = self._run_index_entry(thread, lg_run)
-        if entry is not None:
-            self.remit.put_writes([entry], mode="first")
-            self._indexed_now(thread, lg_run)
+        entries = {
+            (entry.checkpoint_id, entry.task_id): entry
+            for r in records
+            if (entry := self._run_index_entry(thread, r.metadata.get("run_id"))) is not None
+        }
+        if entries:
+            self.remit.put_writes(list(entries.values()), mode="first")
+            for lg_run, _ in entries:
+                self._indexed_now(thread, lg_run)
 
     def _run_index_entry(self, thread: str, lg_run: Any) -> WriteRecord | None:
         """The index entry of (`thread`, `lg_run`), unless this process stored it already."""
@@ -871,6 +904,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         for ns in sorted({r.ns for r in records}):
             in_ns = [r for r in records if r.ns == ns]
             branches = self.remit.branches(thread, ns=ns)
+            in_ns += self._committed_since(thread, ns, in_ns, branches)
             doomed = set(policy.prunable(in_ns, branches, keep_last=1))
             if doomed:
                 doomed -= self._edited_pauses(in_ns, branches)
@@ -881,6 +915,31 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 doomed -= self._delta_sources(in_ns, doomed, deltas)
             if doomed:
                 self.remit.store.delete_checkpoints(thread, ns, sorted(doomed))
+
+    def _committed_since(
+        self,
+        thread: str,
+        ns: str,
+        records: builtins.list[CheckpointRecord],
+        branches: Sequence[BranchRecord],
+    ) -> builtins.list[CheckpointRecord]:
+        """The checkpoints a run on the thread committed after `records` were listed
+        and before `branches` were (each branch's line from its head back to a listed
+        one). Without them a head the list lacks keeps nothing under it: its parent,
+        the head when listed, was deleted, and with it the writes a `DeltaChannel`
+        key is rebuilt from (the key then read as empty, or short, a wrong state)."""
+        known = {r.checkpoint_id for r in records}
+        extra: builtins.list[CheckpointRecord] = []
+        for branch in branches:
+            cursor = branch.head_id
+            while cursor is not None and cursor not in known:
+                record = self.remit.store.get_checkpoint(thread, ns, cursor)
+                if record is None:
+                    break
+                known.add(cursor)
+                extra.append(record)
+                cursor = record.parent_id
+        return extra
 
     def _edited_pauses(
         self, records: builtins.list[CheckpointRecord], branches: Sequence[BranchRecord]
