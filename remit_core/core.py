@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, NoReturn, cast
 
 from remit_core import codec, failpoints, policy
 from remit_core.errors import (
+    CorruptRecord,
     Fenced,
     ForkWithoutIntent,
     HeadMoved,
@@ -223,6 +224,13 @@ def _checked_count(name: str, value: object, *, low: int = 0, high: int | None =
     return value
 
 
+def _collected(items: Iterable[Any]) -> Sequence[Any]:
+    """`items` as a sequence: an iterator or generator is read once here, where a call
+    that checks its items and then stores them would find it spent the second time
+    (and store nothing, without a word)."""
+    return items if type(items) is list or type(items) is tuple else tuple(items)
+
+
 #: Above the largest int every engine stores in a schema version or a write's idx
 #: (a PostgreSQL `integer`).
 _INT_LIMIT = 2**31
@@ -230,6 +238,8 @@ _INT_LIMIT = 2**31
 _COUNT_LIMIT = 2**63 - 1
 _WRITE_MODES = frozenset({"first", "overwrite", "expect_absent"})
 _INTERRUPT_STATUSES = frozenset({"pending", "consumed"})
+#: The (status, value is None) pairs a stored interrupt can have.
+_INTERRUPT_SHAPES = frozenset({("pending", True), ("consumed", False)})
 
 
 def _checked_write(w: WriteRecord) -> None:
@@ -392,9 +402,14 @@ os.register_at_fork(after_in_child=_keeper._reset)
 _forks = 0
 
 
+#: This process's own mark, in each call's holder under an explicit `Remit(holder=)`.
+_process_mark = uuid.uuid4().hex[:8]
+
+
 def _count_fork() -> None:
-    global _forks
+    global _forks, _process_mark
     _forks += 1
+    _process_mark = uuid.uuid4().hex[:8]
 
 
 os.register_at_fork(after_in_child=_count_fork)
@@ -634,6 +649,17 @@ class Remit:
                     self._holder_forks = _forks
         return self._holder_auto
 
+    def _caller(self) -> str:
+        """The holder of one claim or consume: this call's alone. An explicit
+        `holder` may be shared by processes (one name for a service, or a `Remit`
+        made before a fork), whose serials run alike: without this process's mark,
+        a second process would get the first's live claim back as its own ("keep")
+        and two resumers would run the run at once (P5)."""
+        serial = next(_holder_serial)
+        if self._holder is None:
+            return f"{self.holder}/{serial}"
+        return f"{self._holder}/{_process_mark}.{serial}"
+
     # -- checkpoints -----------------------------------------------------------
     def plan(
         self,
@@ -720,6 +746,7 @@ class Remit:
             for key, value in blobs.items():
                 checked_id("blob key", key, empty=True)
                 _check_bytes("blob value", value)
+        writes = _collected(writes)
         for w in writes:
             _checked_write(w)
         check_fence_run(fence, run_id)  # (its writes may be other runs': they ride with it)
@@ -1007,6 +1034,7 @@ class Remit:
         _check_ns(ns)
         if isinstance(keys, str):
             raise TypeError("keys must be a collection of blob keys, not one str")
+        keys = _collected(keys)
         for key in keys:
             checked_id("blob key", key, empty=True)
         found = self.store.get_blobs(run_id, ns, keys)
@@ -1034,6 +1062,7 @@ class Remit:
         """
         if mode not in _WRITE_MODES:
             raise ValueError(f"mode must be one of {sorted(_WRITE_MODES)}, got {mode!r}")
+        writes = _collected(writes)
         for w in writes:
             _checked_write(w)
         _check_fence_type(fence)
@@ -1141,11 +1170,12 @@ class Remit:
         check_fence_run(fence, run_id)
         failpoints.hit("interrupt.before_consume")
         pending = self.store.get_interrupt(run_id, branch, interrupt_id)
-        if pending is not None and pending.status == "pending":
-            # A prompt that fails to verify is refused before the value is stored: after,
-            # the value would be consumed by a resumer told that its resume failed.
+        if pending is not None and pending.status != "consumed":
+            # A prompt that fails to verify, or a record altered in the store, is refused
+            # before the value is stored: after, the value would be consumed by a resumer
+            # told that its resume failed.
             self._open_interrupt(pending)
-        consumer = f"{self.holder}/{next(_holder_serial)}"
+        consumer = self._caller()
         try:
             record = self.store.consume_interrupt(
                 run_id,
@@ -1188,6 +1218,13 @@ class Remit:
 
     def _open_interrupt(self, r: InterruptRecord) -> InterruptRecord:
         ids = {"run_id": r.run_id, "checkpoint_id": r.checkpoint_id, "interrupt_id": r.interrupt_id}
+        if (r.status, r.value is None) not in _INTERRUPT_SHAPES:
+            # Altered in the store: read as it stands, a consumed interrupt could take a
+            # second value, or a resume go on with no value (P4, P5).
+            has = "without" if r.value is None else "with"
+            raise CorruptRecord(
+                f"stored interrupt has status {r.status!r} {has} a resume value", **ids
+            )
         prompt = value = None
         if r.prompt is not None:
             prompt = codec.unseal(r.prompt, f"prompt\x00{r.branch}\x00{r.interrupt_id}", **ids)
@@ -1250,7 +1287,7 @@ class Remit:
         if holder is not None:
             checked_id("holder", holder, empty=True)
         lease = self.lease if lease is None else checked_lease(lease)
-        holder = holder or f"{self.holder}/{next(_holder_serial)}"
+        holder = holder or self._caller()
         try:
             claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
         except StoreUnavailable as lost:
@@ -1291,7 +1328,7 @@ class Remit:
         checked_id("branch", branch)
         _check_ns(ns)
         lease = self.lease if lease is None else checked_lease(lease)
-        holder = f"{self.holder}/{next(_holder_serial)}"
+        holder = self._caller()
         try:
             claim, record, writes = self.store.acquire_claim_at_head(
                 run_id, branch, holder, now=self.clock(), lease=lease, ns=ns

@@ -21,7 +21,7 @@ import inspect
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from remit_core import codec, failpoints, policy
 from remit_core.core import check_fence_run, checked_id
@@ -482,10 +482,23 @@ def run_effect(
     idempotent: bool = False,
 ) -> Any:
     """Apply `fn(idempotency_key)` at most once per key across the life of the run."""
+    _check_sync(name, fn, reconcile)
     scope = _scope_or_fail(checked_id("effect name", name, empty=True))
     call = _Call(scope, key if key is not None else scope.next_key(name))
     with _turns.turn(call):
         return _drive(call, fn, reconcile, idempotent)
+
+
+def _check_sync(name: str, fn: Callable[..., Any], reconcile: Callable[..., Any] | None) -> None:
+    """A `TypeError` before anything is recorded if `run_effect` is given a coroutine
+    function: it would record the intent, get a coroutine that never runs, and leave
+    an effect that never happened in doubt on every replay."""
+    for role, given in (("fn", fn), ("reconcile", reconcile)):
+        if given is not None and inspect.iscoroutinefunction(given):
+            raise TypeError(
+                f"effect {name!r}: {role} is a coroutine function, which run_effect cannot "
+                "await; use arun_effect (or @effect on an async def)"
+            )
 
 
 def _drive(
@@ -507,13 +520,34 @@ def _drive(
                 if result is None:
                     with call.applying(op.idem):
                         result = fn(op.idem)
+                    if inspect.isawaitable(result):
+                        _refuse_awaitable(call, "fn", result)
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
                 result = reconcile(op.idem)
+                if inspect.isawaitable(result):
+                    _refuse_awaitable(call, "reconcile", result)
             else:
                 result = call.store_op(op)
     except StopIteration as stop:
         return _outcome_of(stop.value, scope)
+
+
+def _refuse_awaitable(call: _Call, role: str, result: Any) -> NoReturn:
+    """Refuse what a blocking effect's `fn` or `reconcile` returned unawaited: a
+    coroutine that never ran (closed here, so it never does)."""
+    if inspect.iscoroutine(result):
+        result.close()
+    raise TypeError(
+        f"effect {call.key!r}: {role} returned an awaitable, which run_effect cannot await "
+        "(it did not run); use arun_effect (or @effect on an async def)"
+        + (
+            "; the effect's intent is recorded: a reconcile answering NOT_APPLIED, or "
+            "idempotent=True, lets a replay apply it"
+            if role == "fn"
+            else ""
+        )
+    )
 
 
 async def arun_effect(
@@ -524,7 +558,8 @@ async def arun_effect(
     reconcile: Callable[[str], Any] | None = None,
     idempotent: bool = False,
 ) -> Any:
-    """`run_effect` for coroutines; store calls run off the event loop."""
+    """`run_effect` for coroutines; store calls run off the event loop. A plain function
+    given for `fn` is called as it is (its outcome recorded, as a coroutine's)."""
     scope = _scope_or_fail(checked_id("effect name", name, empty=True))
     call = _Call(scope, key if key is not None else scope.next_key(name))
     async with _turns.aturn(call):
@@ -549,7 +584,11 @@ async def _adrive(
                 result = await asyncio.to_thread(call.recheck) if op.in_doubt else None
                 if result is None:
                     with call.applying(op.idem):
-                        result = await fn(op.idem)
+                        # A plain function given for `fn` has applied already: its
+                        # outcome is recorded, not lost to a failed `await`.
+                        result = fn(op.idem)
+                        if inspect.isawaitable(result):
+                            result = await result
             elif isinstance(op, _Reconcile):
                 assert reconcile is not None
                 # A plain function's lookup (an HTTP call, say) runs off the event loop.
@@ -581,6 +620,14 @@ def effect(
 
     def deco(f: F) -> F:
         label = name or f.__qualname__
+        if inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f):
+            # Its call returns a generator whose body has not run: the intent would be
+            # recorded for an effect that never happened, left in doubt for good.
+            raise TypeError(
+                f"effect {label!r} is a generator function; an effect returns its outcome"
+            )
+        if not inspect.iscoroutinefunction(f):
+            _check_sync(label, f, reconcile)
         pass_key = _wants_key(f)
 
         def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

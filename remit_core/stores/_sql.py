@@ -252,18 +252,23 @@ def _branch(row: Sequence[Any]) -> BranchRecord:
 
 
 def _interrupt(row: Sequence[Any]) -> InterruptRecord:
-    return InterruptRecord(
-        run_id=row[0],
-        branch=row[1],
-        interrupt_id=row[2],
-        checkpoint_id=row[3],
-        status=row[4],
-        prompt=None if row[5] is None else bytes(row[5]),
-        value=None if row[6] is None else bytes(row[6]),
-        consumed_by=row[7],
-        created_at=float(row[8]),
-        consumed_at=None if row[9] is None else float(row[9]),
-    )
+    try:
+        return InterruptRecord(
+            run_id=row[0],
+            branch=row[1],
+            interrupt_id=row[2],
+            checkpoint_id=row[3],
+            status=row[4],
+            prompt=None if row[5] is None else bytes(row[5]),
+            value=None if row[6] is None else bytes(row[6]),
+            consumed_by=row[7],
+            created_at=float(row[8]),
+            consumed_at=None if row[9] is None else float(row[9]),
+        )
+    except (ValueError, TypeError) as exc:  # (a column SQLite let hold other text)
+        raise CorruptRecord(
+            f"stored interrupt does not decode: {exc}", run_id=row[0], interrupt_id=row[2]
+        ) from exc
 
 
 def _effect(row: Sequence[Any]) -> EffectRecord:

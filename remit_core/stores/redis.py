@@ -778,18 +778,26 @@ class RedisStore(Store):
     @staticmethod
     def _interrupt(run_id: str, member: bytes, cols: dict[str, bytes]) -> InterruptRecord:
         branch, interrupt_id = _split(member)
-        return InterruptRecord(
-            run_id=run_id,
-            branch=branch,
-            interrupt_id=interrupt_id,
-            checkpoint_id=_str(cols.get("k")),
-            status="consumed" if cols["s"] == b"consumed" else "pending",
-            prompt=cols.get("p"),
-            value=cols.get("v"),
-            consumed_by=_str(cols.get("u")),
-            created_at=float(cols["c"]),
-            consumed_at=_float(cols.get("t")),
-        )
+        try:
+            return InterruptRecord(
+                run_id=run_id,
+                branch=branch,
+                interrupt_id=interrupt_id,
+                checkpoint_id=_str(cols.get("k")),
+                # As stored: another status is the core's to refuse (`CorruptRecord`).
+                status=cast(InterruptStatus, cols["s"].decode(errors="replace")),
+                prompt=cols.get("p"),
+                value=cols.get("v"),
+                consumed_by=_str(cols.get("u")),
+                created_at=float(cols["c"]),
+                consumed_at=_float(cols.get("t")),
+            )
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raise CorruptRecord(
+                f"stored interrupt does not decode: {type(exc).__name__}: {exc}",
+                run_id=run_id,
+                interrupt_id=interrupt_id,
+            ) from exc
 
     def get_interrupt(self, run_id: str, branch: str, interrupt_id: str) -> InterruptRecord | None:
         member = _join(branch, interrupt_id)
