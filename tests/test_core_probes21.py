@@ -312,3 +312,25 @@ def test_an_interrupt_whose_time_is_not_a_number_is_corrupt_record(
             with pytest.raises(CorruptRecord) as err:
                 read()
             assert (err.value.run_id, err.value.interrupt_id) == (run_id, "approve")
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "redis"])  # (PostgreSQL's column is typed)
+def test_a_branch_whose_head_seq_is_not_a_number_is_corrupt_record(
+    engine: str, tmp_path: Any, run_id: str
+) -> None:
+    url = f"sqlite:///{tmp_path}/t.db" if engine == "sqlite" else "redis://127.0.0.1:6379/0"
+    with Remit(url) as remit:
+        remit.commit(run_id=run_id, checkpoint_id="c1", parent_id=None, state=b"{}")
+        if engine == "redis":
+            client = redis.Redis.from_url(url)
+            client.hset(run_prefix(run_id) + "br", _join("", "main") + "\x00q", "seven")
+            client.close()
+        else:
+            with sqlite3.connect(sqlite_path(url)) as conn:
+                conn.execute(
+                    "UPDATE remit_branches SET head_seq = 'seven' WHERE run_id = ?", (run_id,)
+                )
+        with pytest.raises(CorruptRecord, match="stored branch 'main' does not decode") as err:
+            remit.branches(run_id)
+        assert err.value.run_id == run_id
+        remit.delete_run(run_id)

@@ -576,6 +576,14 @@ def test_redis_bad_url_is_refused_like_other_engines() -> None:
         RedisStore("redis://127.0.0.1:notaport/0")
 
 
+@pytest.mark.parametrize("path", ["0", "x"])
+def test_redis_database_named_twice_is_refused_naming_both(path: str) -> None:
+    # The client would take the option and drop the path's database without a word.
+    with pytest.raises(ValueError, match=f"names its database twice.*'{path}'.*db='3'"):
+        RedisStore(f"redis://127.0.0.1:6379/{path}?db=3")
+    assert RedisStore("redis://127.0.0.1:6379?db=3").url.endswith("?db=3")
+
+
 def test_redis_forked_child_uses_its_own_connections(redis_store: RedisStore, run_id: str) -> None:
     """Parent and child hammer one store object at once; a shared socket would mix replies."""
     redis_store.commit_checkpoint(ckpt(run_id, "p0"), expected_head=None)

@@ -239,16 +239,21 @@ def _ckpt(row: Sequence[Any]) -> CheckpointRecord:
 
 
 def _branch(row: Sequence[Any]) -> BranchRecord:
-    return BranchRecord(
-        run_id=row[0],
-        branch=row[1],
-        head_id=row[2],
-        ns=row[3],
-        head_seq=int(row[4]),
-        base_id=row[5],
-        fork_token=row[6],
-        created_at=float(row[7]),
-    )
+    try:
+        return BranchRecord(
+            run_id=row[0],
+            branch=row[1],
+            head_id=row[2],
+            ns=row[3],
+            head_seq=int(row[4]),
+            base_id=row[5],
+            fork_token=row[6],
+            created_at=float(row[7]),
+        )
+    except (ValueError, TypeError) as exc:  # (a column SQLite let hold other text)
+        raise CorruptRecord(
+            f"stored branch {row[1]!r} does not decode: {exc}", run_id=row[0]
+        ) from exc
 
 
 def _interrupt(row: Sequence[Any]) -> InterruptRecord:

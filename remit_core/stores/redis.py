@@ -332,7 +332,13 @@ class RedisStore(Store):
             )
         _no_resend(options, self.url)
         db = urlsplit(self.url).path.strip("/")
-        if db and not (db.isascii() and db.isdigit()) and "db" not in options:
+        if db and "db" in options:
+            # redis-py would take the option and drop the path's database unsaid.
+            raise ValueError(
+                f"Redis URL {display_url(self.url)!r} names its database twice (path "
+                f"{db!r} and option db={options['db']!r}): give one"
+            )
+        if db and not (db.isascii() and db.isdigit()):
             # redis-py would ignore it and use database 0.
             raise ValueError(
                 f"Redis URL {display_url(self.url)!r} names database {db!r}, not a number"
@@ -561,16 +567,22 @@ class RedisStore(Store):
 
     @staticmethod
     def _branch(run_id: str, ns: str, branch: str, cols: dict[str, bytes]) -> BranchRecord:
-        return BranchRecord(
-            run_id=run_id,
-            branch=branch,
-            head_id=_id(cols.get("h")),
-            ns=ns,
-            head_seq=int(cols["q"]),
-            base_id=_id(cols.get("b")),
-            fork_token=_str(cols.get("t")),
-            created_at=float(cols["c"]),
-        )
+        try:
+            return BranchRecord(
+                run_id=run_id,
+                branch=branch,
+                head_id=_id(cols.get("h")),
+                ns=ns,
+                head_seq=int(cols["q"]),
+                base_id=_id(cols.get("b")),
+                fork_token=_str(cols.get("t")),
+                created_at=float(cols["c"]),
+            )
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raise CorruptRecord(
+                f"stored branch {branch!r} does not decode: {type(exc).__name__}: {exc}",
+                run_id=run_id,
+            ) from exc
 
     def get_branch(self, run_id: str, ns: str, branch: str) -> BranchRecord | None:
         member = _join(ns, branch)
