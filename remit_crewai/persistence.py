@@ -1087,16 +1087,31 @@ class RemitFlowPersistence(FlowPersistence):
         if session.head is None:
             self._check_new_inputs(state, inputs, run_id=session.run_id)
             return
-        model, ids = type(state), {"run_id": session.run_id, "checkpoint_id": session.head}
-        base = {**session.state, "id": session.flow_id}
+        self._check_model_state(
+            state, inputs, session.state, flow_id=session.flow_id, head=session.head
+        )
+
+    def _check_model_state(
+        self,
+        state: BaseModel,
+        inputs: Mapping[str, Any],
+        saved: Mapping[str, Any],
+        *,
+        flow_id: str,
+        head: str,
+    ) -> None:
+        """`_check_model_restart` of the state `saved` at checkpoint `head` of `flow_id`."""
+        run_id = locate(flow_id)[0]
+        model, ids = type(state), {"run_id": run_id, "checkpoint_id": head}
+        base = {**saved, "id": flow_id}
         try:
             _schema_of(model).validate(_as_model(model, base), **ids)
             field, why = None, ""
         except CheckpointInvalid as exc:
             field, why = exc.field, f"does not read its field {exc.field!r}"
         if field is not None:
-            head = self.remit.checkpoint(session.run_id, session.head)
-            saved_by = None if head is None else head.metadata.get("model")
+            record = self.remit.checkpoint(run_id, head)
+            saved_by = None if record is None else record.metadata.get("model")
             raise VersionMismatch(
                 f"the flow's state was saved by {saved_by or 'a dict state'}, and "
                 f"{_name(model)} {why}: restart the flow with the class that saved it; "
@@ -1138,6 +1153,8 @@ class RemitFlowPersistence(FlowPersistence):
         if head is not None:
             saved = _text(head.metadata.get("flow"))
             self._check_class_of(flow, saved, source_id, head.checkpoint_id)
+            if self.remit.fork_branch(run_id, ex.fork_token) is None:
+                self._check_fork_inputs(flow, ex.inputs, head, source_id)
         forked = self.fork(source_id, fork_token=ex.fork_token)
         self._begin_restart(ex, flow, forked)
         if ex.refusal is not None:
@@ -1149,6 +1166,32 @@ class RemitFlowPersistence(FlowPersistence):
         session = sessions.get(self._where, forked)
         assert session is not None
         return {**session.state, "id": forked}
+
+    def _check_fork_inputs(
+        self, flow: Flow[Any], inputs: Mapping[str, Any], head: CheckpointRecord, source_id: str
+    ) -> None:
+        """The inputs of a fork that starts at `head` of `source_id`, before the fork is
+        made: refused once its branch exists, a fork would keep its token at this head
+        (a retry after the source moved on would fork from here). A model state: the
+        head's state with the inputs, as a restart checks them; a dict state: each input
+        as a new flow's (`_check_given`)."""
+        policy.check_workflow_version(head, self._accepted())  # (refused first, as by `fork`)
+        ids = {"run_id": head.run_id, "checkpoint_id": head.checkpoint_id}
+        if isinstance(flow.state, BaseModel):
+            body = decode(head.state, **ids)
+            self._check_model_state(
+                flow.state, inputs, body.state, flow_id=source_id, head=head.checkpoint_id
+            )
+            return
+        given = {k: v for k, v in inputs.items() if k != "id"}
+        if not given:
+            return
+        _check_plain_dict(given, ids)
+        recorded = head.metadata.get("state_schema")
+        schema = self.state_schema or (recorded if isinstance(recorded, dict) else None)
+        if schema is not None:
+            partial = {k: v for k, v in schema.items() if k not in _WHOLE_STATE_RULES}
+            StateSchema(partial).validate(given, **ids)
 
     def _ready_to_resume(self, flow: Flow[Any], feedback: Any) -> None:
         """Before `flow.resume(feedback)` runs anything: `TypeError` naming feedback that is
@@ -1489,9 +1532,17 @@ class RemitFlowPersistence(FlowPersistence):
         """The run of `flow` ended (or failed): consume what it still owes and release it.
 
         `flow_id`: the id its kickoff claimed, when that differs from the flow's own (a
-        kickoff that failed before CrewAI gave the flow the id of `inputs["id"]`)."""
+        kickoff that failed before CrewAI gave the flow the id of `inputs["id"]`). Such a
+        kickoff owns only the session it opened (`_begin_restart`): one refused at its
+        claim leaves alone the session of a `from_pending` of this context that holds the
+        flow, which would otherwise pass for its own and be released, letting another
+        resumer take the pause from the one that claimed it (P5, L1)."""
         session = self._session_of(flow_id or flow.flow_id, flow)
-        if session is None or not self._owns(session, flow):
+        if session is None:
+            return
+        if flow_id is not None and (session.owner is None or session.owner() is not flow):
+            return
+        if not self._owns(session, flow):
             return
         try:
             if completed and session.pending is not None:
