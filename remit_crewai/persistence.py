@@ -116,6 +116,17 @@ _WHOLE_STATE_RULES = frozenset(
 )
 
 
+def _check_inputs(
+    given: dict[str, Any], schema: Mapping[str, Any] | None, ids: Mapping[str, Any]
+) -> None:
+    """Inputs of a dict-state kickoff, each key as a save checks it: plain data, and its
+    part of `schema` (rules on the state as a whole wait for the saves)."""
+    _check_plain_dict(given, ids)
+    if schema is not None:
+        partial = {k: v for k, v in schema.items() if k not in _WHOLE_STATE_RULES}
+        StateSchema(partial).validate(given, **ids)
+
+
 def _check_plain_dict(state: dict[str, Any], ids: Mapping[str, Any]) -> None:
     """`CheckpointInvalid` naming the first key of a dict state that is not a str (a state's
     keys are its field names: a checkpoint holding another would fail to decode, and the
@@ -1184,14 +1195,10 @@ class RemitFlowPersistence(FlowPersistence):
             )
             return
         given = {k: v for k, v in inputs.items() if k != "id"}
-        if not given:
-            return
-        _check_plain_dict(given, ids)
-        recorded = head.metadata.get("state_schema")
-        schema = self.state_schema or (recorded if isinstance(recorded, dict) else None)
-        if schema is not None:
-            partial = {k: v for k, v in schema.items() if k not in _WHOLE_STATE_RULES}
-            StateSchema(partial).validate(given, **ids)
+        if given:
+            recorded = head.metadata.get("state_schema")
+            schema = self.state_schema or (recorded if isinstance(recorded, dict) else None)
+            _check_inputs(given, schema, ids)
 
     def _ready_to_resume(self, flow: Flow[Any], feedback: Any) -> None:
         """Before `flow.resume(feedback)` runs anything: `TypeError` naming feedback that is
@@ -1576,11 +1583,7 @@ class RemitFlowPersistence(FlowPersistence):
         """The inputs of a new dict-state flow's kickoff, before its first step: each key
         as a save checks it (plain data; its part of `state_schema`). Rules on the
         state as a whole (`required`, ...) wait for the saves: a step may set the rest."""
-        _check_plain_dict(given, ids)
-        schema = self._schema(session, "state_schema")
-        if schema is not None:
-            partial = {k: v for k, v in schema.items() if k not in _WHOLE_STATE_RULES}
-            StateSchema(partial).validate(given, **ids)
+        _check_inputs(given, self._schema(session, "state_schema"), ids)
 
     def _keep_inputs(self, session: Session, flow: Flow[Any]) -> None:
         """A restart that ended with a state its head does not hold: the inputs of
