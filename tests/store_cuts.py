@@ -12,8 +12,11 @@ from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
+import pytest
 import redis
 from conftest import PG_URL, REDIS_URL
+
+from remit_core import failpoints
 
 
 def tagged(engine: str) -> tuple[str, str]:
@@ -42,6 +45,30 @@ def cut(engine: str, name: str) -> int:
         return len(ids)
     finally:
         server.close()
+
+
+def cut_at(
+    monkeypatch: pytest.MonkeyPatch, point: str, engine: str, name: str, nth: int = 1
+) -> list[int]:
+    """Arm: the `nth` time the core reaches failpoint `point`, in any thread, end every
+    connection named `name`; the list returned gets how many were ended. Threads that
+    reach it together (a step's writes run in parallel) count one at a time."""
+    assert point in failpoints.POINTS
+    real = failpoints.hit
+    lock = threading.Lock()
+    seen: list[int] = []
+    done: list[int] = []
+
+    def hit(at: str) -> None:
+        if at == point:
+            with lock:
+                seen.append(1)
+                if len(seen) == nth:
+                    done.append(cut(engine, name))
+        real(at)
+
+    monkeypatch.setattr(failpoints, "hit", hit)
+    return done
 
 
 class _Doom:

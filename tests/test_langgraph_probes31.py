@@ -19,11 +19,11 @@ import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, Interrupt, interrupt
-from store_cuts import cut, tagged
+from store_cuts import cut_at, tagged
 from test_langgraph_support import INITIAL, World, build
 from typing_extensions import TypedDict
 
-from remit_core import StoreUnavailable, failpoints
+from remit_core import StoreUnavailable
 from remit_langgraph import AsyncRemitSaver, RemitSaver
 
 # -- cutting the saver's connections at a failpoint -------------------------------------
@@ -34,17 +34,7 @@ def cutting(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str, str], list[i
     """Arm: the next time the core reaches point `point`, end the saver's connections."""
 
     def arm(point: str, engine: str, name: str) -> list[int]:
-        assert point in failpoints.POINTS
-        real = failpoints.hit
-        done: list[int] = []
-
-        def hit(at: str) -> None:
-            if at == point and not done:
-                done.append(cut(engine, name))
-            real(at)
-
-        monkeypatch.setattr(failpoints, "hit", hit)
-        return done
+        return cut_at(monkeypatch, point, engine, name)
 
     return arm
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from llamaindex_parts import until_parked
 from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
-from store_cuts import cut, tagged
+from store_cuts import cut_at, tagged
 from workflows import Context, Workflow, step
 from workflows.events import (
     HumanResponseEvent,
@@ -25,7 +25,7 @@ from workflows.events import (
     StopEvent,
 )
 
-from remit_core import StoreUnavailable, failpoints
+from remit_core import StoreUnavailable
 from remit_core.errors import ResumeConflict
 from remit_llamaindex import RemitRuntime
 
@@ -46,17 +46,7 @@ def cutting(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str, str], list[i
     """Arm: the next time the core reaches `point`, end the runtime's connections."""
 
     def arm(point: str, engine: str, name: str) -> list[int]:
-        assert point in failpoints.POINTS
-        real = failpoints.hit
-        done: list[int] = []
-
-        def hit(at: str) -> None:
-            if at == point and not done:
-                done.append(cut(engine, name))
-            real(at)
-
-        monkeypatch.setattr(failpoints, "hit", hit)
-        return done
+        return cut_at(monkeypatch, point, engine, name)
 
     return arm
 

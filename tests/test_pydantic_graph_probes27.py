@@ -34,7 +34,7 @@ import pytest
 from pydantic_graph import BaseNode, End, GraphRunContext
 from pydantic_graph.graph import Graph
 from pydantic_graph_parts import persistence
-from store_cuts import cut, tagged
+from store_cuts import cut_at, tagged
 from test_pydantic_graph_persistence import (
     GRAPH,
     Answer,
@@ -44,7 +44,7 @@ from test_pydantic_graph_persistence import (
 )
 from test_pydantic_graph_persistence import persistence as order_persistence
 
-from remit_core import StoreUnavailable, failpoints
+from remit_core import StoreUnavailable
 from remit_core.conformance.processes import fork
 from remit_pydantic_graph import RemitStatePersistence
 
@@ -56,20 +56,7 @@ def cutting(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, int, str, str], l
     """Arm: at the `nth` hit of failpoint `point`, end the persistence's connections."""
 
     def arm(point: str, nth: int, engine: str, name: str) -> list[int]:
-        assert point in failpoints.POINTS
-        real = failpoints.hit
-        seen: list[int] = []
-        done: list[int] = []
-
-        def hit(at: str) -> None:
-            if at == point:
-                seen.append(1)
-                if len(seen) == nth:
-                    done.append(cut(engine, name))
-            real(at)
-
-        monkeypatch.setattr(failpoints, "hit", hit)
-        return done
+        return cut_at(monkeypatch, point, engine, name, nth)
 
     return arm
 
