@@ -308,8 +308,13 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
 
     def _unserializable(self, snapshot: Snapshot[StateT, RunEndT]) -> tuple[_Path, str] | None:
         """The first part of `snapshot` that fails to serialize, looked for field by field."""
-        for key, value, declared in self._parts_of(snapshot):
+        parts = self._parts_of(snapshot)
+        for key, value, declared in parts:
             found = _unfit(value, declared, (key,))
+            if found is not None:
+                return found
+        for key, value, declared in parts:
+            found = _misclassed(value, declared, (key,))
             if found is not None:
                 return found
         return None
@@ -407,6 +412,37 @@ def _unfit(
             "val_json_bytes='base64' in its model's config, to store them"
         )
     return path, problem
+
+
+def _misclassed(value: Any, declared: Any, path: _Path) -> tuple[_Path, str] | None:
+    """The first model in `value` that is not of the model class its field declares, and
+    why. A generic model built without its parameters (`Box(...)` in a `Box[Item]` field)
+    is another class: pydantic writes it without a warning inside its own model's dump,
+    but warns inside a snapshot's, at the snapshot's root."""
+    while typing.get_origin(declared) is Annotated:
+        declared = typing.get_args(declared)[0]
+    if (
+        isinstance(value, pydantic.BaseModel)
+        and isinstance(declared, type)
+        and issubclass(declared, pydantic.BaseModel)
+        and not isinstance(value, declared)
+    ):
+        problem = (
+            f"is a {type(value).__qualname__}, not the {declared.__qualname__} its field "
+            "declares, so pydantic would not write it as that"
+        )
+        if declared.__pydantic_generic_metadata__["origin"] is type(value):
+            problem += (
+                f": a generic model built without its parameters is another class; build "
+                f"it as {declared.__qualname__}(...)"
+            )
+        return path, problem
+    if len(path) <= _DEEPEST:
+        for key, child, child_type in _parts(value, declared):
+            found = _misclassed(child, child_type, (*path, key))
+            if found is not None:
+                return found
+    return None
 
 
 def _utf8(data: bytes) -> bool:
