@@ -922,11 +922,14 @@ class RemitFlowPersistence(FlowPersistence):
         beside bytes that are not UTF-8); keyed by field name, else by alias (a model that
         reads a field by its alias only would drop it by name). Computed fields are left
         out: the model computes them, and one that forbids extra fields would refuse them.
-        Otherwise the state is refused, naming the field that does not read back."""
+        Otherwise the state is refused, naming the field that does not read back (one a
+        validator would change on the way back, such as a value a step assigned without
+        `validate_assignment` that a validator normalises: a restart would go on with
+        another value than the run had)."""
         model = type(state)
         plain = state.model_dump(mode="python", round_trip=True)
         found = inexact(plain)
-        if found is None and not _renamed(model):
+        if found is None and not _renamed(model) and _reads_back(model, plain):
             return _types_kept(state, plain, ids)  # stored exactly, keyed as the model reads it
         modes = ("python", "json") if found is None else ("json", "mixed")
         why, first_back = "it reads back as another value", None
@@ -950,8 +953,9 @@ class RemitFlowPersistence(FlowPersistence):
             path = _first_change(plain, first_back)
             raise CheckpointInvalid(
                 f"state field {path} does not survive storage: its model reads it back as "
-                "another value by field name and by alias (a field read by another name "
-                "than it is written by?)",
+                "another value by field name and by alias (a validator that changes the "
+                "value, which a step assigned without validate_assignment, or a field read "
+                "by another name than it is written by?); nothing was written",
                 field=path,
                 **ids,
             )
@@ -1968,6 +1972,17 @@ def _retyped(value: Any, back: Any, path: str) -> tuple[str, type, type] | None:
         if found is not None:
             return found
     return None
+
+
+def _reads_back(model: type[BaseModel], plain: Mapping[str, Any]) -> bool:
+    """Whether `model` reads `plain` (a state's Python-mode fields) back as the same values:
+    CrewAI restores a state with the model's `model_validate`, whose validators may change
+    what a step assigned unvalidated."""
+    try:
+        back = model.model_validate(plain).model_dump(mode="python", round_trip=True)
+    except (TypeError, ValueError):
+        return False
+    return same(dict(plain), back)
 
 
 def _first_change(plain: Mapping[str, Any], back: Mapping[str, Any] | None) -> str:
