@@ -574,13 +574,13 @@ class Runs:
                 handle = self.remit.claim(thread, branch, lease=self.saver.lease)
         run = Run(self.remit, thread, branch, handle, call.check, loop=weakref.ref(loop))
         owed = None
+        pairs: Sequence[tuple[str, Any]] = ()
         try:
             if call.check is not None:
                 # Input and a command's update are checked before anything is stored
                 # or runs: a refused command leaves its interrupt pending, and no node
                 # sees refused input (in "exit" durability nothing else would stop it).
                 given = loop.input
-                pairs: Sequence[tuple[str, Any]] = ()
                 if isinstance(given, Command) and given.update:
                     pairs = given._update_as_tuples()
                 elif isinstance(given, Mapping):
@@ -608,6 +608,19 @@ class Runs:
                     # migrated) before its interrupt is consumed: a head this saver
                     # refuses refuses the value too, with nothing stored (P4, P5).
                     found = self._read_head(call, record, writes)
+                if call.check is not None and call.check.bounds_any(pairs):
+                    # A command's update to a bounded reducer key (or new input to one)
+                    # is checked by the value it makes of the head's (the head's earlier
+                    # updates first), before its resume value is consumed (P4, P5).
+                    if found is None:
+                        found = self._read_head(call, record, writes)
+                    call.check.totals_on(
+                        found.checkpoint["channel_values"],
+                        pairs,
+                        [(c, v) for t, c, v in found.pending_writes or () if t == NULL_TASK_ID],
+                        run_id=thread,
+                        checkpoint_id=record.checkpoint_id,
+                    )
                 owed = self._settle_resume(loop, run, record, writes)
                 edited = record.metadata.get("source") == "update"
                 if (branch != MAIN_BRANCH or edited) and (
@@ -1655,6 +1668,12 @@ def _check_send(
         check.writes(writes, channels, **ids)
         if check.checks_whole:
             check.after(channels, writes, **ids)
+        if loop is not None:
+            # What the step's other finished tasks wrote is applied with this output.
+            earlier = (
+                w for t in loop.tasks.values() if t.id != task_id and t.writes for w in t.writes
+            )
+            check.totals(channels, writes, earlier, **ids)
     except RemitError as exc:
         refused[task_id] = exc
         raise

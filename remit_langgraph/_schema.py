@@ -17,11 +17,17 @@ becomes a pending write that every later read of the thread re-applies: a
 plain key's write is its new value; a reducer key's writes are checked as the
 reducer makes them of the key's empty value, against the key's type without
 its outer constraints (those hold of the whole value, not of one write).
+Where the key has such constraints (`Annotated[int, Ge(0), operator.add]`), the
+value the key would hold once the write is applied to its current value (and
+to the writes of the step's other finished tasks) is checked against them too:
+stored, a write that takes the key out of its bounds would make every later
+checkpoint of the thread invalid, and the thread could not go on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import operator
@@ -233,6 +239,9 @@ class StateCheck:
         #: Reducer key -> a test that a value is of its type as it stands (strict
         #: validation passes it, so lax validation would convert nothing in it).
         self._strict: dict[str, Callable[[Any], bool]] = {}
+        #: Reducer keys whose type bounds the whole value (`Ge(0)`, `MaxLen(3)`): a
+        #: write is checked by the value it makes of the key's current one (`totals`).
+        self._bounded: frozenset[str] = frozenset()
         #: key -> a test that a write to it holds as it stands (`holds`).
         self._quick: dict[str, Callable[[Any], bool]] = {}
         self._channels: Mapping[str, Any] | None = None
@@ -293,6 +302,11 @@ class StateCheck:
         self._appends = {
             k: adapter for k, (ch, adapter) in self._reducers.items() if _appends_lists(ch, bare[k])
         }
+        self._bounded = frozenset(
+            k
+            for k, (ch, _) in self._reducers.items()
+            if isinstance(ch, BinaryOperatorAggregate) and _bounds_value(self._types[k])
+        )
         strict = {k: _strict_validator(adapter) for k, (_, adapter) in self._reducers.items()}
         self._strict = {k: test for k, test in strict.items() if test is not None}
         self._reduced = (
@@ -324,7 +338,10 @@ class StateCheck:
                 if _adds_messages(ch) and k in items
             }
         )
-        self._quick = {k: test for k, test in quick.items() if test is not None}
+        # (A bounded key's write is checked against the key's value: no quick test.)
+        self._quick = {
+            k: test for k, test in quick.items() if test is not None and k not in self._bounded
+        }
         self._channels = channels
         return self
 
@@ -379,6 +396,73 @@ class StateCheck:
             except Exception:  # noqa: BLE001 (the key-by-key check reports a bad write)
                 continue
         self._check_whole(state, ids)
+
+    def bounds_any(self, writes: Iterable[tuple[str, Any]]) -> bool:
+        """Whether any of `writes` is to a reducer key whose type bounds its value."""
+        return bool(self._bounded) and any(key in self._bounded for key, _ in writes)
+
+    def totals(
+        self,
+        channels: Mapping[str, Any] | None,
+        writes: Iterable[tuple[str, Any]],
+        earlier: Iterable[tuple[str, Any]] = (),
+        **ids: Any,
+    ) -> None:
+        """`CheckpointInvalid` where `writes`, applied after `earlier` (the writes of
+        the step's other finished tasks) to the values `channels` hold, would take a
+        reducer key out of its type's bounds (`Annotated[int, Ge(0), operator.add]`
+        and a write that subtracts more than the key holds)."""
+        if not self._bounded or channels is None:
+            return
+        grouped: dict[str, list[Any]] = {}
+        for key, value in writes:
+            if key in self._bounded:
+                grouped.setdefault(key, []).append(value)
+        if not grouped:
+            return
+        before: dict[str, list[Any]] = {}
+        for key, value in earlier:
+            if key in grouped:
+                before.setdefault(key, []).append(value)
+        for key, values in grouped.items():
+            channel = channels.get(key)
+            if channel is None:
+                continue
+            try:
+                # On a copy of the value: a reducer may change its first argument in place.
+                applied = (
+                    channel.from_checkpoint(copy.deepcopy(channel.get()))
+                    if channel.is_available()
+                    else channel.copy()
+                )
+                applied.update([*before.get(key, ()), *values])
+                total = applied.get()
+            except Exception:  # noqa: BLE001 (no value yet, or two `Overwrite`s: LangGraph says)
+                continue
+            try:
+                self._partial.validate({key: total}, **ids)
+            except CheckpointInvalid as exc:
+                raise CheckpointInvalid(
+                    f"the write to {key!r} would make its value {total!r}, which breaks its "
+                    f"type ({exc.message}); nothing of it was stored",
+                    field=exc.field,
+                    **ids,
+                ) from exc
+
+    def totals_on(
+        self,
+        values: Mapping[str, Any],
+        writes: Iterable[tuple[str, Any]],
+        earlier: Iterable[tuple[str, Any]] = (),
+        **ids: Any,
+    ) -> None:
+        """`totals` on a checkpoint's `values` (a command's update, before it is stored)."""
+        if not self._bounded:
+            return
+        channels = {
+            k: self._reducers[k][0].from_checkpoint(values[k]) for k in self._bounded if k in values
+        }
+        self.totals(channels, writes, earlier, **ids)
 
     def _check_whole(self, state: Mapping[str, Any], ids: Mapping[str, Any]) -> None:
         """`state` checked as a whole by the state type, once it has every key the
@@ -531,6 +615,16 @@ def _as_declared(given: Any, validated: Any, ids: Mapping[str, Any], path: str =
             field=path,
             **ids,
         )
+
+
+def _bounds_value(field_type: Any) -> bool:
+    """Whether `field_type`'s outer `Annotated` metadata holds more than its reducer:
+    a constraint (`Ge(0)`, `Field(ge=0)`, `MaxLen(3)`) of the key's whole value."""
+    while typing.get_origin(field_type) is Annotated:
+        if any(not callable(m) for m in field_type.__metadata__):
+            return True
+        field_type = typing.get_args(field_type)[0]
+    return False
 
 
 def _appends_lists(channel: Any, bare_type: Any) -> bool:
