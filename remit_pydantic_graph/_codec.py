@@ -140,6 +140,28 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         except Exception as exc:  # a validator that raised past pydantic (see `Unreadable`)
             raise Unreadable(_raised(exc)) from exc
 
+    def dropped(self, body: bytes, snapshot: Snapshot[StateT, RunEndT]) -> str | None:
+        """The dotted path of the first key of the stored `body` that `snapshot`, read
+        from it, has not kept (`node.value`): a field of the graph's types removed or
+        renamed since the snapshot was written, whose value pydantic ignores as it reads.
+        None if every stored key is kept (a field gained since is no loss). Written again
+        as it was written, a snapshot of unchanged types gives its bytes back; else each
+        writing is looked through (also with computed fields, which a snapshot stored by
+        an earlier release of Remit holds)."""
+        kept: list[Any] = []
+        for round_trip, by_alias in ((True, False), (True, True), (False, False), (False, True)):
+            try:
+                again = self.adapter.dump_json(
+                    snapshot, warnings=False, by_alias=by_alias, round_trip=round_trip
+                )
+            except PydanticSerializationError:
+                continue
+            if again == body:
+                return None
+            kept.append(pydantic_core.from_json(again))
+        path = _lost_key(pydantic_core.from_json(body), kept, ())
+        return None if path is None else _dotted(path)
+
     def encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:
         """The snapshot's bytes, or `Unfit` if they would not read back as this snapshot."""
         self._check_node(snapshot)
@@ -356,6 +378,29 @@ def _rank(refused: tuple[Unfit, Exception | None, int]) -> tuple[int, bool]:
     another (a field read back as its default) behind a value the types refuse."""
     _, cause, missing = refused
     return missing, cause is None
+
+
+def _lost_key(stored: Any, kept: list[Any], path: _Path) -> _Path | None:
+    """The path of the first key of stored JSON that none of its writings again (`kept`,
+    by name and by alias) has, if any: only keys are looked for, not changed values."""
+    if isinstance(stored, dict):
+        mappings = [k for k in kept if isinstance(k, dict)]
+        if not mappings:
+            return None
+        for key, value in stored.items():
+            has = [k[key] for k in mappings if key in k]
+            if not has:
+                return (*path, key)
+            found = _lost_key(value, has, (*path, key))
+            if found is not None:
+                return found
+    elif isinstance(stored, list):
+        lists = [k for k in kept if isinstance(k, list) and len(k) == len(stored)]
+        for i, value in enumerate(stored):
+            found = _lost_key(value, [k[i] for k in lists], (*path, i))
+            if found is not None:
+                return found
+    return None
 
 
 def _dotted(path: _Path) -> str:

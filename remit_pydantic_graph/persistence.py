@@ -483,7 +483,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         policy.check_workflow_version(record, self.accept_versions)
         self._check_graph(record)
-        snapshot = self._decode(record.state, "stored snapshot", checkpoint_id=checkpoint_id)
+        snapshot = self._decode(
+            record.state,
+            "stored snapshot",
+            written_by=record.workflow_version,
+            checkpoint_id=checkpoint_id,
+        )
         idx = -1
         # The node (or the End: `EndSnapshot.node`) carries its snapshot's id, as the one
         # stored did; an End read back would otherwise make up a new one at each read.
@@ -502,12 +507,19 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 idx = last.idx
         return _Stored(record, snapshot, idx)
 
-    def _decode(self, body: bytes, what: str, **ids: str) -> Snapshot[StateT, RunEndT]:
+    def _decode(
+        self, body: bytes, what: str, *, written_by: str, **ids: str
+    ) -> Snapshot[StateT, RunEndT]:
         """Stored snapshot bytes read with this graph's types: `VersionMismatch` naming
         `what` and where it does not fit, if another graph or version wrote them;
-        `CorruptRecord` if they are no snapshot at all (not JSON, a node with no name)."""
+        `CorruptRecord` if they are no snapshot at all (not JSON, a node with no name).
+        Written under this instance's own workflow version (`written_by`), they must also
+        read back whole: a stored field these types have not would be dropped."""
         try:
-            return self._types().decode(body)
+            snapshot = self._types().decode(body)
+            if written_by == self.workflow_version:
+                self._check_kept(body, snapshot, what, ids)
+            return snapshot
         except NotASnapshot as exc:
             raise CorruptRecord(
                 f"{what} is not a pydantic-graph snapshot: {exc.problem}. Another "
@@ -540,6 +552,26 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 run_id=self.run_id,
                 **ids,
             ) from exc
+
+    def _check_kept(
+        self, body: bytes, snapshot: Snapshot[StateT, RunEndT], what: str, ids: dict[str, str]
+    ) -> None:
+        """`VersionMismatch` naming a stored field this graph's types do not read (removed
+        or renamed since, under the same workflow version): pydantic ignores it, and the
+        run would go on without its value (an answer's `approver` read as its default).
+        A reader that lists the writer's version in `accept_versions` vouches for the loss."""
+        lost = self._types().dropped(body, snapshot)
+        if lost is None:
+            return
+        raise VersionMismatch(
+            f"{what} holds {lost}, which this graph's types do not read: a field removed or "
+            f"renamed since it was written under the same workflow version "
+            f"{self.workflow_version!r}, whose value reading it would drop. Nothing was "
+            "written. To go on with such runs without that value, give this graph its own "
+            "workflow_version and list the old one in accept_versions; else restore the field",
+            run_id=self.run_id,
+            **ids,
+        )
 
     def _check_graph(self, record: CheckpointRecord) -> None:
         """`VersionMismatch` for a snapshot another graph wrote under this workflow version.
@@ -1657,6 +1689,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         snapshot = self._decode(
             pause.value,
             "the answer taken at this pause (kept, not yet stored as the run's head)",
+            written_by=head.top.record.workflow_version,
             checkpoint_id=head.top.id,
             interrupt_id=head.top.id,
         )
