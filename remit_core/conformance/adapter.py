@@ -59,6 +59,7 @@ from remit_core.conformance.world import (
     current_run,
 )
 from remit_core.effects import arun_effect, run_effect
+from remit_core.stores.sqlite import sqlite_path
 
 #: The probe's steps, in order.
 STEPS = ("prepare", "approve", "charge", "notify")
@@ -163,6 +164,8 @@ class Target:
         url = spec.split("+", 1)[1] if kind == "vanilla" else spec
         scheme, sep, rest = url.partition("://")
         if sep and rest and scheme.lower() in _URL_SCHEMES:
+            if scheme.lower() == "sqlite":
+                sqlite_path(url)  # a URL naming no file, or another one, is refused here
             return Target(spec, kind, url, folder, tag)
         raise ValueError(
             f"unknown target {spec!r}: use vanilla, vanilla+postgresql://..., sqlite, "

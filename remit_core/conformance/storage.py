@@ -19,6 +19,7 @@ from typing import Any
 
 from remit_core.conformance.adapter import Target
 from remit_core.stores import open_store
+from remit_core.stores.sqlite import sqlite_path as stores_sqlite_path
 
 #: Every table of the SQL engines that holds rows of a run (all keyed by `run_id`).
 _SQL_TABLES = (
@@ -33,8 +34,9 @@ _SQL_TABLES = (
 
 
 def sqlite_path(url: str) -> Path:
-    """The file of a `sqlite:///path` URL."""
-    return Path(url.split("sqlite:///", 1)[1].split("?", 1)[0])
+    """The file of a `sqlite:///path` URL, as the store reads it (`ValueError` if the
+    URL names none)."""
+    return Path(stores_sqlite_path(url))
 
 
 def backup_sqlite(source: Path, dest: Path) -> None:

@@ -21,6 +21,10 @@ def check_url(url: str) -> str:
             f"unsupported store URL {display_url(url) if isinstance(url, str) else url!r}: "
             "use sqlite:///file.db, postgresql://... or redis://..."
         )
+    if "\x00" in url:
+        # A file name ends at a NUL, and libpq ends every parameter there: the store
+        # reached would be another than the one named.
+        raise ValueError(f"store URL {display_url(url)!r} must not contain a NUL character")
     return url
 
 

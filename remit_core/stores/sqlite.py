@@ -48,12 +48,28 @@ from remit_core.stores._sql import (
     _release_params,
     int_option,
 )
-from remit_core.stores.base import stale_fence, url_options
+from remit_core.stores.base import display_url, stale_fence, url_options
 
 
 def sqlite_path(url: str) -> str:
-    """The file path a `sqlite://` URL names."""
+    """The file path a `sqlite://` URL names.
+
+    A URL with a host (`sqlite://tmp/x.db`, one slash short) or a `#` would name
+    another file than the one meant (the host, or all after the `#`, is no part of
+    the path): each is a `ValueError` naming it, before any file is opened."""
     parts = urlsplit(url)
+    if parts.netloc:
+        raise ValueError(
+            f"sqlite URL {display_url(url)!r} names a host "
+            f"{parts.netloc.rpartition('@')[2]!r}, which a SQLite "
+            "store has none of: write sqlite:///relative/path.db or "
+            "sqlite:////absolute/path.db"
+        )
+    if "#" in url:
+        raise ValueError(
+            f"sqlite URL {display_url(url)!r} holds a '#', which would end its path there: "
+            "name a file without one"
+        )
     path = parts.path
     if path.startswith("/"):
         path = path[1:]
