@@ -503,23 +503,46 @@ class _NotLoaded(Exception):
 
 
 class LoadedClassesSerializer(JsonSerializer):
-    """The framework's `JsonSerializer`, resolving only classes of modules already
-    loaded: a record that names a class of another module is refused (`_NotLoaded`),
-    never imported, so reading a record runs no module code of its choosing."""
+    """The framework's `JsonSerializer`, resolving only event (and exception) classes of
+    modules already loaded: a record that names a class of another module is refused
+    (`_NotLoaded`), never imported, and one that names any other class (which decoding
+    would build, running its validators) is refused too, so reading a record runs no
+    code of its choosing."""
 
     def resolve_class(self, qualified_name: str) -> type[Any]:
         module = qualified_name.rpartition(".")[0]
         if module not in sys.modules:
             raise _NotLoaded(qualified_name)
-        return super().resolve_class(qualified_name)
+        found = super().resolve_class(qualified_name)
+        if not issubclass(found, (Event, BaseException)):
+            raise ValueError(f"{qualified_name} is not an event class; Remit does not build it")
+        return found
 
 
-def stop_event(result: str | None, serializer: BaseSerializer, **ids: Any) -> StopEvent:
+def _named_class(data: Any, serializer: JsonSerializer) -> type[Any] | None:
+    """The class an encoded value (a pydantic model, a component) names, resolved (not
+    built), or None."""
+    encoded = isinstance(data, dict) and (data.get("__is_pydantic") or data.get("__is_component"))
+    if encoded and data.get("qualified_name"):
+        named = serializer.resolve_class(data["qualified_name"])
+        return named if isinstance(named, type) else None
+    return None
+
+
+def stop_event(result: str | None, serializer: JsonSerializer, **ids: Any) -> StopEvent:
     """The `StopEvent` a completed checkpoint records as the run's result."""
     if result is None:
         return StopEvent()
     try:
-        stop = serializer.deserialize(result)
+        data = json.loads(result)
+        named = _named_class(data, serializer)
+        if named is not None and not issubclass(named, StopEvent):
+            raise CorruptRecord(
+                f"the run's stored result names class {named.__name__} of module "
+                f"{named.__module__}, which is not a StopEvent; Remit does not build it",
+                **ids,
+            )
+        stop = serializer.deserialize_value(data)
     except _NotLoaded as exc:
         module, _, name = exc.qualified_name.rpartition(".")
         raise CorruptRecord(

@@ -173,6 +173,28 @@ def unstorable_event(event: BaseModel, serializer: JsonSerializer) -> tuple[str,
         found = _mismatch(value, read(back), name)
         if found is not None:
             return found
+    return _unstored_private(event, back)
+
+
+#: Private attributes of the framework's events that its serializer does store.
+_STORED_PRIVATE = frozenset({"_data", "_result"})
+
+
+def _unstored_private(event: BaseModel, back: BaseModel) -> tuple[str, str] | None:
+    """The first private attribute of `event` (a pydantic `PrivateAttr`) whose value
+    `back`, its decoded copy, does not hold: the serializer drops private attributes,
+    so a decoded copy has the attribute's default instead."""
+    kept = getattr(back, "__pydantic_private__", None) or {}
+    for name, value in (getattr(event, "__pydantic_private__", None) or {}).items():
+        if name in _STORED_PRIVATE:
+            continue
+        again = kept.get(name, _MISSING)
+        if again is _MISSING or _mismatch(value, again, name) is not None:
+            shown = "no value" if again is _MISSING else f"{again!r:.40}"
+            return (
+                name,
+                f"it is a private attribute, which is not stored: it would come back as {shown}",
+            )
     return None
 
 

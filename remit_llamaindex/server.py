@@ -127,6 +127,16 @@ def _checked_poll_interval(poll_interval: object) -> float:
     return seconds
 
 
+def _checked_sequence(name: str, value: object) -> int:
+    """`value` as an int (None as 0), or a `TypeError` naming the argument (a bool or
+    a float would be taken as a position, a str compared as text)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
 class RemitWorkflowStore(AbstractWorkflowStore):
     """Handlers, ticks, events and state of a workflow server, in a Remit store.
 
@@ -352,6 +362,12 @@ class RemitWorkflowStore(AbstractWorkflowStore):
     async def query_events(
         self, run_id: str, after_sequence: int | None = None, limit: int | None = None
     ) -> list[StoredEvent]:
+        """The run's events after `after_sequence`, at most `limit` of them (None: all).
+        A `limit` below 0 is refused (`ValueError`): the server's own stores answer it
+        three ways (all events, all but the last ones, an error)."""
+        _checked_sequence("after_sequence", after_sequence)
+        if _checked_sequence("limit", limit) < 0:
+            raise ValueError(f"limit must be None or at least 0, got {limit!r}")
         rows = await asyncio.to_thread(self._read, run_id, "events", after_sequence)
         events = [
             StoredEvent(
