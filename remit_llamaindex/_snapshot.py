@@ -11,6 +11,7 @@ import base64
 import contextlib
 import json
 import sys
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -418,6 +419,21 @@ def _why_undecodable(exc: BaseException) -> BaseException:
     return exc
 
 
+def _refused_by_serializer(exc: BaseException) -> BaseException | None:
+    """The error in `exc`'s chain raised by the serializer refusing a class its
+    `allowed_types` do not list (the reader's choice, not altered bytes), else None."""
+    check = getattr(JsonSerializer, "_validate_qualified_name", None)
+    refusing = getattr(check, "__code__", None)
+    if refusing is None:  # (a release of the framework without the check)
+        return None
+    seen: BaseException | None = exc
+    while seen is not None:
+        if any(frame.f_code is refusing for frame, _ in traceback.walk_tb(seen.__traceback__)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 @contextlib.contextmanager
 def decoding(what: str, **ids: Any) -> Iterator[None]:
     """Raise the framework's failure to decode `what` (part of a stored checkpoint) as
@@ -425,12 +441,21 @@ def decoding(what: str, **ids: Any) -> Iterator[None]:
     process cannot resolve, or a stored value its class no longer accepts, means the
     record was written by another version of the workflow's code (an event or state
     class renamed, moved, removed or given a new required field since):
-    `VersionMismatch`. Anything else that does not decode: `CorruptRecord`."""
+    `VersionMismatch`, as is a class the reading workflow's serializer does not allow
+    (`JsonSerializer(allowed_types=...)`). Anything else that does not decode:
+    `CorruptRecord`."""
     try:
         yield
     except RemitError:
         raise
     except (ImportError, AttributeError, ContextSerdeError, ValueError, TypeError, KeyError) as exc:
+        refused = _refused_by_serializer(exc)
+        if refused is not None:
+            raise VersionMismatch(
+                f"{what} names a class the reading workflow's serializer does not allow"
+                f" ({refused})",
+                **ids,
+            ) from exc
         why = _why_undecodable(exc)
         if isinstance(why, ValidationError):
             first = why.errors()[0]
