@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import datetime
 import enum
 import functools
 import os
@@ -362,14 +363,14 @@ class RemitFlowPersistence(FlowPersistence):
                 f"context must be a PendingFeedbackContext, got {type(context).__name__}"
             )
         method = checked_id("method name (context.method_name)", context.method_name)
+        # JSON as CrewAI makes it (a str Enum output is its str), as its own backend.
+        prompt = _stored_context(context, method)
         with self._writing(flow_uuid, release=True) as session, session.lock:
             plain = self._plain_state(session, state_data)
             flow = _flow_of(session)
             ledger = session.ledger
             if flow is not None:
                 ledger = ledger.pausing(*_joins_of(flow, session, method))
-            # JSON as CrewAI makes it (a str Enum output is its str), as its own backend.
-            prompt = codec.dumps(context.to_dict(), exact=False)
             # The checkpoint keeps the prompt too: if this process dies before the
             # interrupt is open, `load_pending_feedback` opens it (`_unopened_pause`).
             record = self._commit(session, plain, method, "pause", ledger, prompt=prompt)
@@ -1647,22 +1648,10 @@ def _pause_context(
     `CorruptRecord` naming the run, the interrupt and the head checkpoint if its stored
     form is not what Remit writes there: CrewAI's context of a pause at that interrupt's
     method (a context of another method would make the resume answer that method)."""
-    method = _interrupt_method(interrupt_id)
     try:
         if prompt is None:
             raise TypeError("the pause holds no context")
-        data = codec.loads(prompt)
-        if type(data) is not dict:
-            raise TypeError(f"a pause's context is a dict, not {type(data).__name__}")
-        for key in ("flow_id", "flow_class", "method_name"):
-            if type(data.get(key)) is not str:
-                raise TypeError(f"{key} holds a str, not {type(data.get(key)).__name__}")
-        if data["method_name"] != method:
-            raise ValueError(f"it is the context of a pause at {data['method_name']!r}")
-        emit = data.get("emit")
-        if emit is not None and (type(emit) is not list or not all(type(e) is str for e in emit)):
-            raise TypeError("emit holds a list of str or None")
-        context = PendingFeedbackContext.from_dict(data)
+        context = _read_context(codec.loads(prompt), _interrupt_method(interrupt_id))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptRecord(
             f"the pause's stored context is not one a CrewAI flow paused with ({exc})",
@@ -1672,6 +1661,45 @@ def _pause_context(
         ) from exc
     context.flow_id = flow_id
     return context
+
+
+def _read_context(data: Any, method: str) -> PendingFeedbackContext:
+    """CrewAI's context of a pause at `method` from its stored form `data`, or the
+    `TypeError` / `ValueError` saying why `data` is not one."""
+    if type(data) is not dict:
+        raise TypeError(f"a pause's context is a dict, not {type(data).__name__}")
+    for key in ("flow_id", "flow_class", "method_name"):
+        if type(data.get(key)) is not str:
+            raise TypeError(f"{key} holds a str, not {type(data.get(key)).__name__}")
+    if data["method_name"] != method:
+        raise ValueError(f"it is the context of a pause at {data['method_name']!r}")
+    emit = data.get("emit")
+    if emit is not None and (type(emit) is not list or not all(type(e) is str for e in emit)):
+        raise TypeError("emit holds a list of str or None")
+    return PendingFeedbackContext.from_dict(data)
+
+
+def _stored_context(context: PendingFeedbackContext, method: str) -> bytes:
+    """The stored form of `context` (JSON as CrewAI makes it, as its own backend stores
+    it: an `emit` tuple becomes the list it reads back), or `TypeError` naming what the
+    pause's reader would refuse as not a context CrewAI paused with: a context stored
+    so could never be loaded or resumed, so it is refused before anything is written."""
+    if not isinstance(context.requested_at, datetime.datetime):
+        raise TypeError(
+            "context.requested_at must be a datetime, got "
+            f"{type(context.requested_at).__name__}; nothing was written"
+        )
+    data = context.to_dict()
+    if type(data["emit"]) is tuple:
+        data["emit"] = list(data["emit"])
+    prompt = codec.dumps(data, exact=False)
+    try:
+        _read_context(codec.loads(prompt), method)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise TypeError(
+            f"context cannot be stored as a pause CrewAI resumes: its {exc}; nothing was written"
+        ) from exc
+    return prompt
 
 
 def _check_same_pause(
