@@ -5,12 +5,17 @@ Shared by the probe rounds and the processes they start."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from remit_core import NOT_APPLIED, effect
 
 DIR_VAR = "LLAMAINDEX_PROBE_DIR"
+#: The point (`die_at`) at which a process started by `in_process` kills itself.
+KILL_VAR = "LLAMAINDEX_PROBE_KILL"
 
 
 def _dir() -> Path:
@@ -43,3 +48,17 @@ def pay(what: str, *, idempotency_key: str) -> str:
     with (_dir() / "sink.txt").open("a") as f:
         f.write(f"{idempotency_key} {what}\n")
     return what
+
+
+def die_at(point: str) -> None:
+    """SIGKILL this process if it was started to die at `point`."""
+    if os.environ.get(KILL_VAR) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def in_process(code: str, tmp: Path, kill: str = "") -> subprocess.CompletedProcess[str]:
+    """Run `code` in a new Python process journalling to `tmp`, dying at `kill`."""
+    env = {**os.environ, DIR_VAR: str(tmp), KILL_VAR: kill}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from llamaindex_parts import until_parked
-from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
+from llamaindex_sink import DIR_VAR, die_at, enter, entered, in_process, pay, payments
 from pydantic import BaseModel, Field
 from workflows import Context, Workflow, step
 from workflows.events import (
@@ -38,7 +38,6 @@ from remit_llamaindex import RemitRuntime
 TESTS = str(Path(__file__).parent)
 GUARD = 60
 #: Where the workflows of this file SIGKILL their own process (unset: nowhere).
-KILL_VAR = "LLAMAINDEX_PROBE32_KILL"
 
 
 def new_run() -> str:
@@ -48,18 +47,6 @@ def new_run() -> str:
 def applied(tmp: Path) -> list[str]:
     """Every application of `pay`, as what it paid for."""
     return [line.split()[1] for line in payments(tmp)]
-
-
-def die_at(point: str) -> None:
-    if os.environ.get(KILL_VAR) == point:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def in_process(code: str, tmp: Path, kill: str = "") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, DIR_VAR: str(tmp), KILL_VAR: kill}
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
 
 
 # -- the event stream across a pause, an answer in a process killed, a recovery ---------

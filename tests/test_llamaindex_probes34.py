@@ -17,15 +17,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from llamaindex_parts import until_parked
-from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
+from llamaindex_sink import DIR_VAR, die_at, enter, entered, in_process, pay, payments
 from pydantic import BaseModel
 from workflows import Context, Workflow, step
 from workflows.context.serializers import JsonSerializer
@@ -37,7 +35,6 @@ from remit_llamaindex import RemitRuntime
 TESTS = str(Path(__file__).parent)
 GUARD = 60
 #: Where the workflows of this file SIGKILL their own process (unset: nowhere).
-KILL_VAR = "LLAMAINDEX_PROBE34_KILL"
 
 
 def new_run() -> str:
@@ -47,18 +44,6 @@ def new_run() -> str:
 def applied(tmp: Path) -> list[str]:
     """Every application of `pay`, as what it paid for, sorted."""
     return sorted(line.split()[1] for line in payments(tmp))
-
-
-def die_at(point: str) -> None:
-    if os.environ.get(KILL_VAR) == point:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def in_process(code: str, tmp: Path, kill: str = "") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, DIR_VAR: str(tmp), KILL_VAR: kill}
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
 
 
 # -- two workers that both paid, a fan-in of their results and an answer ---------------
