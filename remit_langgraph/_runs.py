@@ -599,6 +599,10 @@ class Runs:
                     run_id=thread,
                 )
             found = None
+            if record is None and call.check is not None and call.check.bounds_any(pairs):
+                # A new thread's input to a bounded reducer key, by the value it makes of
+                # the key's empty one, before the input checkpoint is stored (P4).
+                call.check.totals_on({}, pairs, run_id=thread, checkpoint_id=None)
             if record is not None:
                 run.committed.add(record.checkpoint_id)
                 if writes is None:

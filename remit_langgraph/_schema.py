@@ -456,11 +456,12 @@ class StateCheck:
         earlier: Iterable[tuple[str, Any]] = (),
         **ids: Any,
     ) -> None:
-        """`totals` on a checkpoint's `values` (a command's update, before it is stored)."""
+        """`totals` on a checkpoint's `values` (a command's update, or input, before it is
+        stored); a key the checkpoint has no value for starts as the key's empty value."""
         if not self._bounded:
             return
         channels = {
-            k: self._reducers[k][0].from_checkpoint(values[k]) for k in self._bounded if k in values
+            k: self._reducers[k][0].from_checkpoint(values.get(k, MISSING)) for k in self._bounded
         }
         self.totals(channels, writes, earlier, **ids)
 

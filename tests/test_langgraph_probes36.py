@@ -192,3 +192,18 @@ def test_a_bounded_key_whose_reducer_changes_its_value_in_place_gets_each_write_
     with pytest.raises(CheckpointInvalid) as error:
         run(RemitSaver(url), ["s", "t"])
     assert error.value.field == "items"
+
+
+@pytest.mark.parametrize("durability", ["async", "sync", "exit"])
+def test_a_new_threads_input_below_the_bound_stores_nothing(url: str, durability: str) -> None:
+    """`{"stock": -5}` as a new thread's first input: refused before the input checkpoint
+    is stored (the thread stays empty, with no `__start__` task left that would refuse
+    every `invoke(None)`); a valid first input then runs as on a new thread."""
+    graph = line(RemitSaver(url))
+    cfg = config()
+    with pytest.raises(CheckpointInvalid) as error:
+        graph.invoke({"stock": -5, "order": 1, "log": []}, cfg, durability=durability)
+    refused_stock(error)
+    assert list(graph.get_state_history(cfg)) == []
+    out = graph.invoke({"stock": 5, "order": 2, "log": []}, cfg, durability=durability)
+    assert out == {"stock": 4, "order": 2, "log": ["take", "restock"]}
