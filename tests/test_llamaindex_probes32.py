@@ -37,7 +37,6 @@ from remit_llamaindex import RemitRuntime
 
 TESTS = str(Path(__file__).parent)
 GUARD = 60
-#: Where the workflows of this file SIGKILL their own process (unset: nowhere).
 
 
 def new_run() -> str:
