@@ -58,17 +58,24 @@ def inexact(value: Any, path: str = "") -> tuple[str, type] | None:
     return path or "<root>", cls
 
 
-def same(a: Any, b: Any) -> bool:
-    """Whether `b` is `a`: equal, of the same types all the way down, with the same zone."""
+def same(a: Any, b: Any, *, widened: bool = False) -> bool:
+    """Whether `b` is `a`: equal, of the same types all the way down, with the same zone.
+
+    `widened`: `b` may hold a float or Decimal where `a` holds an int that is exactly that
+    number (a model's reading of an int a step assigned to a float or Decimal field)."""
     cls = type(a)
+    if widened and cls is int and type(b) in (float, Decimal):
+        return bool(a == b)
     if cls is not type(b):
         return False
     if cls is dict:
         return list(a) == list(b) and all(
-            same(k, j) and same(a[k], b[j]) for k, j in zip(a, b, strict=True)
+            same(k, j) and same(a[k], b[j], widened=widened) for k, j in zip(a, b, strict=True)
         )
     if cls is list or cls is tuple:
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(
+            same(x, y, widened=widened) for x, y in zip(a, b, strict=True)
+        )
     if cls is set or cls is frozenset:
         return {(type(x), x) for x in a} == {(type(y), y) for y in b}
     if cls is dt.datetime or cls is dt.time:

@@ -932,6 +932,9 @@ class RemitFlowPersistence(FlowPersistence):
         found = inexact(plain)
         if found is None and not _renamed(model) and _reads_back(model, plain):
             return _types_kept(state, plain, ids)  # stored exactly, keyed as the model reads it
+        as_declared = _numbers_as_declared(state, plain)
+        if as_declared is not None:
+            return RemitFlowPersistence._dump_model(as_declared, ids)
         modes = ("python", "json") if found is None else ("json", "mixed")
         why, first_back = "it reads back as another value", None
         for by_alias in (False, True):
@@ -2011,6 +2014,21 @@ def _reads_back(model: type[BaseModel], plain: Mapping[str, Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return same(dict(plain), back)
+
+
+def _numbers_as_declared(state: BaseModel, plain: Mapping[str, Any]) -> BaseModel | None:
+    """`state` as its model reads it back, if that changes only ints a step assigned
+    without `validate_assignment` to float or Decimal fields, each into that same number
+    (as `validate_assignment` or CrewAI's own restore would), and keeps the type of every
+    model it holds; else None. Stored so, the state is what a restart continues with."""
+    try:
+        back = type(state).model_validate(dict(plain), by_name=True)
+        read = back.model_dump(mode="python", round_trip=True)
+    except (TypeError, ValueError):
+        return None
+    if same(dict(plain), read) or not same(dict(plain), read, widened=True):
+        return None
+    return back if _retyped(state, back, "") is None else None
 
 
 def _first_change(plain: Mapping[str, Any], back: Mapping[str, Any] | None) -> str:
