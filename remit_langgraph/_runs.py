@@ -97,6 +97,8 @@ from remit_langgraph._serde import StrictSerializer
 from remit_langgraph._shared_effects import CALLS, Made, TaskCalls
 
 if TYPE_CHECKING:
+    from langgraph.types import PregelExecutableTask
+
     from remit_langgraph.saver import RemitSaver
 
 #: How many frames above a saver call are searched for the graph that made it.
@@ -898,11 +900,33 @@ class Runs:
             base, base_writes = self.remit.checkpoint_and_writes(thread, record.parent_id)
             if base is not None:
                 made = self._made_at(thread, base, base_writes)
+        if self._ran_through(thread, record, writes):
+            return made
         for w in writes:
             if w.channel == CALLS:
                 calls = TaskCalls.read(w)
                 made[calls.place] = calls.made()
         return made
+
+    def _ran_through(
+        self, thread: str, record: CheckpointRecord, writes: Sequence[WriteRecord]
+    ) -> bool:
+        """Whether the step after `record` ran to its end on `record`'s branch: none of
+        its tasks paused or failed there, and the loop committed the next checkpoint.
+        Its tasks' calls then came after `record`, not before it: a fork of `record`
+        (time travel, or an edit of it) runs that step as its own, and its effects
+        apply under the fork's keys, as every later step's do."""
+        if not any(w.channel == CALLS for w in writes):
+            return False
+        if any(w.channel in (INTERRUPT, ERROR) for w in writes):
+            return False
+        return any(
+            later.parent_id == record.checkpoint_id
+            and later.branch == record.branch
+            and later.ns == record.ns
+            and later.metadata.get("source") == "loop"
+            for later in self._newer_than(thread, record.checkpoint_id)
+        )
 
     def _settle_resume(
         self,
@@ -1651,7 +1675,37 @@ def _check_outputs(loop: PregelLoop, run: Run, check: StateCheck | None) -> None
             _check_send(run, check, held, task_id, writes, checkpoint_id)
         send(writes)
 
+    match, amatch = type(loop).match_cached_writes, type(loop).amatch_cached_writes
+
+    def checked_hits(tasks: Sequence[PregelExecutableTask]) -> Sequence[PregelExecutableTask]:
+        """A cache hit hands a node's cached writes over without running the node, so
+        not through `checked_send`: a cache filled by another graph, or keyed by a
+        `key_func` that leaves out what the schema bounds, may hold an output this
+        state refuses. Refused here, before LangGraph stores or applies it, it fails
+        the run and no next step reads it."""
+        current = held()
+        assert current is not None  # (a match is a call on the loop)
+        for task in tasks:
+            try:
+                _check_send(run, check, held, task.id, list(task.writes), current.checkpoint["id"])
+            except RemitError:
+                task.writes.clear()
+                raise
+        return tasks
+
+    def checked_match() -> Sequence[PregelExecutableTask]:
+        current = held()
+        assert current is not None
+        return checked_hits(match(current))
+
+    async def checked_amatch() -> Sequence[PregelExecutableTask]:
+        current = held()
+        assert current is not None
+        return checked_hits(await amatch(current))
+
     loop.tick = checked_tick  # type: ignore[method-assign]
+    loop.match_cached_writes = checked_match  # type: ignore[method-assign]
+    loop.amatch_cached_writes = checked_amatch  # type: ignore[method-assign]
 
 
 def _check_send(
