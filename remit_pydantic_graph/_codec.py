@@ -28,7 +28,7 @@ import types
 import typing
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Annotated, Any, Generic, Union
+from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 
 import pydantic
 import pydantic_core
@@ -41,6 +41,7 @@ from typing_extensions import is_typeddict
 __all__ = ["ForeignNode", "NotASnapshot", "SnapshotCodec", "Unfit", "Unreadable", "foreign_node"]
 
 _Path = tuple[str | int, ...]
+_V = TypeVar("_V")
 #: How deep `_unfit` looks for the bad part of a value.
 _DEEPEST = 32
 
@@ -170,7 +171,7 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         except PydanticSerializationError as exc:
             path, problem = (
                 self._unserializable(snapshot)
-                or self._unreadable(snapshot)
+                or _narrowest(self._unfit_in_snapshot(snapshot), self._unreadable(snapshot))
                 or ((), _problem(str(exc)))
             )
             unfit = Unfit(_dotted(path), f"does not fit the graph's types: {problem}")
@@ -341,6 +342,15 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
                 return found
         return None
 
+    def _unfit_in_snapshot(self, snapshot: Snapshot[StateT, RunEndT]) -> tuple[_Path, str] | None:
+        """The first part of `snapshot` that fails to serialize as the snapshot serializes
+        it (`_dump_problem`'s `in_union`), where it fails alone without a warning."""
+        for key, value, declared in self._parts_of(snapshot):
+            found = _unfit(value, declared, (key,), in_union=True)
+            if found is not None:
+                return found
+        return None
+
 
 def foreign_node(
     node: Any, node_ids: Collection[str], node_types: Mapping[str, type]
@@ -403,6 +413,20 @@ def _lost_key(stored: Any, kept: list[Any], path: _Path) -> _Path | None:
     return None
 
 
+def _narrowest(
+    unfit: tuple[_Path, str] | None, unreadable: tuple[_Path, str] | None
+) -> tuple[_Path, str] | None:
+    """Where a snapshot that fails to serialize is refused: at the value its serializer
+    warns of (`unfit`), or where it fails to read back (`unreadable`) if that is inside
+    the value (a TypedDict's missing key; the serializer names only the TypedDict).
+    Elsewhere, a read-back failure is the warned value's doing, written as something else."""
+    if unfit is None:
+        return unreadable
+    if unreadable is not None and unreadable[0][: len(unfit[0])] == unfit[0]:
+        return unreadable
+    return unfit
+
+
 def _dotted(path: _Path) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
@@ -416,10 +440,35 @@ def _problem(text: str) -> str:
     return f"expected {expected}, got {kind} {value}"
 
 
-def _dump_problem(value: Any, declared: Any) -> str | None:
-    """Why `value` does not serialize as `declared`; None if it does or cannot be told."""
+@dataclasses.dataclass
+class _Held(Generic[_V]):
+    """A value held as a snapshot holds its parts: inside a tagged union (`_dump_problem`)."""
+
+    value: _V
+    kind: Literal["held"] = "held"
+
+
+@dataclasses.dataclass
+class _Unheld:
+    kind: Literal["unheld"] = "unheld"
+
+
+def _dump_problem(value: Any, declared: Any, *, in_union: bool = False) -> str | None:
+    """Why `value` does not serialize as `declared`; None if it does or cannot be told.
+
+    `in_union`: as inside the snapshot's tagged union (node or end), where pydantic first
+    serializes every value strictly: a `Decimal` in a `float` field is written alone
+    without a warning, and warns there only."""
+    adapter: pydantic.TypeAdapter[Any]
     try:
-        adapter = pydantic.TypeAdapter(declared)
+        if in_union:
+            held: Any = _Held[declared]  # type: ignore[valid-type]
+            adapter = pydantic.TypeAdapter(
+                Annotated[held | _Unheld, pydantic.Discriminator("kind")]
+            )
+            value = _Held(value)
+        else:
+            adapter = pydantic.TypeAdapter(declared)
     except Exception:  # a type pydantic cannot build alone (an unresolved name)
         return None
     try:
@@ -430,11 +479,17 @@ def _dump_problem(value: Any, declared: Any) -> str | None:
 
 
 def _unfit(
-    value: Any, declared: Any, path: _Path, above: tuple[tuple[Any, _Path], ...] = ()
+    value: Any,
+    declared: Any,
+    path: _Path,
+    above: tuple[tuple[Any, _Path], ...] = (),
+    *,
+    in_union: bool = False,
 ) -> tuple[_Path, str] | None:
     """The deepest part of `value` that does not serialize as `declared`, and why; a part
-    that is one of the values it is inside (`above`, with their paths) closes a cycle."""
-    problem = _dump_problem(value, declared)
+    that is one of the values it is inside (`above`, with their paths) closes a cycle.
+    `in_union`: serialized as inside the snapshot (`_dump_problem`)."""
+    problem = _dump_problem(value, declared, in_union=in_union)
     if problem is None:
         return None
     if len(path) > _DEEPEST:
@@ -447,7 +502,7 @@ def _unfit(
                 f"is {_dotted(holder)} itself, which holds it: a circular reference, which "
                 "JSON cannot hold"
             )
-        found = _unfit(child, child_type, (*path, key), above)
+        found = _unfit(child, child_type, (*path, key), above, in_union=in_union)
         if found is not None:
             return found
     if isinstance(value, bytes) and not _utf8(value):
