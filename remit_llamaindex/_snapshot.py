@@ -486,7 +486,9 @@ def broker_state(
     The framework drops, without a word, the work of a stored step the workflow
     has no step for (another workflow, or another shape of it): its waiters and
     queued events would be lost, so such a context is refused (`VersionMismatch`,
-    naming the steps). A stored step without work left is only history."""
+    naming the steps). A step it has that no longer takes the event of its stored work
+    would be run on that event all the same, and fail on it for good: refused so too
+    (`_untaken_work`). A stored step without work left is only history."""
     with decoding("the checkpoint's context", **ids):
         parsed = SerializedContext.from_dict_auto(ctx, serializer)
         state = BrokerState.from_serialized(parsed, workflow, serializer)
@@ -516,7 +518,43 @@ def broker_state(
             "shape its own RemitRuntime(workflow_version=...))",
             **ids,
         )
+    untaken = _untaken_work(state)
+    if untaken is not None:
+        step_id, event, accepted = untaken
+        raise VersionMismatch(
+            f"the checkpoint holds work of step {step_id!r} on event "
+            f"{type(event).__name__}, which that step of workflow {type(workflow).__name__} "
+            f"does not take (it takes {', '.join(sorted(map(_name, accepted))) or 'none'}): "
+            "it was written by another shape of the workflow; continue it with the workflow "
+            "that wrote it (give each shape its own RemitRuntime(workflow_version=...))",
+            step=step_id,
+            **ids,
+        )
     return state
+
+
+def _name(accepted: Any) -> str:
+    return getattr(accepted, "__name__", None) or repr(accepted)
+
+
+def _untaken_work(state: BrokerState) -> tuple[str, Event, list[Any]] | None:
+    """The first piece of pending work (a queued, in-flight or waiting step invocation)
+    whose event its step no longer takes, with the step and what it takes: the framework
+    would call the step with it all the same. A collection's release is an event the
+    framework makes for the step, not one routed to it, and is left out."""
+    for step_id, worker in state.workers.items():
+        config = worker.config
+        items = [
+            *((a.event, a.collection_release_payload) for a in worker.queue),
+            *((p.event, p.shared_state.collection_release_payload) for p in worker.in_progress),
+            *((w.event, w.collection_release_payload) for w in worker.collected_waiters),
+        ]
+        for event, payload in items:
+            if payload is None and not step_accepts_event(
+                event, config.accepted_events, allow_subclasses=config.accept_event_subclasses
+            ):
+                return str(step_id), event, list(config.accepted_events)
+    return None
 
 
 class _NotLoaded(Exception):

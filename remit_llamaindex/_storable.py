@@ -95,7 +95,9 @@ def _unstorable_model(state: BaseModel, serializer: JsonSerializer) -> tuple[str
     except Exception as exc:
         for name in model.model_fields:
             try:
-                state.model_dump(mode="json", include={name})
+                # Both halves of the serializer's encoding: the dump refuses bytes that
+                # are not text, the JSON text an int of more digits than it converts.
+                json.dumps(state.model_dump(mode="json", include={name}))
             except Exception as field_exc:
                 return name, f"it cannot be stored as JSON ({field_exc})"
         return "<root>", f"the state cannot be stored as JSON ({exc})"
