@@ -1919,9 +1919,10 @@ def _by_field_name(model: type[BaseModel], state: Mapping[str, Any]) -> dict[str
 
 def _mixed_dump(state: BaseModel, *, by_alias: bool) -> dict[str, Any]:
     """`state`'s Python-mode fields, each one the codec would not store exactly (`inexact`)
-    in its JSON form instead (`ValueError` if that has none)."""
+    in its JSON form instead (`ValueError` if that has none); its extra fields too, which
+    the dump holds beside the declared ones."""
     stored = state.model_dump(mode="python", round_trip=True, by_alias=by_alias)
-    for name in type(state).model_fields:
+    for name in [*type(state).model_fields, *(state.model_extra or {})]:
         one = state.model_dump(mode="python", round_trip=True, by_alias=by_alias, include={name})
         if inexact(one) is not None:
             stored.update(
@@ -1967,10 +1968,12 @@ def _is_record(value: Any) -> bool:
 
 
 def _parts(value: Any) -> Iterator[tuple[Any, Any]]:
-    """The (key, item) pairs `value` holds: a model's or dataclass's fields, a dict's
+    """The (key, item) pairs `value` holds: a model's or dataclass's fields (a model's
+    extra fields too, which its model reads back as it reads an `Any` field), a dict's
     items, a list's or tuple's items by index."""
     if isinstance(value, BaseModel):
         yield from ((n, getattr(value, n, None)) for n in type(value).model_fields)
+        yield from (value.model_extra or {}).items()
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         yield from ((f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value))
     elif isinstance(value, dict):
