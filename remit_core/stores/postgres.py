@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import select
 import threading
 import time
@@ -270,6 +271,43 @@ ORDER BY w.task_id, w.idx
 """
 
 
+#: libpq options whose values it checks only when it connects, so that a bad one would
+#: surface as `StoreUnavailable`, a failure to retry: checked with the URL instead.
+_INT_OPTIONS = (
+    "connect_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+_INT = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def _check_values(query: dict[str, str], url: str) -> None:
+    """A `ValueError` naming the option and `url` if a value libpq would refuse at
+    connect is given (an integer option that is not one, an unknown `sslmode`)."""
+    for name in _INT_OPTIONS:
+        value = query.get(name)
+        if value is not None and not _INT.fullmatch(value):
+            raise ValueError(
+                f"PostgreSQL URL option {name}={value!r} in {display_url(url)!r}: not an integer"
+            )
+    ports = query.get("port")
+    if ports is not None and not all(p == "" or _INT.fullmatch(p) for p in ports.split(",")):
+        raise ValueError(
+            f"PostgreSQL URL option port={ports!r} in {display_url(url)!r}: not a port "
+            "number (or a comma-separated list of them)"
+        )
+    sslmode = query.get("sslmode")
+    if sslmode is not None and sslmode not in _SSLMODES:
+        raise ValueError(
+            f"PostgreSQL URL option sslmode={sslmode!r} in {display_url(url)!r}: one of "
+            + ", ".join(_SSLMODES)
+        )
+
+
 def _too_large(exc: psycopg.errors.ProgramLimitExceeded) -> ValueError:
     """The refusal of a row PostgreSQL cannot hold: an id (run, checkpoint, blob
     key, fork token, ...) past what an index entry takes (2704 bytes for all the
@@ -450,6 +488,7 @@ class PostgresStore(SqlStore):
             raise ValueError(
                 f"bad PostgreSQL URL {display_url(url)!r}: {str(exc).strip()}"
             ) from None
+        _check_values(query, url)
         self._pool: _Pool | None = None
         self._pid = -1
         #: Set once a newer Remit is found to have migrated the store (`_refuse_newer`).

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import re
 import time
@@ -311,6 +312,24 @@ def _no_resend(options: dict[str, str], url: str) -> None:
             )
 
 
+def _check_values(kwargs: dict[str, Any], url: str) -> None:
+    """Refuse option values redis-py takes as they are and that fail only at the first
+    command (a negative timeout, a client name Redis refuses), naming the option."""
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        value = kwargs.get(name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"Redis URL option {name}={value!r} in {display_url(url)!r}: a timeout is a "
+                "number of seconds above 0"
+            )
+    client_name = kwargs.get("client_name")
+    if client_name and not all("!" <= c <= "~" for c in client_name):
+        raise ValueError(
+            f"Redis URL option client_name={client_name!r} in {display_url(url)!r}: Redis "
+            "takes a client name of printable ASCII without spaces"
+        )
+
+
 class RedisStore(Store):
     """A pooled Redis store; the pool is re-created in a forked child."""
 
@@ -347,6 +366,7 @@ class RedisStore(Store):
             pool = ConnectionPool.from_url(self.url, decode_responses=False)
         except ValueError as exc:
             raise ValueError(f"bad Redis URL {display_url(self.url)!r}: {exc}") from exc
+        _check_values(pool.connection_kwargs, self.url)
         # redis-py hands an option it does not know to each new connection, which
         # would fail only at the first command.
         known = _parameters(type(pool)) | _parameters(pool.connection_class)
