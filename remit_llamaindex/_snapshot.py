@@ -541,7 +541,10 @@ def _untaken_work(state: BrokerState) -> tuple[str, Event, list[Any]] | None:
     """The first piece of pending work (a queued, in-flight or waiting step invocation)
     whose event its step no longer takes, with the step and what it takes: the framework
     would call the step with it all the same. A collection's release is an event the
-    framework makes for the step, not one routed to it, and is left out."""
+    framework makes for the step, not one routed to it, and is left out. An event on its
+    way to a named step (`ctx.send_event(ev, step=...)`, stored before it arrived) is
+    that step's work too: re-sent on restore, a step that no longer takes it drops it,
+    and the run would wait for ever for what that event was to start."""
     for step_id, worker in state.workers.items():
         config = worker.config
         items = [
@@ -554,6 +557,15 @@ def _untaken_work(state: BrokerState) -> tuple[str, Event, list[Any]] | None:
                 event, config.accepted_events, allow_subclasses=config.accept_event_subclasses
             ):
                 return str(step_id), event, list(config.accepted_events)
+    workers = {str(step_id): worker for step_id, worker in state.workers.items()}
+    for delivery in state.deliveries.values():
+        target = workers.get(str(delivery.step_id)) if delivery.step_id is not None else None
+        if target is not None and not step_accepts_event(
+            delivery.event,
+            target.config.accepted_events,
+            allow_subclasses=target.config.accept_event_subclasses,
+        ):
+            return str(delivery.step_id), delivery.event, list(target.config.accepted_events)
     return None
 
 
