@@ -133,7 +133,10 @@ class Execution:
     `stepping`: a step began, so later `load_state` calls are plain reads;
     `outer`: the kickoff this one runs inside (a flow awaited in another's
     step), current again when this one ends; `over`: it ended (a save still
-    running in a worker thread of a cancelled kickoff drives nothing).
+    running in a worker thread of a cancelled kickoff drives nothing);
+    `left`: per flow id, the head this kickoff left when it gave the flow up
+    (ended or paused), which a save still running in its threads may only
+    follow (`RemitFlowPersistence._writing`).
     """
 
     flow: weakref.ref[Any]
@@ -144,6 +147,7 @@ class Execution:
     refusal: BaseException | None = None
     stepping: bool = False
     over: bool = False
+    left: dict[str, str | None] = field(default_factory=dict)
 
 
 #: The kickoff now running in this context (set by the EXECUTION_START hook).

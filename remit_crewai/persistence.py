@@ -376,6 +376,7 @@ class RemitFlowPersistence(FlowPersistence):
             record = self._commit(session, plain, method, "pause", ledger, prompt=prompt)
             if flow is not None:
                 pausing(flow, True)  # what is still running of its run drives nothing now
+                _left_by_run(flow, session)
             interrupt_id = f"{method}#{session.ledger.occurrence(method)}"
             self.remit.open_interrupts(
                 session.run_id,
@@ -762,12 +763,32 @@ class RemitFlowPersistence(FlowPersistence):
                 if release:
                     self._release(session)
             return
+        ex = None if alone else current_execution.get()
+        left = ex is not None and flow_id in ex.left
         with sessions.turn(self._where, flow_id):
             session = self._open(flow_id, heartbeat=False)
             try:
+                if ex is not None and left:
+                    self._refuse_if_moved_on(session, ex.left[flow_id])
                 yield session
+                if ex is not None and left:
+                    ex.left[flow_id] = session.head  # (its run's next late save follows it)
             finally:
                 self._release(session)
+
+    @staticmethod
+    def _refuse_if_moved_on(session: Session, left: str | None) -> None:
+        """`Fenced` for a save still running in a thread of a run that gave its flow up
+        (cancelled, ended or paused at head `left`) when another run or resume has written
+        the flow since: its state is older than the head, which it would overwrite."""
+        if session.head != left:
+            raise Fenced(
+                "this save belongs to a run of the flow that already gave it up (cancelled, "
+                "ended or paused), and another run or resume has written the flow since: "
+                "the save is refused and nothing was written",
+                run_id=session.run_id,
+                scope=session.branch,
+            )
 
     def _driving(self, flow_id: str) -> Session | None:
         """This process's session driving `flow_id`; opened if the kickoff running in this
@@ -1565,6 +1586,7 @@ class RemitFlowPersistence(FlowPersistence):
             elif completed and session.replay is not None:
                 self._keep_inputs(session, flow)
         finally:
+            _left_by_run(flow, session)
             self._release(session)
 
     def _check_inputs(self, session: Session, flow: Flow[Any], ex: Execution) -> None:
@@ -1611,6 +1633,14 @@ class RemitFlowPersistence(FlowPersistence):
             if ended.keys() == kept.keys() and all(same(ended[k], kept[k]) for k in ended):
                 return
             self._commit(session, plain, "", "edit", session.ledger, session.output)
+
+
+def _left_by_run(flow: Flow[Any], session: Session) -> None:
+    """Note the head at which the kickoff running `flow` in this context gives the flow
+    up, for the saves still running in its threads (`Execution.left`)."""
+    ex = current_execution.get()
+    if ex is not None and ex.flow() is flow:
+        ex.left[session.flow_id] = session.head
 
 
 def _as_saved(flow_id: str, state: dict[str, Any]) -> dict[str, Any]:
