@@ -53,6 +53,7 @@ from langgraph._internal._constants import (
     TASKS,
 )
 from langgraph._internal._serde import build_serde_allowlist
+from langgraph._internal._typing import MISSING
 from langgraph.channels.base import BaseChannel
 from langgraph.checkpoint.base import (
     BaseCheckpointSaver,
@@ -361,6 +362,30 @@ def _check_command(command: Command, specs: Mapping[str, Any], thread: str) -> N
             continue
 
 
+def _channels_at(
+    specs: Mapping[str, Any],
+    values: Mapping[str, Any],
+    earlier: Sequence[tuple[str, Any]],
+    writes: Sequence[tuple[str, Any]],
+) -> dict[str, BaseChannel]:
+    """The graph's channels as a checkpoint's `values` and its `earlier` updates make
+    them: what a command's update or new input (`writes`) is applied to. The keys
+    written hold copies: a reducer may change its first argument in place."""
+    written = {key for key, _ in (*earlier, *writes)}
+    channels = {
+        key: spec.from_checkpoint(
+            copy.deepcopy(values.get(key, MISSING)) if key in written else values.get(key, MISSING)
+        )
+        for key, spec in specs.items()
+        if isinstance(spec, BaseChannel)
+    }
+    for key, value in earlier:
+        if key in channels:
+            with contextlib.suppress(Exception):  # (refused when it was made)
+                channels[key].update([value])
+    return channels
+
+
 def _is_send_path(task_path: str) -> bool:
     """Whether a stored task path is a `Send` branch's (`~__pregel_push, <index>, ...`),
     not a task another task called (`~__pregel_push, ~__pregel_pull, ...`)."""
@@ -601,10 +626,13 @@ class Runs:
                     run_id=thread,
                 )
             found = None
-            if record is None and call.check is not None and call.check.bounds_any(pairs):
-                # A new thread's input to a bounded reducer key, by the value it makes of
-                # the key's empty one, before the input checkpoint is stored (P4).
+            if record is None and call.check is not None and pairs:
+                # A new thread's input to a reducer key, by the value it makes of the
+                # key's empty one, before the input checkpoint is stored (P4).
                 call.check.totals_on({}, pairs, run_id=thread, checkpoint_id=None)
+                call.check.fits_on({}, pairs, run_id=thread, checkpoint_id=None)
+                if call.check.checks_whole:
+                    call.check.after(_channels_at(loop.specs, {}, (), pairs), pairs, run_id=thread)
             if record is not None:
                 run.committed.add(record.checkpoint_id)
                 if writes is None:
@@ -614,19 +642,25 @@ class Runs:
                     # migrated) before its interrupt is consumed: a head this saver
                     # refuses refuses the value too, with nothing stored (P4, P5).
                     found = self._read_head(call, record, writes)
-                if call.check is not None and call.check.bounds_any(pairs):
-                    # A command's update to a bounded reducer key (or new input to one)
-                    # is checked by the value it makes of the head's (the head's earlier
-                    # updates first), before its resume value is consumed (P4, P5).
+                if call.check is not None and pairs:
+                    # A command's update to a reducer key (or new input to one) is
+                    # checked by the value it makes of the head's (the head's earlier
+                    # updates first), before its resume value is consumed or anything
+                    # is stored (P4, P5): one out of the key's bounds, or one its
+                    # reducer refuses there (the removal of a message the chat lacks).
                     if found is None:
                         found = self._read_head(call, record, writes)
-                    call.check.totals_on(
-                        found.checkpoint["channel_values"],
-                        pairs,
-                        [(c, v) for t, c, v in found.pending_writes or () if t == NULL_TASK_ID],
-                        run_id=thread,
-                        checkpoint_id=record.checkpoint_id,
-                    )
+                    values = found.checkpoint["channel_values"]
+                    earlier = [
+                        (c, v) for t, c, v in found.pending_writes or () if t == NULL_TASK_ID
+                    ]
+                    ids = {"run_id": thread, "checkpoint_id": record.checkpoint_id}
+                    call.check.totals_on(values, pairs, earlier, **ids)
+                    call.check.fits_on(values, pairs, earlier, **ids)
+                    if call.check.checks_whole:  # (a model's validators, on the whole state)
+                        call.check.after(
+                            _channels_at(loop.specs, values, earlier, pairs), pairs, **ids
+                        )
                 owed = self._settle_resume(loop, run, record, writes)
                 edited = record.metadata.get("source") == "update"
                 if (branch != MAIN_BRANCH or edited) and (

@@ -465,6 +465,39 @@ class StateCheck:
         }
         self.totals(channels, writes, earlier, **ids)
 
+    def fits_on(
+        self,
+        values: Mapping[str, Any],
+        writes: Iterable[tuple[str, Any]],
+        earlier: Iterable[tuple[str, Any]] = (),
+        **ids: Any,
+    ) -> None:
+        """`_fits` on a checkpoint's `values` after its `earlier` updates: a command's
+        update or new input whose reducer needs the key's value to refuse it (the
+        removal of a message the chat lacks), refused before its resume value is
+        consumed or its input checkpoint stored. Stored, LangGraph would apply it
+        again on every later run of the thread, and fail each time."""
+        grouped: dict[str, list[Any]] = {}
+        for key, value in writes:
+            if key in self._reducers:
+                grouped.setdefault(key, []).append(value)
+        for key, pending in grouped.items():
+            template = self._reducers[key][0]
+            try:
+                # A write the empty value takes (an append) is taken whatever the key
+                # holds: only one it refuses (a removal) needs the copy below.
+                template.from_checkpoint(MISSING).update(pending)
+                continue
+            except Exception:  # noqa: BLE001, S110 (the key's value may take it: below)
+                pass
+            # On a copy of the value: a reducer may change its first argument in place.
+            channel = template.from_checkpoint(copy.deepcopy(values.get(key, MISSING)))
+            for at, value in earlier:
+                if at == key:
+                    with contextlib.suppress(Exception):  # (refused when it was made)
+                        channel.update([value])
+            self._fits(key, pending, {key: channel}, **ids)
+
     def _check_whole(self, state: Mapping[str, Any], ids: Mapping[str, Any]) -> None:
         """`state` checked as a whole by the state type, once it has every key the
         type requires (before that, as in an input checkpoint, it is not a state)."""
