@@ -734,6 +734,8 @@ class Remit:
             raise TypeError(
                 f"blobs must map each blob key to its bytes, got {type(blobs).__name__}"
             )
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise TypeError(f"metadata must be a mapping, got {type(metadata).__name__}")
         if release is not None and not isinstance(release, ClaimHandle):
             raise TypeError(f"release must be a ClaimHandle, got {type(release).__name__}")
         if plan is not None and not isinstance(plan, policy.CommitPlan):

@@ -482,11 +482,31 @@ def run_effect(
     idempotent: bool = False,
 ) -> Any:
     """Apply `fn(idempotency_key)` at most once per key across the life of the run."""
+    _check_declared(name, fn, reconcile, idempotent)
     _check_sync(name, fn, reconcile)
     scope = _scope_or_fail(checked_id("effect name", name, empty=True))
     call = _Call(scope, key if key is not None else scope.next_key(name))
     with _turns.turn(call):
         return _drive(call, fn, reconcile, idempotent)
+
+
+def _check_declared(name: str, fn: object, reconcile: object, idempotent: object) -> None:
+    """A `TypeError` naming the argument before anything is recorded: a `fn` that
+    cannot be called would leave an intent for an effect that never happened, in
+    doubt on every replay; a `reconcile` that cannot be called would fail only in
+    recovery, when an effect is in doubt; and an `idempotent` that is no bool (the
+    string "no") would be taken as true, and an effect in doubt applied again."""
+    if not callable(fn):
+        raise TypeError(f"effect {name!r}: fn must be callable, got {type(fn).__name__}")
+    if reconcile is not None and not callable(reconcile):
+        raise TypeError(
+            f"effect {name!r}: reconcile must be callable or None, got {type(reconcile).__name__}"
+        )
+    if type(idempotent) is not bool:
+        raise TypeError(
+            f"effect {name!r}: idempotent must be a bool, got {type(idempotent).__name__} "
+            f"{idempotent!r:.40}"
+        )
 
 
 def _check_sync(name: str, fn: Callable[..., Any], reconcile: Callable[..., Any] | None) -> None:
@@ -560,6 +580,7 @@ async def arun_effect(
 ) -> Any:
     """`run_effect` for coroutines; store calls run off the event loop. A plain function
     given for `fn` is called as it is (its outcome recorded, as a coroutine's)."""
+    _check_declared(name, fn, reconcile, idempotent)
     scope = _scope_or_fail(checked_id("effect name", name, empty=True))
     call = _Call(scope, key if key is not None else scope.next_key(name))
     async with _turns.aturn(call):
@@ -618,8 +639,19 @@ def effect(
     The function gets `idempotency_key=` if its signature accepts it.
     """
 
+    if name is not None:
+        checked_id("effect name", name, empty=True)
+    if key is not None and not callable(key):
+        raise TypeError(
+            f"effect(key=) must be a callable that returns the key from the call's "
+            f"arguments (key=lambda to: f'mail:{{to}}'), got {type(key).__name__}"
+        )
+
     def deco(f: F) -> F:
+        if not callable(f):
+            raise TypeError(f"@effect applies to a function, got {type(f).__name__}")
         label = name or f.__qualname__
+        _check_declared(label, f, reconcile, idempotent)
         if inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f):
             # Its call returns a generator whose body has not run: the intent would be
             # recorded for an effect that never happened, left in doubt for good.
