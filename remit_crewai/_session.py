@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import os
 import threading
 import weakref
@@ -99,6 +100,11 @@ def pinned_url(url: str) -> str:
     return f"sqlite:///{os.path.abspath(path)}" + (f"?{query}" if query else "")
 
 
+#: The order in which kickoffs and resumes began in this process (`Execution.begun`,
+#: `Session.begun`): CrewAI starts no execution for a resume, which runs in the context
+#: of the kickoff current where it is called.
+_began = itertools.count()
+
 #: The fork token `kickoff(restore_from_state_id=...)` forks under (see `fork_token`).
 current_fork_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "remit_crewai_fork_token", default=None
@@ -136,7 +142,8 @@ class Execution:
     running in a worker thread of a cancelled kickoff drives nothing);
     `left`: per flow id, the head this kickoff left when it gave the flow up
     (ended or paused), which a save still running in its threads may only
-    follow (`RemitFlowPersistence._writing`).
+    follow (`RemitFlowPersistence._writing`); `begun`: when it began, against the
+    resumes of this context (`late_resume`).
     """
 
     flow: weakref.ref[Any]
@@ -148,6 +155,7 @@ class Execution:
     stepping: bool = False
     over: bool = False
     left: dict[str, str | None] = field(default_factory=dict)
+    begun: int = field(default_factory=lambda: next(_began))
 
 
 #: The kickoff now running in this context (set by the EXECUTION_START hook).
@@ -209,6 +217,8 @@ class Session:
     leftovers: tuple[frozenset[str], frozenset[str]] | None = None
     pid: int = field(default_factory=os.getpid)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    #: When it was opened, against the kickoffs of its context (`late_resume`).
+    begun: int = field(default_factory=lambda: next(_began))
 
     def start_occurrence(self, method: str) -> int:
         """The occurrence a run of `method` starting now is: the lowest that has not
@@ -284,6 +294,22 @@ def resumer_of(store_url: str, flow_id: str) -> Session | None:
     for session in reversed(current_resumers.get()):
         if not session.closed and (session.store_url, session.flow_id, session.pid) == here:
             return session
+    return None
+
+
+def late_resume(store_url: str, flow_id: str) -> Session | None:
+    """The session of the resume of `flow_id` that runs in this context, if it gave the
+    flow up (paused, ended): a save made here now was left running by that resume, and
+    may only follow the head it left (`head`). None if a resume made here still holds
+    the flow (even an older one, whose claim then refuses it), if none was made here,
+    or if the kickoff current here began after it."""
+    if resumer_of(store_url, flow_id) is not None:
+        return None
+    ex = current_execution.get()
+    here = (store_url, flow_id, os.getpid())
+    for session in reversed(current_resumers.get()):
+        if (session.store_url, session.flow_id, session.pid) == here:
+            return None if ex is not None and session.begun < ex.begun else session
     return None
 
 

@@ -79,6 +79,7 @@ from remit_crewai._session import (
     add_resumer,
     current_execution,
     current_from_pending,
+    late_resume,
     occurrence_of,
     paused,
     pausing,
@@ -763,16 +764,24 @@ class RemitFlowPersistence(FlowPersistence):
                 if release:
                     self._release(session)
             return
-        ex = None if alone else current_execution.get()
+        # A save left running by a run that gave the flow up follows the head it left:
+        # a resume's (its session's last head), else a kickoff's (`Execution.left`).
+        late = None if alone else late_resume(self._where, flow_id)
+        ex = None if alone or late is not None else current_execution.get()
         left = ex is not None and flow_id in ex.left
         with sessions.turn(self._where, flow_id):
             session = self._open(flow_id, heartbeat=False)
             try:
-                if ex is not None and left:
+                if late is not None:
+                    self._refuse_if_moved_on(session, late.head)
+                elif ex is not None and left:
                     self._refuse_if_moved_on(session, ex.left[flow_id])
                 yield session
-                if ex is not None and left:
-                    ex.left[flow_id] = session.head  # (its run's next late save follows it)
+                # (its run's next late save follows it)
+                if late is not None:
+                    late.head = session.head
+                elif ex is not None and left:
+                    ex.left[flow_id] = session.head
             finally:
                 self._release(session)
 
@@ -794,11 +803,15 @@ class RemitFlowPersistence(FlowPersistence):
         """This process's session driving `flow_id`; opened if the kickoff running in this
         context drives `flow_id` and has none (a pause gave it up); else None."""
         with sessions.lock:
+            ex = current_execution.get()
             session = self._session_of(flow_id, None)
+            if session is not None and self._gave_up(ex, flow_id, session):
+                # A resume in this process took the flow: a save left running by the run
+                # that gave it up claims for itself, so it is refused as from another process.
+                return None
             if session is not None:
                 self._activate(session)
                 return session
-            ex = current_execution.get()
             if ex is None or ex.over:
                 return None  # no kickoff, or one that ended (a save left in its thread)
             flow = ex.flow()
@@ -811,6 +824,26 @@ class RemitFlowPersistence(FlowPersistence):
             session.owner = ex.flow
             sessions.add(session)
             return session
+
+    def _gave_up(self, ex: Execution | None, flow_id: str, session: Session) -> bool:
+        """Whether the run this context belongs to gave `flow_id` up (a resume, or else
+        kickoff `ex`, that ended, was cancelled or paused) and `session` is another run's:
+        that of a resume made in this process since, whose state and ledger the old
+        run's state must not enter.
+
+        A resume run in the context of the kickoff that paused (CrewAI starts no new
+        execution for it) finds its own session as this context's `from_pending`'s; a
+        save left running by the paused run began before, in a context without it."""
+        if late_resume(self._where, flow_id) is not None:
+            return True  # (its own session was released: `session` is another's)
+        flow = None if ex is None else ex.flow()
+        if ex is None or flow is None or flow.flow_id != flow_id:
+            return False
+        if not (ex.over or flow_id in ex.left or paused(flow)):
+            return False
+        if session.owner is not None and session.owner() is flow:
+            return False
+        return session is not resumer_of(self._where, flow_id)
 
     def _stores_for(self, flow: Flow[Any]) -> bool:
         """Whether this persistence writes to the store of `flow`'s own persistence, whose
