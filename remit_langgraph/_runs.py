@@ -386,6 +386,13 @@ def _channels_at(
     return channels
 
 
+def _prompts(raised: Sequence[Interrupt]) -> dict[str, bytes]:
+    """The records' prompts of interrupts `raised`, by id."""
+    return {
+        i.id: codec.dumps({"response_schema": _json_or_none(i.response_schema)}) for i in raised
+    }
+
+
 def _is_send_path(task_path: str) -> bool:
     """Whether a stored task path is a `Send` branch's (`~__pregel_push, <index>, ...`),
     not a task another task called (`~__pregel_push, ~__pregel_pull, ...`)."""
@@ -983,6 +990,8 @@ class Runs:
         if resume is not None and record.branch != run.branch:
             raise self._fork_not_asking(run, record)
         here = self._pause(run, record)
+        if resume is not None:
+            here = self._record_asked(run, record, writes, here)
         if resume is not None and not here and record.metadata.get("source") == "fork":
             raise ResumeConflict(
                 'the head is a copy of a checkpoint (update_state(..., as_node="__copy__"), '
@@ -1013,6 +1022,36 @@ class Runs:
         # the node's next question with the previous answer.
         run.resume_spent = True
         return None
+
+    def _record_asked(
+        self,
+        run: Run,
+        record: CheckpointRecord,
+        writes: Sequence[WriteRecord],
+        here: list[InterruptRecord],
+    ) -> list[InterruptRecord]:
+        """`here` with the questions `record`'s tasks asked that have no record yet,
+        opened now: a task's interrupt write and its record (`after_writes`) are two
+        store calls, and a process killed between them left a pause whose question
+        nothing could answer (P5). Opening is idempotent and the consume stays the gate."""
+        raised = [
+            i
+            for w in writes
+            if w.channel == INTERRUPT and w.ns == ""
+            for i in _interrupts_in(self.saver._decode(w.value, run_id=run.thread))
+        ]
+        known = {i.interrupt_id for i in here}
+        missing = [i for i in raised if i.id not in known]
+        if not missing:
+            return here
+        self.remit.open_interrupts(
+            run.thread,
+            _prompts(missing),
+            branch=record.branch,
+            checkpoint_id=record.checkpoint_id,
+            fence=run.fence,
+        )
+        return self._pause(run, record)
 
     def _fork_not_asking(self, run: Run, base: CheckpointRecord) -> ResumeConflict:
         """The refusal of a resume value for a fork that stands at its `base`, with no
@@ -1604,12 +1643,9 @@ class Runs:
         else:
             record = self.remit.checkpoint(thread, checkpoint_id)
             branch = record.branch if record is not None else MAIN_BRANCH
-        prompts = {
-            i.id: codec.dumps({"response_schema": _json_or_none(i.response_schema)}) for i in raised
-        }
         self.remit.open_interrupts(
             thread,
-            prompts,
+            _prompts(raised),
             branch=branch,
             checkpoint_id=checkpoint_id,
             fence=None if run is None else run.fence,
