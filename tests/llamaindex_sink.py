@@ -38,6 +38,11 @@ def payments(tmp: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def applied(tmp: Path) -> list[str]:
+    """Every application of `pay`, as what it paid for."""
+    return [line.split()[1] for line in payments(tmp)]
+
+
 def _reconcile(key: str) -> Any:
     hits = [line for line in payments(_dir()) if line.split()[0] == key]
     return hits[0].split()[1] if hits else NOT_APPLIED

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
-from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
+from llamaindex_sink import DIR_VAR, applied, enter, entered, pay, payments
 from pydantic import Field
 from test_llamaindex_probes10 import recovered
 from test_llamaindex_probes11 import run_driver
@@ -41,11 +41,6 @@ TESTS = str(Path(__file__).parent)
 
 def new_run() -> str:
     return f"probe13-{uuid.uuid4().hex[:12]}"
-
-
-def applied(tmp: Path) -> list[str]:
-    """Every application of `pay`, as what it paid for."""
-    return [line.split()[1] for line in payments(tmp)]
 
 
 def crash_here(point: str) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
+from llamaindex_sink import DIR_VAR, applied, enter, entered, pay
 from workflows import Context, Workflow, step
 from workflows.events import (
     Event,
@@ -52,11 +52,6 @@ TESTS = str(Path(__file__).parent)
 
 def new_run() -> str:
     return f"probe26-{uuid.uuid4().hex[:12]}"
-
-
-def applied(tmp: Path) -> list[str]:
-    """Every application of `pay`, as what it paid for."""
-    return [line.split()[1] for line in payments(tmp)]
 
 
 class Item(Event):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
+from llamaindex_sink import DIR_VAR, applied, enter, entered, pay, payments
 from workflows import Context, Workflow, step
 from workflows.events import (
     Event,
@@ -38,11 +38,6 @@ RECOVERERS = 4
 
 def new_run() -> str:
     return f"probe27-{uuid.uuid4().hex[:12]}"
-
-
-def applied(tmp: Path) -> list[str]:
-    """Every application of `pay`, as what it paid for."""
-    return [line.split()[1] for line in payments(tmp)]
 
 
 class Asking(Workflow):

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from llamaindex_parts import until_parked
-from llamaindex_sink import DIR_VAR, enter, entered, pay, payments
+from llamaindex_sink import DIR_VAR, applied, enter, entered, pay, payments
 from pydantic import BaseModel, Field, field_validator
 from workflows import Context, Workflow, step
 from workflows.errors import WorkflowCancelledByUser, WorkflowTimeoutError
@@ -51,11 +51,6 @@ LONG_LEASE = 600
 
 def new_run() -> str:
     return f"probe29-{uuid.uuid4().hex[:12]}"
-
-
-def applied(tmp: Path) -> list[str]:
-    """Every application of `pay`, as what it paid for."""
-    return [line.split()[1] for line in payments(tmp)]
 
 
 @contextmanager

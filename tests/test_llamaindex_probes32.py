@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from llamaindex_parts import until_parked
-from llamaindex_sink import DIR_VAR, die_at, enter, entered, in_process, pay, payments
+from llamaindex_sink import DIR_VAR, applied, die_at, enter, entered, in_process, pay
 from pydantic import BaseModel, Field
 from workflows import Context, Workflow, step
 from workflows.events import (
@@ -41,11 +41,6 @@ GUARD = 60
 
 def new_run() -> str:
     return f"probe32-{uuid.uuid4().hex[:12]}"
-
-
-def applied(tmp: Path) -> list[str]:
-    """Every application of `pay`, as what it paid for."""
-    return [line.split()[1] for line in payments(tmp)]
 
 
 # -- the event stream across a pause, an answer in a process killed, a recovery ---------

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from llamaindex_parts import until_parked
-from llamaindex_sink import DIR_VAR, die_at, enter, entered, in_process, pay, payments
+from llamaindex_sink import DIR_VAR, applied, die_at, enter, entered, in_process, pay
 from workflows import Context, Workflow, step
 from workflows.errors import WorkflowCancelledByUser
 from workflows.events import (
@@ -42,11 +42,6 @@ GUARD = 60
 
 def new_run() -> str:
     return f"probe37-{uuid.uuid4().hex[:12]}"
-
-
-def applied(tmp: Path) -> list[str]:
-    """Every application of `pay`, as what it paid for."""
-    return [line.split()[1] for line in payments(tmp)]
 
 
 async def recovered(rt: RemitRuntime, workflow: Workflow, run: str) -> Any:
