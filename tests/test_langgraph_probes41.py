@@ -66,10 +66,11 @@ def killed_before_the_record(url: str, cfg: dict[str, Any], durability: str) -> 
     asking(RemitSaver(url, lease=LEASE)).invoke({"log": []}, cfg, durability=durability)
 
 
-@pytest.mark.parametrize("durability", ["sync", "async"])
-def test_a_question_a_killed_process_never_recorded_is_answered_once(
-    url: str, durability: str
-) -> None:
+def test_a_question_a_killed_process_never_recorded_is_answered_once(url: str) -> None:
+    """In "sync" durability the pause's checkpoint is stored before its task runs, so the
+    kill leaves exactly the question's write without its record ("async" stores that
+    checkpoint beside the task: the kill may come before it lands)."""
+    durability = "sync"
     cfg = {"configurable": {"thread_id": f"lg41-{uuid.uuid4().hex}"}}
     proc = CTX.Process(target=killed_before_the_record, args=(url, cfg, durability))
     proc.start()
