@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,6 +37,32 @@ from remit_langgraph import RemitSaver
 
 class Log(TypedDict):
     log: Annotated[list[str], operator.add]
+
+
+def race_one_killed(
+    world: World, point: str, k: int, resume: Callable[[str], Any]
+) -> tuple[str, int]:
+    """`k` forked resumers behind a barrier, racer i calling `resume(f"r{i}")`; the one
+    that reaches `point` is killed there. Checks that it alone died and the others got
+    `ResumeConflict`; returns its value and its pid."""
+    barrier, results = CTX.Barrier(k), CTX.Queue()
+
+    def racer(i: int) -> None:
+        world.armed[point] = "kill"
+        barrier.wait(timeout=30)
+        results.put((i, outcome_of(lambda: resume(f"r{i}"))))
+
+    procs = [CTX.Process(target=racer, args=(i,)) for i in range(k)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    lost = [results.get(timeout=10) for _ in range(k - 1)]
+    assert results.empty()
+    assert sorted(p.exitcode for p in procs) == [-signal.SIGKILL] + [0] * (k - 1)
+    assert {outcome for _, outcome in lost} == {"ResumeConflict"}
+    winner = ({f"r{i}" for i in range(k)} - {f"r{i}" for i, _ in lost}).pop()
+    return winner, next(p.pid for p in procs if p.exitcode == -signal.SIGKILL)
 
 
 def failing(world: World, saver: Any, *, asks: bool) -> Any:
@@ -183,25 +210,9 @@ def test_racing_resumers_of_a_tasks_interrupt_one_proceeds_and_its_death_pays_on
     flow = asking_flow(world, saver)
     cfg = config()
     assert "__interrupt__" in flow.invoke(5, cfg)
-    k = 4
-    barrier, results = CTX.Barrier(k), CTX.Queue()
-
-    def racer(i: int) -> None:
-        world.armed["approve.after_effect"] = "kill"
-        barrier.wait(timeout=30)
-        results.put((i, outcome_of(lambda: flow.invoke(Command(resume=f"r{i}"), cfg))))
-
-    procs = [CTX.Process(target=racer, args=(i,)) for i in range(k)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    lost = [results.get(timeout=10) for _ in range(k - 1)]
-    assert results.empty()
-    assert sorted(p.exitcode for p in procs) == [-signal.SIGKILL] + [0] * (k - 1)
-    assert {outcome for _, outcome in lost} == {"ResumeConflict"}
-    winner = ({f"r{i}" for i in range(k)} - {f"r{i}" for i, _ in lost}).pop()
-    killed_pid = next(p.pid for p in procs if p.exitcode == -signal.SIGKILL)
+    winner, killed_pid = race_one_killed(
+        world, "approve.after_effect", 4, lambda v: flow.invoke(Command(resume=v), cfg)
+    )
     assert {pid for pid, step in world.entries() if step == "approve"} == {os.getpid(), killed_pid}
 
     time.sleep(LEASE + 0.2)  # the dead winner's claim expires (L1)

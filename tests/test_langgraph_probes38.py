@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import operator
 import os
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +24,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import CachePolicy, Command, interrupt
 from test_langgraph_probes4 import CTX, LEASE, in_process_killed
 from test_langgraph_probes10 import outcome_of
-from test_langgraph_probes20 import in_another_process
+from test_langgraph_probes20 import in_another_process, race_one_killed
 from test_langgraph_support import INITIAL, World, build
 from typing_extensions import TypedDict
 
@@ -224,25 +223,9 @@ def test_k8_resumers_of_a_question_in_a_subgraph_a_node_invokes_one_takes_it_and
     saver = RemitSaver(url, lease=LEASE)
     graph, cfg = nested_asking(world, saver), config()
     assert graph.invoke({"who": "", "log": []}, cfg)["__interrupt__"][0].value == "who approves?"
-    k = 8
-    barrier, results = CTX.Barrier(k), CTX.Queue()
-
-    def racer(i: int) -> None:
-        world.armed["pay.after_effect"] = "kill"
-        barrier.wait(timeout=30)
-        results.put((i, outcome_of(lambda: graph.invoke(Command(resume=f"r{i}"), cfg))))
-
-    procs = [CTX.Process(target=racer, args=(i,)) for i in range(k)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    lost = [results.get(timeout=10) for _ in range(k - 1)]
-    assert results.empty()
-    assert sorted(p.exitcode for p in procs) == [-signal.SIGKILL] + [0] * (k - 1)
-    assert {outcome for _, outcome in lost} == {"ResumeConflict"}
-    winner = ({f"r{i}" for i in range(k)} - {f"r{i}" for i, _ in lost}).pop()
-    killed = next(p.pid for p in procs if p.exitcode == -signal.SIGKILL)
+    winner, killed = race_one_killed(
+        world, "pay.after_effect", 8, lambda v: graph.invoke(Command(resume=v), cfg)
+    )
     assert {pid for pid, _ in world.entries()} == {os.getpid(), killed}  # no loser entered
 
     time.sleep(LEASE + 0.2)  # the dead winner's claim expires (L1)
