@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -183,3 +184,17 @@ class Relay:
                 pass
             s.close()
         self.fired.set()
+
+
+def wait_blocked_by(backend: int, worker: threading.Thread) -> None:
+    """Until `worker` is done or some session waits for a lock PostgreSQL backend
+    `backend` holds."""
+    with psycopg.connect(PG_URL, autocommit=True) as admin:
+        while (
+            worker.is_alive()
+            and not admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                (backend,),
+            ).fetchone()[0]
+        ):
+            time.sleep(0.01)

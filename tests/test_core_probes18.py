@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from conftest import PG_URL
+from store_cuts import wait_blocked_by
 from test_store import chain
 
 from remit_core import MAIN_BRANCH, Remit, failpoints
@@ -44,21 +44,6 @@ def _head_is_stored(store: Store, run_id: str, branch: str = MAIN_BRANCH) -> tup
     if b.head_id is None:
         return True, None
     return store.get_checkpoint(run_id, "", b.head_id) is not None, b.head_id
-
-
-def _wait_blocked_by(backend: int, worker: threading.Thread) -> None:
-    """Until `worker` is done or some session waits for a lock `backend` holds."""
-    import psycopg
-
-    with psycopg.connect(PG_URL, autocommit=True) as admin:
-        while (
-            worker.is_alive()
-            and not admin.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
-                (backend,),
-            ).fetchone()[0]
-        ):
-            time.sleep(0.01)
 
 
 def _stopped_child(
@@ -174,7 +159,7 @@ def test_postgres_move_head_waits_for_a_delete_of_its_new_head_and_is_refused(
     try:
         mover.start()
         assert backend is not None
-        _wait_blocked_by(backend, mover)
+        wait_blocked_by(backend, mover)
     finally:
         code = _finish(pid)
     mover.join()
@@ -212,7 +197,7 @@ def test_postgres_two_copies_to_one_target_at_once_both_succeed(run_id: str) -> 
     try:
         second.start()
         assert backend is not None
-        _wait_blocked_by(backend, second)
+        wait_blocked_by(backend, second)
     finally:
         code = _finish(pid)
     second.join()
@@ -342,7 +327,7 @@ def test_postgres_commit_while_its_run_is_deleted_leaves_no_checkpoint(run_id: s
     try:
         commit.start()
         assert backend is not None
-        _wait_blocked_by(backend, commit)
+        wait_blocked_by(backend, commit)
     finally:
         code = _finish(pid)
     commit.join()

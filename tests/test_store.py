@@ -1250,8 +1250,8 @@ def test_postgres_prune_and_fork_of_one_checkpoint_never_leave_a_fork_without_ba
     import os
     import signal
 
-    import psycopg
     from conftest import PG_URL
+    from store_cuts import wait_blocked_by
 
     store = PostgresStore(PG_URL)
     chain(store, run_id, 3)
@@ -1285,15 +1285,7 @@ def test_postgres_prune_and_fork_of_one_checkpoint_never_leave_a_fork_without_ba
         )
         fork.start()
         # The fork has run its statements, or waits for the stopped pruner's lock.
-        with psycopg.connect(PG_URL, autocommit=True) as admin:
-            while (
-                fork.is_alive()
-                and not admin.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
-                    (pruner_backend,),
-                ).fetchone()[0]
-            ):
-                time.sleep(0.01)
+        wait_blocked_by(pruner_backend, fork)
     finally:
         os.kill(pid, signal.SIGCONT)
         _, status = os.waitpid(pid, 0)

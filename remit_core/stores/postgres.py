@@ -34,6 +34,7 @@ from remit_core.stores._sql import (
     _BRANCH_COLS,
     _CKPT_COLS,
     _CLAIM_RETURNING,
+    _CLAIM_ROW,
     _JOIN_WRITES,
     _SELECT_HEAD,
     _TAKE_CLAIM_OF,
@@ -256,19 +257,42 @@ _ACQUIRE_CLAIM_ASYNC = (
 )
 
 #: A claim and the head it starts from (with its writes), in one round trip. The
-#: head is read in the statement's snapshot: a commit that lands while the claim
-#: waits on a fenced-out writer's row lock is missed, and the next commit's
-#: compare-and-set says so (`HeadMoved`), as when the head is read first.
+#: head is read in the statement's snapshot, and so is the claim's row (`seen`): a
+#: take that waited on another holder's transaction (a commit that released the
+#: claim, or a lapsed holder's last commit) sees that row change after the
+#: snapshot, and the head it read may be older than the claim (see
+#: `_read_head_again`).
 _CLAIM_AT_HEAD = f"""
 WITH claimed AS (
     {_ACQUIRE_CLAIM_ASYNC}
 )
-SELECT claimed.holder, claimed.fence, claimed.expires_at, head.*, {_WRITE_OF_W}
+SELECT claimed.holder, claimed.fence, claimed.expires_at, seen.holder, seen.fence,
+    head.*, {_WRITE_OF_W}
 FROM (SELECT 1) AS one
 LEFT JOIN claimed ON true
+LEFT JOIN ({_CLAIM_ROW}) AS seen ON true
 LEFT JOIN ({_SELECT_HEAD}) AS head ON true{_JOIN_WRITES.format(c="head")}
 ORDER BY w.task_id, w.idx
 """
+#: The head and its writes, read after a take (see `_read_head_again`).
+_HEAD_AND_WRITES = f"""
+SELECT head.*, {_WRITE_OF_W} FROM ({_SELECT_HEAD}) AS head{_JOIN_WRITES.format(c="head")}
+ORDER BY w.task_id, w.idx
+"""
+
+
+def _read_head_again(claim: Claim, seen_holder: str | None, seen_fence: int | None) -> bool:
+    """Whether a take's head, read in its statement's snapshot, may be older than
+    the claim: yes unless the snapshot's claim row leaves no other holder that
+    could have committed since (none, released, or this holder's own) and the
+    take's fence follows from it with no other take between."""
+    if seen_fence is None:
+        return claim.fence != 1
+    if seen_holder == "":
+        return claim.fence != seen_fence + 1
+    if seen_holder == claim.holder:
+        return claim.fence not in (seen_fence, seen_fence + 1)
+    return True
 
 
 #: libpq options whose values it checks only when it connects, so that a bad one would
@@ -710,10 +734,17 @@ class PostgresStore(SqlStore):
         with self._atomic() as txn:
             rows = txn.execute(
                 _CLAIM_AT_HEAD,
-                (run_id, scope, holder, now + lease, now, now, run_id, ns, run_id, ns, scope),
+                (run_id, scope, holder, now + lease, now, now)
+                + (run_id, scope, run_id, ns, run_id, ns, scope),
             ).fetchall()
         claim = _claim_of(run_id, scope, rows[0])
-        return (claim, *_ckpt_and_writes(rows, 3))
+        if not _read_head_again(claim, rows[0][3], rows[0][4]):
+            return (claim, *_ckpt_and_writes(rows, 5))
+        # Taken from another holder: its last commit may have landed after the
+        # snapshot. The claim is this holder's now, so a read after it is the head.
+        with self._read() as txn:
+            rows = txn.execute(_HEAD_AND_WRITES, (run_id, ns, run_id, ns, scope)).fetchall()
+        return (claim, *_ckpt_and_writes(rows))
 
     def setup(self) -> None:
         with self._txn() as txn:
