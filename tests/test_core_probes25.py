@@ -71,28 +71,38 @@ def test_a_take_that_waited_for_the_releasing_commit_starts_from_it(run_id: str)
     assert head == "c03"
 
 
-def keep_taking(store: Store, run_id: str, taken: list[tuple[Claim, str | None]]) -> None:
-    while not taken:
+def keep_taking(
+    store: Store, run_id: str, holder: str, fence: int, taken: list[tuple[Claim, str | None]]
+) -> None:
+    """Take at the head as `holder` until the take is a new claim (past `fence`): a
+    holder that names the claim already gets it back at its fence meanwhile."""
+    while not taken or taken[-1][0].fence == fence:
         try:
-            taken.append(take(store, run_id, "taker"))
+            taken.append(take(store, run_id, holder))
         except ResumeConflict:
             pass
 
 
+@pytest.mark.parametrize("taker", ["taker", "holder"])
 @pytest.mark.parametrize("rounds", [40])
 def test_whoever_takes_a_released_claim_starts_from_the_releasing_commit(
-    store_url: str, run_id: str, rounds: int
+    store_url: str, run_id: str, rounds: int, taker: str
 ) -> None:
-    """Each round a holder commits and gives the claim up in one call while another
-    thread keeps trying to take it: the take that holds starts from that commit."""
+    """Each round "holder" commits and gives the claim up in one call while another
+    thread keeps taking the run at its head, as another holder or as "holder"
+    itself: the take that gets a new claim starts from that commit. One that got
+    the claim back at its fence came before the release (SQL: before the commit
+    too; Redis releases after its commit, so either head)."""
     store = open_store(store_url)
     chain(store, run_id, 1)
     head = "c01"
     for i in range(2, rounds + 2):
         claim = store.acquire_claim(run_id, MAIN_BRANCH, "holder", now=time.time(), lease=LEASE)
         taken: list[tuple[Claim, str | None]] = []
-        taker = threading.Thread(target=keep_taking, args=(store, run_id, taken))
-        taker.start()
+        thread = threading.Thread(
+            target=keep_taking, args=(store, run_id, taker, claim.fence, taken)
+        )
+        thread.start()
         cid = f"c{i:02d}"
         store.commit_checkpoint(
             ckpt(run_id, cid, head, seq=i),
@@ -100,8 +110,10 @@ def test_whoever_takes_a_released_claim_starts_from_the_releasing_commit(
             fence=FenceRef.of(claim),
             release=claim,
         )
-        taker.join()
-        ((won, seen),) = taken
+        thread.join()
+        *before, (won, seen) = taken
+        assert won.fence == claim.fence + 1
         assert seen == cid, f"round {i}: the take started from {seen}, the head is {cid}"
+        assert {s for _, s in before} <= {head, cid}
         store.release_claim(won)
         head = cid

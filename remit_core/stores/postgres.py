@@ -258,9 +258,9 @@ _ACQUIRE_CLAIM_ASYNC = (
 
 #: A claim and the head it starts from (with its writes), in one round trip. The
 #: head is read in the statement's snapshot, and so is the claim's row (`seen`): a
-#: take that waited on another holder's transaction (a commit that released the
-#: claim, or a lapsed holder's last commit) sees that row change after the
-#: snapshot, and the head it read may be older than the claim (see
+#: take that waited on a holder's transaction (a commit that released the claim, or
+#: a lapsed holder's last commit, the taking holder's own included) sees that row
+#: change after the snapshot, and the head it read may be older than the claim (see
 #: `_read_head_again`).
 _CLAIM_AT_HEAD = f"""
 WITH claimed AS (
@@ -283,15 +283,16 @@ ORDER BY w.task_id, w.idx
 
 def _read_head_again(claim: Claim, seen_holder: str | None, seen_fence: int | None) -> bool:
     """Whether a take's head, read in its statement's snapshot, may be older than
-    the claim: yes unless the snapshot's claim row leaves no other holder that
-    could have committed since (none, released, or this holder's own) and the
-    take's fence follows from it with no other take between."""
+    the claim: yes unless the snapshot's claim row leaves no holder that could have
+    committed since (none, or released) and the take's fence follows from it with
+    no other take between. A row that names the taking holder itself counts as
+    held: a commit of that holder's (one that gives the claim up, its last after
+    its lease lapsed, or one under its live lease) may have been in flight, and
+    the take waited for it."""
     if seen_fence is None:
         return claim.fence != 1
     if seen_holder == "":
         return claim.fence != seen_fence + 1
-    if seen_holder == claim.holder:
-        return claim.fence not in (seen_fence, seen_fence + 1)
     return True
 
 
@@ -740,8 +741,9 @@ class PostgresStore(SqlStore):
         claim = _claim_of(run_id, scope, rows[0])
         if not _read_head_again(claim, rows[0][3], rows[0][4]):
             return (claim, *_ckpt_and_writes(rows, 5))
-        # Taken from another holder: its last commit may have landed after the
-        # snapshot. The claim is this holder's now, so a read after it is the head.
+        # Held when the snapshot was read (by another holder, or by this one): a commit
+        # of that holder's may have landed after the snapshot. The claim is this
+        # holder's now, so a read after it is the head.
         with self._read() as txn:
             rows = txn.execute(_HEAD_AND_WRITES, (run_id, ns, run_id, ns, scope)).fetchall()
         return (claim, *_ckpt_and_writes(rows))
