@@ -938,7 +938,11 @@ class Session:
             )
         if hit:
             return {w.interrupt_id: snap.waiter_prompt(w) for w in hit}
-        answer = snap.is_answer(tick.event)
+        # An answer that no step takes (a `HumanResponseEvent` where the step that takes
+        # answers takes a subclass of it, say) answers no ask: the framework drops it, so
+        # consuming the ask with it would leave the run waiting for an answer that every
+        # later one is refused as (`check_awaited` refuses it below).
+        answer = snap.is_answer(tick.event) and snap.takes(self.mirror, tick.event, tick.step_id)
         if answer:
             taken = set(self.answering.values())
             for interrupt_id, prompt in self.asks.items():
@@ -961,7 +965,7 @@ class Session:
                     interrupt_id=record.interrupt_id,
                     **ids,
                 )
-            if snap.would_answer(prompt, tick.event):
+            if snap.would_answer(prompt, tick.event, self.mirror):
                 raise ResumeConflict(
                     "interrupt was already consumed; the value was not delivered",
                     interrupt_id=record.interrupt_id,

@@ -251,15 +251,37 @@ def waiter_prompt(w: Waiter) -> dict[str, Any]:
     return prompt
 
 
-def would_answer(prompt: dict[str, Any], event: Event) -> bool:
+def would_answer(prompt: dict[str, Any], event: Event, state: BrokerState | None = None) -> bool:
     """Whether `event` answers the waiter an interrupt's `prompt` describes: of the type
     it waits for, and meeting its stored `requirements` (the reducer's matching). A
     refusal of an event for a consumed interrupt names that waiter's, not another
-    one's of the same type."""
-    if prompt.get("kind") == "ask" or prompt.get("event_type") not in event_types(event):
+    one's of the same type.
+
+    The type is matched as the reducer matches it: exactly, unless the waiter's step
+    (in `state`) takes subclasses (`accept_event_subclasses`). An event of a subclass
+    answers no waiter of its base type otherwise, and is delivered to the steps that
+    take it: taken for an answer to a consumed waiter, it would be refused every time."""
+    if prompt.get("kind") == "ask":
+        return False
+    if _takes_subclasses(state, prompt.get("step")):
+        if prompt.get("event_type") not in event_types(event):
+            return False
+    elif prompt.get("event_type") != _qualname(type(event)):
         return False
     wanted = prompt.get("requirements") or {}
     return all(getattr(event, k, None) == v for k, v in wanted.items())
+
+
+def _takes_subclasses(state: BrokerState | None, step: object) -> bool:
+    """Whether `step` (a waiter's step, as its prompt names it) of `state`'s workflow
+    takes subclasses of the events it waits for (False when it is not known)."""
+    if state is None:
+        return False
+    return any(
+        config.accept_event_subclasses
+        for step_id, config in state.config.steps.items()
+        if str(step_id) == step
+    )
 
 
 def takes(state: BrokerState, event: Event, step: StepId | None = None) -> bool:

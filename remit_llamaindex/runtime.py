@@ -1012,7 +1012,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             ):
                 continue
             asked = prompt.get("kind") == "ask" and snap.is_answer(event)
-            if asked or snap.would_answer(prompt, event):
+            if asked or snap.would_answer(prompt, event, state):
                 return ResumeConflict(
                     f"interrupt was already consumed{why}; the value was not delivered",
                     run_id=run_id,
