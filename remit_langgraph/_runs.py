@@ -63,7 +63,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.serde.types import INTERRUPT, RESUME
 from langgraph.config import get_config
-from langgraph.errors import EmptyInputError, InvalidUpdateError
+from langgraph.errors import EmptyInputError, InvalidUpdateError, is_invalid_resume
 from langgraph.pregel import Pregel
 from langgraph.pregel._io import map_command
 from langgraph.pregel._loop import AsyncPregelLoop, PregelLoop, SyncPregelLoop
@@ -391,6 +391,11 @@ def _prompts(raised: Sequence[Interrupt]) -> dict[str, bytes]:
     return {
         i.id: codec.dumps({"response_schema": _json_or_none(i.response_schema)}) for i in raised
     }
+
+
+def _again_id(interrupt_id: str, n: int) -> str:
+    """The record of the `n`th answer to a question after its node refused one."""
+    return f"{interrupt_id}#again{n}"
 
 
 def _is_send_path(task_path: str) -> bool:
@@ -1010,7 +1015,13 @@ class Runs:
                 self._refuse_later_question_of_edited_subgraph(run, record, here)
             gone = self._asked_by_absent_nodes(loop, run, record, writes, here)
             self._consume(
-                run, here, resume, edited=edited, gone=gone, failed=self._failed(run, writes)
+                run,
+                here,
+                resume,
+                edited=edited,
+                gone=gone,
+                failed=self._failed(run, writes),
+                asked_again=self._asked_again(run, here, writes),
             )
             return None
         # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
@@ -1316,12 +1327,17 @@ class Runs:
         edited: bool = False,
         gone: Mapping[str, str] | None = None,
         failed: Sequence[str] = (),
+        asked_again: Mapping[str, InterruptRecord] | None = None,
     ) -> None:
         """Consume the interrupts of `here` that `resume` answers (`edited`: they were
         asked before an `update_state` that the head is, or follows; `gone`: those
         asked by nodes the running graph lacks, by id, whose values nothing reads;
-        `failed`: the errors the head's tasks raised, if the last run failed)."""
+        `failed`: the errors the head's tasks raised, if the last run failed;
+        `asked_again`: the newest records of the questions asked again after their
+        node refused an answer, by question id: a pending one takes the value)."""
         pending = {i.interrupt_id: i for i in here if i.status == "pending"}
+        reasked = {iid: r for iid, r in (asked_again or {}).items() if r.status == "pending"}
+        pending.update((i.interrupt_id, i) for i in here if i.interrupt_id in reasked)
         # An edit makes a checkpoint, and LangGraph gives the tasks it runs again new
         # ids: they ask under new interrupt ids, which a map by the old ones misses
         # (LangGraph drops the value and asks again).
@@ -1405,7 +1421,11 @@ class Runs:
                 )
         known = {i.interrupt_id: i for i in here}
         for iid, value in answers.items():
-            interrupt = known.get(iid) or self.remit.interrupt(run.thread, iid, branch=run.branch)
+            interrupt = (
+                reasked.get(iid)
+                or known.get(iid)
+                or self.remit.interrupt(run.thread, iid, branch=run.branch)
+            )
             policy.check_consumable(interrupt, run.thread, iid)
             if iid not in known:  # an earlier pause's (pending there only if never answered)
                 raise ResumeConflict(
@@ -1428,7 +1448,8 @@ class Runs:
             for iid, value in answers.items()
         }
         for iid, value in packed.items():
-            self.remit.consume(run.thread, iid, value, branch=run.branch, fence=run.fence)
+            target = reasked[iid].interrupt_id if iid in reasked else iid
+            self.remit.consume(run.thread, target, value, branch=run.branch, fence=run.fence)
 
     def _failed(self, run: Run, writes: Sequence[WriteRecord]) -> list[str]:
         """The errors the tasks of a checkpoint raised (its `writes`), each with its
@@ -1497,6 +1518,15 @@ class Runs:
             and (i.interrupt_id in raised_by or not raised_by)
             and raised_by.get(i.interrupt_id) not in finished
         }
+        # A value the asking node refused is not given back: the newest answer after
+        # it is, and with none yet the node asks again.
+        for iid, latest in self._asked_again(run, here, writes).items():
+            if iid not in owed:
+                continue
+            if latest.value is None:
+                del owed[iid]
+            else:
+                owed[iid] = self.saver._decode(latest.value, run_id=run.thread)
         if owed:
             loop.config["configurable"][CONFIG_KEY_RESUME_MAP] = owed
 
@@ -1650,6 +1680,81 @@ class Runs:
             checkpoint_id=checkpoint_id,
             fence=None if run is None else run.fence,
         )
+
+    def after_failed(
+        self,
+        run: Run | None,
+        ns: str,
+        checkpoint_id: str,
+        task_id: str,
+        writes: Sequence[tuple[str, Any]],
+    ) -> None:
+        """Open the question of top-level task `task_id` anew if its node refused the
+        answer it was given (its writes are an error LangGraph marks so):
+        `interrupt(..., response_schema=T)` validates a value by `T` itself (a model's
+        own validators), which the JSON Schema checked before the consume cannot
+        express. LangGraph stores nothing of such an answer and takes the next one;
+        here the consumed record stays consumed, and the next answer consumes a record
+        of its own (`_again_id`), once (P5)."""
+        if run is None or ns != "":
+            return
+        if not any(
+            channel == ERROR and isinstance(value, BaseException) and is_invalid_resume(value)
+            for channel, value in writes
+        ):
+            return
+        asked = [
+            item.id
+            for w in self.remit.writes(run.thread, checkpoint_id)
+            if w.channel == INTERRUPT and w.task_id == task_id and w.ns == ""
+            for item in _interrupts_in(self.saver._decode(w.value, run_id=run.thread))
+        ]
+        for iid in asked:
+            first = self.remit.interrupt(run.thread, iid, branch=run.branch)
+            if first is None or first.status != "consumed":
+                continue
+            n, latest = self._answered_again(run, iid)
+            if latest is not None and latest.status == "pending":
+                continue
+            self.remit.open_interrupts(
+                run.thread,
+                {_again_id(iid, n + 1): first.prompt},
+                branch=run.branch,
+                fence=run.fence,
+            )
+
+    def _answered_again(self, run: Run, iid: str) -> tuple[int, InterruptRecord | None]:
+        """How often question `iid` was asked again after a refused answer, and the
+        newest record of it (None if never)."""
+        n, latest = 0, None
+        while (
+            again := self.remit.interrupt(run.thread, _again_id(iid, n + 1), branch=run.branch)
+        ) is not None:
+            n, latest = n + 1, again
+        return n, latest
+
+    def _asked_again(
+        self, run: Run, here: Sequence[InterruptRecord], writes: Sequence[WriteRecord]
+    ) -> dict[str, InterruptRecord]:
+        """The newest record of each consumed question of `here` whose asking task
+        failed on the checkpoint (`writes`) and that was asked again after its answer
+        was refused, by the question's id."""
+        failed = {w.task_id for w in writes if w.channel == ERROR}
+        if not failed:
+            return {}
+        asked_by = {
+            item.id: w.task_id
+            for w in writes
+            if w.channel == INTERRUPT and w.ns == ""
+            for item in _interrupts_in(self.saver._decode(w.value, run_id=run.thread))
+        }
+        again = {}
+        for i in here:
+            if i.status == "consumed" and asked_by.get(i.interrupt_id) in failed:
+                _, latest = self._answered_again(run, i.interrupt_id)
+                if latest is not None:
+                    again[i.interrupt_id] = latest
+        return again
 
     def upgrade(self, record: CheckpointRecord, values: dict[str, Any]) -> dict[str, Any]:
         check = self.declared

@@ -631,6 +631,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 fence=None if run is None else run.fence,
             )
         self._runs.after_writes(run, thread, ns, checkpoint_id, writes)
+        self._runs.after_failed(run, ns, checkpoint_id, task_id, writes)
 
     def _write_records(
         self,

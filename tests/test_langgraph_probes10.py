@@ -53,13 +53,16 @@ def killed(fn: Callable[[], Any]) -> None:
     time.sleep(LEASE + 0.3)  # the dead resumer's claim expires (L1)
 
 
-def race(k: int, fn: Callable[[int], Any]) -> list[tuple[int, int, str]]:
-    """`fn(i)` in k forked processes released together; (i, pid, outcome) of each."""
+def race(
+    k: int, fn: Callable[[int], Any], judge: Callable[[Callable[[], Any]], Any] = outcome_of
+) -> list[tuple[int, int, Any]]:
+    """`fn(i)` in k forked processes released together; (i, pid, outcome) of each, the
+    outcome as `judge` tells it (by default the error's class name, or "ok")."""
     barrier, results = CTX.Barrier(k), CTX.Queue()
 
     def racer(i: int) -> None:
         barrier.wait(timeout=30)
-        results.put((i, os.getpid(), outcome_of(lambda: fn(i))))
+        results.put((i, os.getpid(), judge(lambda: fn(i))))
 
     procs = [CTX.Process(target=racer, args=(i,)) for i in range(k)]
     for p in procs:
