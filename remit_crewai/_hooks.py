@@ -239,7 +239,18 @@ def _on_start(ctx: Any) -> Any:
     pausing(ctx.flow, False)  # (it paused before: this kickoff runs it again)
     if isinstance(inputs, dict) and "id" in inputs:
         backend._begin_restart(ex, ctx.flow, str(inputs["id"]))
+    elif getattr(ctx.flow, "_restored_from_checkpoint", False):
+        ex.carried = _carried(ctx.flow)
     return replaced
+
+
+def _carried(flow: Any) -> dict[str, int]:
+    """Per method, how often it completed before the CrewAI checkpoint `flow` was
+    restored from (CrewAI skips these methods; at least once each it lists). No route is
+    recorded for a router among them: CrewAI's run of the restored flow follows none
+    either, and a restart goes as far as that run went."""
+    counts = {str(m): int(n) for m, n in flow._method_execution_counts.items() if n > 0}
+    return {**{str(m): 1 for m in flow._completed_methods}, **counts}
 
 
 def _nested_id(flow: Any) -> str | None:

@@ -143,7 +143,10 @@ class Execution:
     `left`: per flow id, the head this kickoff left when it gave the flow up
     (ended or paused), which a save still running in its threads may only
     follow (`RemitFlowPersistence._writing`); `begun`: when it began, against the
-    resumes of this context (`late_resume`).
+    resumes of this context (`late_resume`); `carried`: per method, how often it
+    completed before the checkpoint CrewAI restored a new flow from (`Flow.fork`, or
+    `from_checkpoint` of a flow this store has no checkpoint of), which the flow's
+    first save records as completed (`RemitFlowPersistence._step_session`).
     """
 
     flow: weakref.ref[Any]
@@ -151,6 +154,7 @@ class Execution:
     fork_token: str | None
     outer: Execution | None = None
     restart: str | None = None
+    carried: dict[str, int] | None = None
     refusal: BaseException | None = None
     stepping: bool = False
     over: bool = False

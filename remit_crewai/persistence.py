@@ -1462,6 +1462,8 @@ class RemitFlowPersistence(FlowPersistence):
             if session is None:
                 session = self._open(flow.flow_id, heartbeat=True)
                 session.owner = weakref.ref(flow)
+                if session.head is None:
+                    session.ledger = _carried_ledger(flow)
                 sessions.add(session)
             elif not self._owns(session, flow):
                 raise ResumeConflict(
@@ -1666,6 +1668,18 @@ class RemitFlowPersistence(FlowPersistence):
             if ended.keys() == kept.keys() and all(same(ended[k], kept[k]) for k in ended):
                 return
             self._commit(session, plain, "", "edit", session.ledger, session.output)
+
+
+def _carried_ledger(flow: Flow[Any]) -> Ledger:
+    """The ledger a flow with no checkpoint starts from: empty, or, for a flow CrewAI
+    restored from one of its own checkpoints under a new id (`Flow.fork`), the methods
+    that checkpoint says completed, as often as it counted them. CrewAI skips them in
+    this run; unrecorded, a restart of the flow would run them (and apply their effects)
+    again."""
+    ex = current_execution.get()
+    if ex is None or ex.flow() is not flow or not ex.carried:
+        return Ledger()
+    return Ledger(completed=tuple(ex.carried), counts=dict(ex.carried))
 
 
 def _left_by_run(flow: Flow[Any], session: Session) -> None:
