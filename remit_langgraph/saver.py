@@ -760,6 +760,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 doomed.setdefault(r.ns, []).append(r.checkpoint_id)
         return doomed
 
+    def _written_by_run(self, thread: str, checkpoint_id: str, lg_run: str) -> bool:
+        """Whether LangGraph run `lg_run` wrote checkpoint `checkpoint_id` of `thread`: a
+        head that moved on after the run's checkpoints were listed (a commit of the run
+        landing meanwhile, as in "async" durability) is still the run's."""
+        record = self.remit.store.get_checkpoint(thread, "", checkpoint_id)
+        return record is not None and record.metadata.get("run_id") == lg_run
+
     def _stop_runs_on(
         self, thread: str, lg_run: str, doomed: Mapping[str, builtins.list[str]]
     ) -> bool:
@@ -772,7 +779,9 @@ class RemitSaver(BaseCheckpointSaver[str]):
         heads = set(doomed.get("", ()))
         stopped = False
         for branch in self.remit.branches(thread, ns=""):
-            if branch.head_id not in heads:
+            if branch.head_id is None or not (
+                branch.head_id in heads or self._written_by_run(thread, branch.head_id, lg_run)
+            ):
                 continue
             refusal = Fenced(
                 f"delete_for_runs deleted the checkpoints of LangGraph run {lg_run!r} "

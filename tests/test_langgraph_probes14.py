@@ -54,18 +54,38 @@ def stored_writes(saver: RemitSaver, thread: str, checkpoint_ids: list[str]) -> 
     return [w for c in checkpoint_ids for w in saver.remit.writes(thread, c)]
 
 
+class ListedBeforeTheHead(RemitSaver):
+    """A saver whose first listing of a run's checkpoints misses the thread's head, as
+    one made just before the run's next commit landed does (in "async" durability a
+    commit lands while the next node runs)."""
+
+    stale = True
+
+    def _written_by(self, thread: str, lg_run: str) -> dict[str, list[str]]:
+        listed = super()._written_by(thread, lg_run)
+        if self.stale:
+            self.stale = False
+            head = self.remit.store.get_head(thread, "", "main")
+            assert head is not None and head.checkpoint_id in listed[""]
+            listed[""].remove(head.checkpoint_id)
+        return listed
+
+
+@pytest.mark.parametrize("listing", [RemitSaver, ListedBeforeTheHead])
 @pytest.mark.parametrize("durability", ["sync", "async"])
 @pytest.mark.parametrize("call", ["delete_for_runs", "adelete_for_runs"])
 def test_a_run_whose_checkpoints_are_deleted_under_it_stops_and_stores_nothing_more(
-    url: str, durability: str, call: str
+    url: str, durability: str, call: str, listing: type[RemitSaver]
 ) -> None:
     """The run's next commit was refused as a fork (`ForkWithoutIntent`: "pass a fork
     token"), though nothing was forked, and the blocked node's writes were stored on
     a checkpoint the delete had removed. The run now stops with `Fenced` naming the
     deleted run; nothing of it is left, the thread is back at the run before it, and
-    goes on from there."""
+    goes on from there. So it does when the run's head landed after the delete
+    listed the run's checkpoints (before: that run was not stopped, and finished on
+    a thread whose earlier checkpoints of it were gone)."""
     entered, leave = threading.Event(), threading.Event()
-    saver = RemitSaver(url)
+    saver = listing(url)
     graph = blocking(saver, entered, leave)
     thread = f"lg-{uuid.uuid4().hex}"
     leave.set()
