@@ -392,7 +392,13 @@ def _rank(refused: tuple[Unfit, Exception | None, int]) -> tuple[int, bool]:
 
 def _lost_key(stored: Any, kept: list[Any], path: _Path) -> _Path | None:
     """The path of the first key of stored JSON that none of its writings again (`kept`,
-    by name and by alias) has, if any: only keys are looked for, not changed values."""
+    by name and by alias) has, if any: only keys are looked for, not changed values.
+
+    A list's item is matched with the item at its position, or else with any item of
+    the list written again that has its keys: a set is written in its iteration order,
+    which differs in another process (another hash seed) and in a set built afresh as
+    it is read, so a set of several kinds of model (`set[Email | Phone]`) comes back
+    with an `Email` where a `Phone` was written."""
     if isinstance(stored, dict):
         mappings = [k for k in kept if isinstance(k, dict)]
         if not mappings:
@@ -409,8 +415,26 @@ def _lost_key(stored: Any, kept: list[Any], path: _Path) -> _Path | None:
         for i, value in enumerate(stored):
             found = _lost_key(value, [k[i] for k in lists], (*path, i))
             if found is not None:
+                found = _lost_in_list(value, [item for k in lists for item in k], (*path, i))
+            if found is not None:
                 return found
     return None
+
+
+def _lost_in_list(stored: Any, written: list[Any], path: _Path) -> _Path | None:
+    """`_lost_key` of a list's item `stored` against the items of the list written again:
+    None if one of them keeps all its keys, else its loss against the item most like it
+    (of objects, the one sharing the most of its keys: its own writing again)."""
+    closest: tuple[int, _Path] | None = None
+    for item in written:
+        found = _lost_key(stored, [item], path)
+        if found is None:
+            return None
+        both = isinstance(stored, dict) and isinstance(item, dict)
+        shared = len(stored.keys() & item.keys()) if both else 0
+        if closest is None or shared > closest[0]:
+            closest = (shared, found)
+    return None if closest is None else closest[1]
 
 
 def _narrowest(
