@@ -32,6 +32,7 @@ import collections
 import contextlib
 import contextvars
 import copy
+import dataclasses
 import datetime
 import functools
 import threading
@@ -1014,7 +1015,7 @@ class Runs:
             elif not edited:
                 self._refuse_later_question_of_edited_subgraph(run, record, here)
             gone = self._asked_by_absent_nodes(loop, run, record, writes, here)
-            self._consume(
+            answered = self._consume(
                 run,
                 here,
                 resume,
@@ -1023,6 +1024,12 @@ class Runs:
                 failed=self._failed(run, writes),
                 asked_again=self._asked_again(run, here, writes),
             )
+            command = loop.input
+            if isinstance(command, Command) and command.goto and not edited:
+                # LangGraph hands a plain value to the first task of the step that asks,
+                # which may be a `Send` of the goto: by id it reaches only the question
+                # it was consumed for (the others ask theirs). A map is by id already.
+                loop.input = dataclasses.replace(command, resume=answered)
             return None
         # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
         if any(i.checkpoint_id != record.checkpoint_id for i in here):
@@ -1328,8 +1335,9 @@ class Runs:
         gone: Mapping[str, str] | None = None,
         failed: Sequence[str] = (),
         asked_again: Mapping[str, InterruptRecord] | None = None,
-    ) -> None:
-        """Consume the interrupts of `here` that `resume` answers (`edited`: they were
+    ) -> dict[str, Any]:
+        """Consume the interrupts of `here` that `resume` answers, and return the values
+        by interrupt id (`edited`: they were
         asked before an `update_state` that the head is, or follows; `gone`: those
         asked by nodes the running graph lacks, by id, whose values nothing reads;
         `failed`: the errors the head's tasks raised, if the last run failed;
@@ -1450,6 +1458,7 @@ class Runs:
         for iid, value in packed.items():
             target = reasked[iid].interrupt_id if iid in reasked else iid
             self.remit.consume(run.thread, target, value, branch=run.branch, fence=run.fence)
+        return answers
 
     def _failed(self, run: Run, writes: Sequence[WriteRecord]) -> list[str]:
         """The errors the tasks of a checkpoint raised (its `writes`), each with its
