@@ -208,6 +208,19 @@ def _on_start(ctx: Any) -> Any:
         current_fork_token.set(None)
     inputs: Any = ctx.payload
     replaced: dict[str, Any] | None = None
+    if (
+        getattr(ctx.flow, "_restored_from_checkpoint", False)
+        and (inputs is None or (isinstance(inputs, dict) and "id" not in inputs))
+        and backend._has_run(ctx.flow.flow_id)
+    ):
+        # `kickoff(from_checkpoint=...)` of a flow Remit has checkpoints of: its head
+        # continues it, an older checkpoint is a fork (refused without a token).
+        try:
+            given = inputs if isinstance(inputs, dict) else {}
+            continued = backend._restored_continues(ctx.flow, _carried(ctx.flow), token, given)
+        except RemitError as exc:
+            raise aborting(exc) from exc
+        inputs = replaced = {**(inputs or {}), "id": continued}
     unnamed = token is None and (
         inputs is None or (isinstance(inputs, dict) and "id" not in inputs)
     )

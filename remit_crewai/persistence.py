@@ -1123,6 +1123,68 @@ class RemitFlowPersistence(FlowPersistence):
         except Exception as exc:  # raised again by load_state: CrewAI swallows hook errors
             ex.refusal = exc
 
+    def _restored_continues(
+        self,
+        flow: Flow[Any],
+        done: Mapping[str, int],
+        fork_token: str | None,
+        inputs: Mapping[str, Any],
+    ) -> str:
+        """The flow id that a kickoff of `flow`, restored from a CrewAI checkpoint
+        (`kickoff(from_checkpoint=...)`) of a flow this store has checkpoints of, continues.
+        `done`: per method, how often it had completed at that checkpoint; `inputs`: the
+        kickoff's, checked as a fork's before the fork is made.
+
+        A checkpoint whose methods completed as often as at the flow's head continues the
+        flow. Any other continues an older state: without `fork_token` it is refused
+        (`ForkWithoutIntent`), since under the flow's id it would run again what completed
+        after it (P1, P3); with one it is the token's fork from the oldest checkpoint of
+        the flow's line where the same methods had completed as often (the one saved as
+        CrewAI wrote its checkpoint; the same token gives the same fork). Refused before
+        anything is claimed or made."""
+        flow_id = flow.flow_id
+        run_id, branch = locate(flow_id)
+        head, body = self._read_head(run_id, branch)
+        assert head is not None and body is not None, "only a flow with a head is continued"
+        if fork_token is None:
+            if _done(body.ledger) == done:
+                return flow_id
+            raise ForkWithoutIntent(
+                f"the CrewAI checkpoint restored into flow {flow_id!r} is not its head in Remit "
+                f"(completed there: {dict(done)}; at the head: {_done(body.ledger)}): "
+                "continuing from it would run again what completed after it. Continue the "
+                f"flow from its head with kickoff(inputs={{'id': {flow_id!r}}}), or fork from "
+                "the checkpoint: Flow.fork(config) (a new flow id), or the kickoff inside "
+                "`with remit_crewai.fork_token(token):`",
+                run_id=run_id,
+                checkpoint_id=head.checkpoint_id,
+            )
+        self._check_class_of(flow, _text(head.metadata.get("flow")), flow_id, head.checkpoint_id)
+        base: CheckpointRecord | None = None
+        cursor: str | None = head.checkpoint_id
+        while cursor is not None:
+            record = self.remit.checkpoint(run_id, cursor)
+            if record is None:
+                break
+            ledger = decode(record.state, run_id=run_id, checkpoint_id=cursor).ledger
+            if _done(ledger) == done:
+                base = record
+            elif base is not None or sum(ledger.counts.values()) < sum(done.values()):
+                break  # (completions only grow along a line)
+            cursor = record.parent_id
+        if base is None:
+            raise ForkWithoutIntent(
+                f"no checkpoint of flow {flow_id!r} has the methods completed that the CrewAI "
+                f"checkpoint restored into it has ({dict(done)}): fork from one of "
+                "store.checkpoints(flow_id) with store.fork(flow_id, fork_token=..., "
+                "checkpoint_id=...)",
+                run_id=run_id,
+                checkpoint_id=head.checkpoint_id,
+            )
+        if self.remit.fork_branch(run_id, fork_token) is None:
+            self._check_fork_inputs(flow, inputs, base, flow_id)
+        return self.fork(flow_id, fork_token=fork_token, checkpoint_id=base.checkpoint_id)
+
     def _check_flow_class(self, session: Session, flow: Flow[Any]) -> None:
         """`VersionMismatch` naming both classes if the flow class that wrote the flow's
         head is not `flow`'s and not listed in `accepts` (a class renamed since): another
@@ -1680,6 +1742,11 @@ def _carried_ledger(flow: Flow[Any]) -> Ledger:
     if ex is None or ex.flow() is not flow or not ex.carried:
         return Ledger()
     return Ledger(completed=tuple(ex.carried), counts=dict(ex.carried))
+
+
+def _done(ledger: Ledger) -> dict[str, int]:
+    """Per method, how often it completed as of `ledger` (as a CrewAI checkpoint counts)."""
+    return {**{m: 1 for m in ledger.completed}, **{m: n for m, n in ledger.counts.items() if n > 0}}
 
 
 def _left_by_run(flow: Flow[Any], session: Session) -> None:

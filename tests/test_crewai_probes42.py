@@ -32,6 +32,7 @@ from remit_core.conformance.world import EffectSink, Journal, WorldDB
 from remit_crewai import RemitFlowPersistence
 
 TRIES = 3000  # (a bound on the restarts refused while a dead claim's lease runs out)
+STEPS = ["prepare", "pack", "charge", "ship", "notify"]
 
 
 def tally_flow(url: str, world: Path, *, points: dict[str, str] | None = None) -> type[Any]:
@@ -110,7 +111,16 @@ def kicked_off_with_checkpoints(url: str, world: Path, where: Path, **points: st
         from crewai.events.event_bus import crewai_event_bus
 
         flow = tally_flow(url, world, points=points)(checkpoint=checkpointing(where))
-        flow.kickoff()
+        try:
+            flow.kickoff()
+        except BaseException as exc:  # (pyo3's PanicException is no Exception)
+            # CrewAI serializes its event record for a checkpoint while its event bus
+            # still appends to it; once in a while the last checkpoint's write fails
+            # so ("dictionary changed size during iteration"), after every step ran.
+            # That is CrewAI's own race, not the flow's: the checkpoints asked for exist.
+            raced = "dictionary changed size during iteration" in str(exc)
+            if not (raced and flow.state.log == STEPS):
+                raise
         crewai_event_bus.flush()
         return {"id": flow.flow_id, "state": flow.state.model_dump()}
 
@@ -167,7 +177,7 @@ def test_a_crewai_fork_restarted_after_a_crash_does_not_run_its_carried_past_aga
     assert done.ok, done.summary()
     assert entered(world) == {"prepare": 1, "pack": 1, "charge": 1, "ship": 2, "notify": 3}
     assert applied(world) == {"charge": 1, "notify": 2}  # the fork's own notify, once
-    assert done.value["log"] == ["prepare", "pack", "charge", "ship", "notify"]
+    assert done.value["log"] == STEPS
     assert done.value["receipt"] == first.value["state"]["receipt"]
     # The source flow is untouched by its fork.
     assert (
@@ -198,7 +208,7 @@ def test_a_crewai_fork_runs_only_what_follows_its_checkpoint(
     forked = run(fork)
     assert forked.ok, forked.summary()
     assert forked.value["id"] != first.value["id"]
-    assert forked.value["state"]["log"] == ["prepare", "pack", "charge", "ship", "notify"]
+    assert forked.value["state"]["log"] == STEPS
     assert entered(world) == {"prepare": 1, "pack": 1, "charge": 2, "ship": 2, "notify": 2}
     assert applied(world) == {"charge": 2, "notify": 2}
     again = restarted(url, world, forked.value["id"])
@@ -239,4 +249,4 @@ def test_a_crashed_flow_continued_from_its_latest_crewai_checkpoint_runs_the_res
     assert done.ok, done.summary()
     assert entered(world) == {"prepare": 1, "pack": 1, "charge": 1, "ship": 2, "notify": 1}
     assert applied(world) == {"charge": 1, "notify": 1}
-    assert done.value["state"]["log"] == ["prepare", "pack", "charge", "ship", "notify"]
+    assert done.value["state"]["log"] == STEPS
