@@ -47,19 +47,27 @@ def continued_from(url: str, world: Path, source: Path, token: str | None = None
     return run(go)
 
 
+def finished_past_pack(
+    url: str, world: Path, tmp_path: Path
+) -> tuple[Any, Path, RemitFlowPersistence, list[str]]:
+    """A tally flow run to its end with CrewAI checkpoints on: its outcome, the CrewAI
+    checkpoint written after `pack`, a store, and the flow's Remit checkpoint ids."""
+    where = tmp_path / "checkpoints"
+    first = kicked_off_with_checkpoints(url, world, where)
+    assert first.ok, first.summary()
+    store = RemitFlowPersistence(url)
+    before = [c.checkpoint_id for c in store.checkpoints(first.value["id"])]
+    return first, checkpoint_after(where, {"prepare", "pack"}), store, before
+
+
 def test_an_older_crewai_checkpoint_without_a_token_is_refused_and_runs_nothing(
     url: str, world: Path, tmp_path: Path
 ) -> None:
     """P3, P1: continuing a finished flow from the CrewAI checkpoint written after `pack`
     is time travel: `ForkWithoutIntent` naming the way on, nothing entered or applied again,
     the head as it was, and the flow free: a kickoff by id right after runs nothing."""
-    where = tmp_path / "checkpoints"
-    first = kicked_off_with_checkpoints(url, world, where)
-    assert first.ok, first.summary()
+    first, source, store, before = finished_past_pack(url, world, tmp_path)
     flow_id = first.value["id"]
-    source = checkpoint_after(where, {"prepare", "pack"})
-    store = RemitFlowPersistence(url)
-    before = [c.checkpoint_id for c in store.checkpoints(flow_id)]
 
     refused = continued_from(url, world, source)
     assert refused.status == "error", refused.summary()
@@ -87,13 +95,8 @@ def test_an_older_crewai_checkpoint_with_a_token_is_one_fork_and_leaves_the_flow
     `pack` makes the token's fork: `charge`, `ship`, `notify` run once on it (the fork's own
     effects), never `prepare` or `pack`; the flow's own line and head are untouched. The same
     token presented again continues the same fork, which has finished: nothing runs."""
-    where = tmp_path / "checkpoints"
-    first = kicked_off_with_checkpoints(url, world, where)
-    assert first.ok, first.summary()
+    first, source, store, before = finished_past_pack(url, world, tmp_path)
     flow_id = first.value["id"]
-    source = checkpoint_after(where, {"prepare", "pack"})
-    store = RemitFlowPersistence(url)
-    before = [c.checkpoint_id for c in store.checkpoints(flow_id)]
 
     done = continued_from(url, world, source, "again")
     assert done.ok, done.summary()
