@@ -156,6 +156,21 @@ return hmget(KEYS[1], redis.call("ZRANGEBYLEX", KEYS[2], ARGV[1], ARGV[2]))
 """
 )
 
+#: KEYS: checkpoints, writes, write index. ARGV: the checkpoint's field, then min,
+#: max of its writes' members. Answers {} if the checkpoint is absent, else the
+#: packed checkpoint followed by its writes: one snapshot, so a concurrent delete
+#: cannot leave the checkpoint read without its writes.
+GET_CHECKPOINT_AND_WRITES = (
+    _PRELUDE
+    + r"""
+local ckpt = redis.call("HGET", KEYS[1], ARGV[1])
+if not ckpt then return {} end
+local out = hmget(KEYS[2], redis.call("ZRANGEBYLEX", KEYS[3], ARGV[2], ARGV[3]))
+table.insert(out, 1, ckpt)
+return out
+"""
+)
+
 #: KEYS: branches, checkpoints. ARGV: branch member, escaped ns.
 #: Answers the packed head checkpoint of the branch, or nil.
 GET_HEAD = r"""

@@ -235,6 +235,7 @@ _SCRIPTS = (
     "PUT_WRITES",
     "LIST_CHECKPOINTS",
     "GET_WRITES",
+    "GET_CHECKPOINT_AND_WRITES",
     "GET_HEAD",
     "MOVE_HEAD",
     "CREATE_BRANCH",
@@ -328,6 +329,36 @@ def _check_values(kwargs: dict[str, Any], url: str) -> None:
             f"Redis URL option client_name={client_name!r} in {display_url(url)!r}: Redis "
             "takes a client name of printable ASCII without spaces"
         )
+
+
+def _writes_range(ns: str, checkpoint_id: str) -> list[str]:
+    """The write index's min and max members of one checkpoint's writes."""
+    base = _join(ns, checkpoint_id)
+    return ["[" + base + _SEP, "(" + base + "\x01"]
+
+
+def _writes_of(
+    raws: Sequence[bytes | None], run_id: str, checkpoint_id: str, after_idx: int | None
+) -> list[WriteRecord]:
+    """Packed step writes (a write deleted meanwhile: None) as records, ordered by
+    (task_id, idx)."""
+    writes = []
+    for raw in raws:
+        if raw is None:
+            continue
+        header, value = _unpack(raw, run_id=run_id, checkpoint_id=checkpoint_id)
+        if not _is_write_header(header):
+            # (Its fields are under the value's checksum as its identity only: an
+            # idx stored as "0" would pass it.)
+            raise CorruptRecord(
+                "stored Redis step write has a malformed header",
+                run_id=run_id,
+                checkpoint_id=checkpoint_id,
+            )
+        w_ns, cid, task_id, idx, channel, task_path = header
+        if after_idx is None or idx > after_idx:
+            writes.append(WriteRecord(run_id, cid, task_id, idx, channel, value, w_ns, task_path))
+    return sorted(writes, key=lambda w: (w.task_id, w.idx))
 
 
 class RedisStore(Store):
@@ -729,29 +760,24 @@ class RedisStore(Store):
         self, run_id: str, ns: str, checkpoint_id: str, *, after_idx: int | None = None
     ) -> list[WriteRecord]:
         prefix = run_prefix(run_id)
-        base = _join(ns, checkpoint_id)
         raws = self._run(
-            "GET_WRITES", [prefix + "wr", prefix + "wx"], ["[" + base + _SEP, "(" + base + "\x01"]
+            "GET_WRITES", [prefix + "wr", prefix + "wx"], _writes_range(ns, checkpoint_id)
         )
-        writes = []
-        for raw in raws:
-            if raw is None:
-                continue
-            header, value = _unpack(raw, run_id=run_id, checkpoint_id=checkpoint_id)
-            if not _is_write_header(header):
-                # (Its fields are under the value's checksum as its identity only: an
-                # idx stored as "0" would pass it.)
-                raise CorruptRecord(
-                    "stored Redis step write has a malformed header",
-                    run_id=run_id,
-                    checkpoint_id=checkpoint_id,
-                )
-            w_ns, cid, task_id, idx, channel, task_path = header
-            if after_idx is None or idx > after_idx:
-                writes.append(
-                    WriteRecord(run_id, cid, task_id, idx, channel, value, w_ns, task_path)
-                )
-        return sorted(writes, key=lambda w: (w.task_id, w.idx))
+        return _writes_of(raws, run_id, checkpoint_id, after_idx)
+
+    def get_checkpoint_and_writes(
+        self, run_id: str, ns: str, checkpoint_id: str
+    ) -> tuple[CheckpointRecord | None, list[WriteRecord]]:
+        prefix = run_prefix(run_id)
+        raws = self._run(
+            "GET_CHECKPOINT_AND_WRITES",
+            [prefix + "ck", prefix + "wr", prefix + "wx"],
+            [_join(checkpoint_id, ns), *_writes_range(ns, checkpoint_id)],
+        )
+        if not raws:
+            return None, []
+        record = self._checkpoint(run_id, raws[0], checkpoint_id)
+        return record, _writes_of(raws[1:], run_id, checkpoint_id, None)
 
     # -- interrupts ----------------------------------------------------------
     def open_interrupts(
