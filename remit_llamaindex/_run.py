@@ -942,7 +942,8 @@ class Session:
         # answers takes a subclass of it, say) answers no ask: the framework drops it, so
         # consuming the ask with it would leave the run waiting for an answer that every
         # later one is refused as (`check_awaited` refuses it below).
-        answer = snap.is_answer(tick.event) and snap.takes(self.mirror, tick.event, tick.step_id)
+        routed = snap.takes(self.mirror, tick.event, tick.step_id)
+        answer = snap.is_answer(tick.event) and routed
         if answer:
             taken = set(self.answering.values())
             for interrupt_id, prompt in self.asks.items():
@@ -965,7 +966,11 @@ class Session:
                     interrupt_id=record.interrupt_id,
                     **ids,
                 )
-            if snap.would_answer(prompt, tick.event, self.mirror):
+            # An event a step takes goes to that step: a consumed waiter still held
+            # would have been matched above (`stale`), so this one's step has completed
+            # and the framework gives the event to no waiter of it (a `Reply` after
+            # a waiter of a step that takes subclasses of its type was answered).
+            if not routed and snap.would_answer(prompt, tick.event, self.mirror):
                 raise ResumeConflict(
                     "interrupt was already consumed; the value was not delivered",
                     interrupt_id=record.interrupt_id,

@@ -178,6 +178,33 @@ class Countersigned(Workflow):
         return StopEvent(result=pay(f"{approved.who}+{reply.response}"))
 
 
+async def answered_then_replied(
+    rt: RemitRuntime, workflow: Workflow, run: str, tmp_path: Path, where: str
+) -> Any:
+    """Run a `Countersigned` shape until `finish` waits for its `Reply` after `approve`'s
+    answer "ada"; check a second `HumanResponseEvent` is refused naming the consumed
+    waiter with nothing stored; then send the `Reply` "bob" through the run's handler
+    (and return the result) or cancel the parked handler (and return None)."""
+    workflow.run(run_id=run)
+    await until_parked(rt, run)
+    handler = await rt.respond(workflow, run, HumanResponseEvent(response="ada"))
+    # `finish` runs once `approve`'s result is committed (the head is running then),
+    # and the head waits again once its result is.
+    while "finish" not in entered(tmp_path) or rt.status(run) != "waiting":
+        await asyncio.sleep(0.05)
+    parked = rt.checkpoints(run)
+    [consumed] = rt.remit.interrupts(run, status="consumed")
+    with pytest.raises(ResumeConflict, match="already consumed") as refused:
+        await rt.send_event(handler, HumanResponseEvent(response="eve"))
+    assert refused.value.ids["interrupt_id"] == consumed.interrupt_id
+    assert rt.checkpoints(run) == parked
+    if where == "its handler":
+        await rt.send_event(handler, Reply(response="bob"))
+        return await handler
+    await handler.cancel_run()  # (a parked copy's cancel writes nothing)
+    return None
+
+
 COUNTERSIGN = """
 import asyncio, sys
 sys.path.insert(0, {tests!r})
@@ -208,25 +235,7 @@ def test_a_subclass_of_an_answered_waiters_type_reaches_the_step_that_takes_it(
     rt = RemitRuntime(url, lease=1)
 
     async def approved() -> Any:
-        workflow = Countersigned(runtime=rt)
-        workflow.run(run_id=run)
-        await until_parked(rt, run)
-        handler = await rt.respond(workflow, run, HumanResponseEvent(response="ada"))
-        # `finish` runs once `approve`'s result is committed (the head is running then),
-        # and the head waits again once its result is.
-        while "finish" not in entered(tmp_path) or rt.status(run) != "waiting":
-            await asyncio.sleep(0.05)
-        parked = rt.checkpoints(run)
-        [consumed] = rt.remit.interrupts(run, status="consumed")
-        with pytest.raises(ResumeConflict, match="already consumed") as refused:
-            await rt.send_event(handler, HumanResponseEvent(response="eve"))
-        assert refused.value.ids["interrupt_id"] == consumed.interrupt_id
-        assert rt.checkpoints(run) == parked
-        if where == "its handler":
-            await rt.send_event(handler, Reply(response="bob"))
-            return await handler
-        await handler.cancel_run()  # (a parked copy's cancel writes nothing)
-        return None
+        return await answered_then_replied(rt, Countersigned(runtime=rt), run, tmp_path, where)
 
     result = asyncio.run(asyncio.wait_for(approved(), GUARD))
     if where == "another process":
