@@ -1409,7 +1409,14 @@ class RemitFlowPersistence(FlowPersistence):
             for i in self.remit.interrupts(session.run_id, branch=session.branch, status="pending")
         }
         _forget_last_run(flow)
-        flow._completed_methods = {m for m in ledger.completed if m not in waiting}
+        if _new_turn(flow):
+            # A conversational turn runs the flow's graph again on its saved state (CrewAI
+            # clears what the last turn ran): nothing is replayed, and each method's
+            # occurrences, the keys of its effects, go on from the ledger's.
+            session.replay = None
+            flow._completed_methods = set()
+        else:
+            flow._completed_methods = {m for m in ledger.completed if m not in waiting}
         history = _history(ledger)
         flow.human_feedback_history = history
         flow.last_human_feedback = history[-1] if history else None
@@ -1920,6 +1927,15 @@ def _forget_last_run(flow: Flow[Any]) -> None:
     flow._pending_events.clear()
     flow._clear_or_listeners()
     flow._method_call_counts.clear()
+
+
+def _new_turn(flow: Flow[Any]) -> bool:
+    """Whether `flow` is kicked off for a turn of a conversational flow (`handle_turn`,
+    `stream_turn`, `chat`): a new user message, which CrewAI answers with a new run of the
+    flow's graph.
+    Replayed as a restart, the turn would run nothing: no reply, and the message lost."""
+    turn = getattr(flow, "_should_apply_pending_kickoff_context", None)
+    return callable(turn) and bool(turn())
 
 
 def _leaves(condition: Any) -> set[str]:
