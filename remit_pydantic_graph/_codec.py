@@ -108,13 +108,70 @@ class SnapshotCodec(Generic[StateT, RunEndT]):
         node_types: Mapping[str, type] | None = None,
     ) -> None:
         self.state_type, self.run_end_type = state_type, run_end_type
-        snapshot = Snapshot[state_type, run_end_type]  # type: ignore[valid-type]
-        self.declared: Any = snapshot
-        self.adapter: pydantic.TypeAdapter[Snapshot[StateT, RunEndT]] = pydantic.TypeAdapter(
-            Annotated[snapshot, pydantic.Discriminator("kind")]
-        )
         self.node_ids = frozenset(node_ids)
         self.node_types: Mapping[str, type] = dict(node_types or {})
+        snapshot = Snapshot[state_type, run_end_type]  # type: ignore[valid-type]
+        self.declared: Any = snapshot
+        try:
+            self.adapter: pydantic.TypeAdapter[Snapshot[StateT, RunEndT]] = pydantic.TypeAdapter(
+                Annotated[snapshot, pydantic.Discriminator("kind")]
+            )
+            if not getattr(self.adapter, "pydantic_complete", True):
+                # A name a dataclass's annotation uses that does not resolve (classes made
+                # in a function): pydantic would say so at the first write, asking for a
+                # `rebuild()` of this adapter, which the user never sees.
+                self.adapter.rebuild(raise_errors=True)
+        except pydantic.PydanticSchemaGenerationError as exc:
+            raise self._schemaless(exc) from exc
+        except pydantic.PydanticUndefinedAnnotation as exc:
+            raise self._undefined(exc) from exc
+
+    def _declared_parts(self) -> list[tuple[_Path, str, Any]]:
+        """The graph's types, each with its path in a snapshot (and, for a node, its name)."""
+        parts: list[tuple[_Path, str, Any]] = [(("state",), "", self.state_type)]
+        parts += [(("node",), f" of node {n}", t) for n, t in sorted(self.node_types.items())]
+        parts.append((("result", "data"), "", self.run_end_type))
+        return parts
+
+    def _schemaless(
+        self, exc: pydantic.PydanticSchemaGenerationError
+    ) -> pydantic.PydanticSchemaGenerationError:
+        """`exc` (pydantic has no schema for a type of the graph's), naming the field
+        whose type it is: pydantic names the type alone."""
+        for path, of, declared in self._declared_parts():
+            found = _schemaless(declared, path)
+            if found is not None:
+                where, kind = found
+                return pydantic.PydanticSchemaGenerationError(
+                    f"the graph's types cannot be stored: pydantic has no schema for "
+                    f"{getattr(kind, '__qualname__', kind)!s}, the type of {_dotted(where)}{of}. "
+                    "Keep such an object in the graph's deps, which are never stored, or "
+                    "give its class a pydantic schema (`__get_pydantic_core_schema__`); "
+                    "`arbitrary_types_allowed` would not store it either"
+                )
+        return exc
+
+    def _undefined(
+        self, exc: pydantic.PydanticUndefinedAnnotation
+    ) -> pydantic.PydanticUndefinedAnnotation:
+        """`exc` (a name in the graph's types does not resolve), naming the field whose
+        annotation uses it: pydantic names the name alone."""
+        name = exc.name or ""
+        where = next(
+            (
+                f"{_dotted(found)}{of}"
+                for path, of, declared in self._declared_parts()
+                if name and (found := _naming(declared, name, path)) is not None
+            ),
+            "a field of the graph's types",
+        )
+        return pydantic.PydanticUndefinedAnnotation(
+            name,
+            f"the graph's types cannot be stored: {name!r}, in the annotation of "
+            f"{where}, is not defined where that class was (a class made in a function, "
+            "with `from __future__ import annotations`). Define the classes the state and "
+            "the nodes use at module level",
+        )
 
     def decode(self, body: bytes) -> Snapshot[StateT, RunEndT]:
         """A stored snapshot: `NotASnapshot` if its bytes are none, `ForeignNode` if its
@@ -487,18 +544,89 @@ def _dump_problem(value: Any, declared: Any, *, in_union: bool = False) -> str |
     try:
         if in_union:
             held: Any = _Held[declared]  # type: ignore[valid-type]
-            adapter = pydantic.TypeAdapter(
-                Annotated[held | _Unheld, pydantic.Discriminator("kind")]
-            )
+            declared = Annotated[held | _Unheld, pydantic.Discriminator("kind")]
             value = _Held(value)
-        else:
+        try:
             adapter = pydantic.TypeAdapter(declared)
+        except pydantic.PydanticSchemaGenerationError:
+            # A type of a model that allows arbitrary types, which pydantic refuses alone:
+            # built as a field of such a model (`config` is refused on a class of its own).
+            arbitrary = pydantic.ConfigDict(arbitrary_types_allowed=True)
+            adapter = pydantic.TypeAdapter(_Held[declared], config=arbitrary)  # type: ignore[valid-type]
+            value = _Held(value)
     except Exception:  # a type pydantic cannot build alone (an unresolved name)
         return None
     try:
         adapter.dump_json(value, warnings="error", round_trip=True)
     except PydanticSerializationError as exc:
         return _problem(str(exc))
+    return None
+
+
+def _schemaless(
+    declared: Any, path: _Path, above: frozenset[type] = frozenset()
+) -> tuple[_Path, Any] | None:
+    """The deepest field of `declared` (a dataclass's, a TypedDict's, in a union or a
+    container) whose type pydantic has no schema for, with that type; None if it has one.
+    A class it is inside (`above`) is not looked into again. Only after pydantic refused
+    the graph's types: it builds an adapter for each type."""
+    try:
+        pydantic.TypeAdapter(declared)
+    except pydantic.PydanticSchemaGenerationError:
+        pass
+    except Exception:  # another refusal (an unresolved name): not this one
+        return None
+    else:
+        return None
+    while typing.get_origin(declared) is Annotated:
+        declared = typing.get_args(declared)[0]
+    origin, args = typing.get_origin(declared) or declared, typing.get_args(declared)
+    if origin in above:
+        return None
+    if isinstance(origin, type) and (dataclasses.is_dataclass(origin) or is_typeddict(origin)):
+        above |= {origin}
+        hints = _hints(origin, args)
+        names = (
+            [f.name for f in dataclasses.fields(origin)]
+            if hints and dataclasses.is_dataclass(origin)
+            else list(hints)
+        )
+        inner: list[tuple[_Path, Any]] = [((*path, n), hints[n]) for n in names if n in hints]
+    else:  # a union's members, a container's items: at the same path
+        inner = [(path, arg) for arg in args]
+    for where, kind in inner:
+        found = _schemaless(kind, where, above)
+        if found is not None:
+            return found
+    return None if inner else (path, declared)  # a part refused only as a class it is in
+
+
+def _naming(
+    declared: Any, name: str, path: _Path, above: frozenset[type] = frozenset()
+) -> _Path | None:
+    """The path to the field of `declared` (a dataclass's, a TypedDict's, in a union or a
+    container) whose annotation, as written, uses `name` (a name that does not resolve).
+    A class it is inside (`above`) is not looked into again."""
+    origin, args = typing.get_origin(declared) or declared, typing.get_args(declared)
+    if origin in above:
+        return None
+    if not (
+        isinstance(origin, type) and (dataclasses.is_dataclass(origin) or is_typeddict(origin))
+    ):
+        return next((p for arg in args if (p := _naming(arg, name, path, above)) is not None), None)
+    above |= {origin}
+    hints = _hints(origin, args)
+    if dataclasses.is_dataclass(origin):
+        annotations = {f.name: f.type for f in dataclasses.fields(origin)}
+    else:
+        annotations = dict(getattr(origin, "__annotations__", {}))
+    for field, written in annotations.items():
+        if field in hints:
+            found = _naming(hints[field], name, (*path, field), above)
+            if found is not None:
+                return found
+        elif isinstance(written, str) and re.search(rf"\b{re.escape(name)}\b", written):
+            return (*path, field)
     return None
 
 
