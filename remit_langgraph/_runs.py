@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_origin
 
 from langchain_core.runnables import RunnableConfig
 from langgraph._internal._constants import (
@@ -65,6 +65,7 @@ from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.serde.types import INTERRUPT, RESUME
 from langgraph.config import get_config
 from langgraph.errors import EmptyInputError, InvalidUpdateError, is_invalid_resume
+from langgraph.func import entrypoint
 from langgraph.pregel import Pregel
 from langgraph.pregel._io import map_command
 from langgraph.pregel._loop import AsyncPregelLoop, PregelLoop, SyncPregelLoop
@@ -307,6 +308,34 @@ def current_run() -> Run | None:
     at the finished run; a run that gave its claim up owns no later write."""
     run = _current.get()
     return None if run is None or run.claim._released else run  # (`given_up`, inline)
+
+
+@contextlib.contextmanager
+def beside_run(thread: str) -> Iterator[None]:
+    """For a saver call of LangGraph's `update_state` (the caller checks that): if
+    it edits `thread` beside the run this context has open on it, not from one of
+    the run's nodes, the run is not this context's while the call lasts.
+
+    A `stream` generator runs in its consumer's context, so the code that reads
+    the stream sees the run as its own: an edit made there would be stored as
+    the run's write, under its claim. Made beside the run, it is an edit of a
+    thread in flight, refused (`ResumeConflict`) and stored nowhere (P5)."""
+    run = current_run()
+    if run is None or run.thread != thread:
+        yield
+        return
+    try:
+        node_thread = (get_config().get("configurable") or {}).get("thread_id")
+    except RuntimeError:  # (outside any node)
+        node_thread = None
+    if str(node_thread) == thread:  # (a node's edit of its own thread is its run's write)
+        yield
+        return
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def _is_resume_map(resume: Any) -> bool:
@@ -1789,7 +1818,7 @@ def _schema_types(graph: Pregel[Any, Any, Any, Any], builder: Any) -> list[Any]:
     builder (an `@entrypoint`), the type hints of the functions its nodes run: the
     entrypoint's input, return and saved types, which LangGraph stores as they are.
     (Its channels carry them too, but as strings under `from __future__ import
-    annotations`; the hints resolve them.)"""
+    annotations`; the hints resolve them, and `entrypoint.final[R, S]` is R and S.)"""
     if builder is not None:
         schemas = [builder.state_schema, builder.input_schema, builder.output_schema]
         return schemas + [node.input_schema for node in builder.nodes.values()]
@@ -1798,7 +1827,7 @@ def _schema_types(graph: Pregel[Any, Any, Any, Any], builder: Any) -> list[Any]:
         for fn in (getattr(node.bound, "func", None), getattr(node.bound, "afunc", None)):
             with contextlib.suppress(Exception):  # (an unresolvable hint names nothing)
                 hints += typing.get_type_hints(fn).values()
-    return hints
+    return [t for h in hints for t in (get_args(h) if get_origin(h) is entrypoint.final else [h])]
 
 
 def _check_outputs(loop: PregelLoop, run: Run, check: StateCheck | None) -> None:

@@ -58,7 +58,15 @@ from remit_langgraph._options import (
     checked_store,
     checked_versions,
 )
-from remit_langgraph._runs import LoopCall, Run, Runs, above_saver, calls_at_pause, current_run
+from remit_langgraph._runs import (
+    LoopCall,
+    Run,
+    Runs,
+    above_saver,
+    beside_run,
+    calls_at_pause,
+    current_run,
+)
 from remit_langgraph._schema import StateCheck
 from remit_langgraph._serde import GuardedSerializer, StrictSerializer
 from remit_langgraph._shared_effects import CALLS
@@ -395,6 +403,20 @@ class RemitSaver(BaseCheckpointSaver[str]):
         # Inside a run the run's check applies; only a put outside one (`update_state`)
         # needs the calling graph found.
         frame = above_saver(sys._getframe(1))
+        if _edit_step(frame):
+            with beside_run(_thread(config)):
+                return self._put_at(frame, config, checkpoint, metadata, new_versions)
+        return self._put_at(frame, config, checkpoint, metadata, new_versions)
+
+    def _put_at(
+        self,
+        frame: FrameType | None,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """`put`, called from `frame`."""
         run = self._runs.active(_thread(config))
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
@@ -599,7 +621,12 @@ class RemitSaver(BaseCheckpointSaver[str]):
         conf = _conf(config)
         thread, ns = _thread(config), _ns(config)
         checkpoint_id = conf["checkpoint_id"]
-        if self._runs.active(thread) is None:  # (a run's writes skip the frame walk)
+        if self._runs.active(thread) is not None:
+            # (A run's writes skip the frame walk: only LangGraph's own caller is seen.)
+            if _edit_step(sys._getframe(1)):
+                with beside_run(thread):
+                    return self.put_writes(config, writes, task_id, task_path)
+        else:
             caller = above_saver(sys._getframe(1))
             if self._hold_edit_writes(_edit_superstep(caller), config, writes, task_id, task_path):
                 return
@@ -1090,6 +1117,20 @@ class RemitSaver(BaseCheckpointSaver[str]):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         frame = above_saver(sys._getframe(1))
+        if _edit_step(frame):
+            with beside_run(_thread(config)):
+                return await self._aput_at(frame, config, checkpoint, metadata, new_versions)
+        return await self._aput_at(frame, config, checkpoint, metadata, new_versions)
+
+    async def _aput_at(
+        self,
+        frame: FrameType | None,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """`aput`, called from `frame`."""
         run = self._runs.active(_thread(config))
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
@@ -1115,11 +1156,13 @@ class RemitSaver(BaseCheckpointSaver[str]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        superstep = (
-            _edit_superstep(above_saver(sys._getframe(1)))
-            if self._runs.active(_thread(config)) is None
-            else None
-        )
+        thread, superstep = _thread(config), None
+        if self._runs.active(thread) is not None:
+            if _edit_step(sys._getframe(1)):
+                with beside_run(thread):
+                    return await self.aput_writes(config, writes, task_id, task_path)
+        else:
+            superstep = _edit_superstep(above_saver(sys._getframe(1)))
         if superstep is not None:
             held = await asyncio.to_thread(
                 self._hold_edit_writes, superstep, config, writes, task_id, task_path
@@ -1215,6 +1258,12 @@ _SUPERSTEP_FRAMES = (
     "_store_or_fork_delta_writes",
     "_astore_or_fork_delta_writes",
 )
+
+
+def _edit_step(caller: FrameType | None) -> bool:
+    """Whether `caller` (a saver call's caller) is LangGraph's `update_state` (or
+    `bulk_update_state`) storing an edit."""
+    return caller is not None and caller.f_code.co_name in _SUPERSTEP_FRAMES
 
 
 def _edit_superstep(caller: FrameType | None) -> FrameType | None:
