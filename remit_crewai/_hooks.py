@@ -17,7 +17,8 @@ one in the middle of `from_pending`), they act only on flows whose persistence i
   keyed by branch, method and occurrence.
 - POST_STEP: refuses a step that changed the flow's id; notes the route a
   router took, for the save that completes it; closes the step scope.
-- EXECUTION_END: consumes feedback still owed, releases the claim. CrewAI
+- EXECUTION_END: consumes feedback still owed, releases the claim (a
+  conversational turn's once its kickoff returns, after CrewAI saved the reply). CrewAI
   dispatches none for a kickoff or resume stopped by cancellation (a
   timeout, a cancelled task, Ctrl-C), whose claim would then be renewed for
   as long as the process lives: the wrappers `install` puts on
@@ -89,7 +90,9 @@ def install() -> None:
 def _end_when_cancelled(name: str) -> None:
     """Wrap CrewAI's `name` so that a Remit-backed run it stops by cancellation (or
     KeyboardInterrupt), for which CrewAI dispatches no EXECUTION_END, ends as a failed
-    run does: its claim released, its context restored."""
+    run does: its claim released, its context restored. A conversational turn's claim,
+    kept past EXECUTION_END for CrewAI's save of the turn's reply, is released as it
+    returns (`RemitFlowPersistence._end_turn`)."""
     engine = runtime.Flow
     run = getattr(engine, name)
 
@@ -103,6 +106,10 @@ def _end_when_cancelled(name: str) -> None:
             if isinstance(getattr(self, "persistence", None), RemitFlowPersistence):
                 _end(self, completed=False, output=None)
             raise
+        finally:
+            backend = getattr(self, "persistence", None)
+            if isinstance(backend, RemitFlowPersistence):
+                backend._end_turn(self)
 
     setattr(engine, name, ending)
 

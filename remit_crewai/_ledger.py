@@ -58,6 +58,9 @@ class Ledger:
     `feedback`: accepted human feedback, oldest first, one dict per consumed
     interrupt or answer given at once (interrupt, method, feedback, outcome,
     timestamp, output, metadata).
+    `turn`: per method, how often it had completed when the current turn of a
+    conversational flow began (CrewAI runs each turn's graph anew): a restart without
+    a new message continues that turn, so its replay begins there.
     `joins`, `fired`, `running`: where CrewAI's joins stood when the flow last paused:
     per listener, the triggers its `and_`/`or_` condition has seen; the `or_`
     listeners that fired and completed; the methods still running then, each with
@@ -75,6 +78,7 @@ class Ledger:
     fired: tuple[str, ...] = ()
     running: dict[str, int] = field(default_factory=dict)
     gaps: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    turn: dict[str, int] = field(default_factory=dict)
 
     def completing(self, method: str, occurrence: int | None = None) -> Ledger:
         """Record a completion of `method`: of `occurrence` (the next free one if None)."""
@@ -161,6 +165,12 @@ class Replay:
     past: Ledger
     met: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, past: Ledger) -> Replay:
+        """The replay of `past` from its current turn's beginning (a flow that is not
+        conversational has one turn)."""
+        return cls(past, met=dict(past.turn))
+
     def meet(self, method: str) -> tuple[bool, str | None]:
         """Whether this meeting of `method` replays a completed occurrence, and its route."""
         seen = self.met.get(method, 0)
@@ -206,6 +216,7 @@ def encode(body: Body) -> bytes:
             **({} if not ledger.fired else {"fired": list(ledger.fired)}),
             **({} if not ledger.running else {"running": ledger.running}),
             **({} if not ledger.gaps else {"gaps": {m: list(g) for m, g in ledger.gaps.items()}}),
+            **({} if not ledger.turn else {"turn": ledger.turn}),
             **({} if body.output is None else {"output": body.output}),
             **({} if body.prompt is None else {"prompt": body.prompt}),
         }
@@ -249,6 +260,7 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
                     "gaps",
                     lambda gaps, where: tuple(_count(n, where) for n in _list(gaps, where)),
                 ),
+                turn=_mapping(raw.get("turn", {}), "turn", _count),
             ),
             output=_bytes_or_none(raw.get("output")),
             prompt=_bytes_or_none(raw.get("prompt")),

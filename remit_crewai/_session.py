@@ -215,6 +215,9 @@ class Session:
     closed: bool = False
     #: A `resume` of the flow runs under this session (a second one at once is refused).
     resuming: bool = False
+    #: The conversational turn it drives ended: kept for CrewAI's save of the turn's reply,
+    #: which comes after the run ended and completes no method, until the kickoff returns.
+    turn_over: bool = False
     #: What the resume runs beside the paused method's listeners (`_resume`): the methods
     #: in flight when the flow paused that did not complete, and those that completed
     #: after the pause was saved, whose listeners never ran.

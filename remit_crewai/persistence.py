@@ -305,6 +305,13 @@ class RemitFlowPersistence(FlowPersistence):
         checked_id("method name", method_name)
         with self._writing(flow_uuid) as session, session.lock:
             plain = self._plain_state(session, state_data)
+            occurrence = occurrence_of(session.flow_id, method_name)
+            if session.turn_over and occurrence is None:
+                # CrewAI saves a conversational turn's reply into the state after the turn's
+                # run ended: no method completes (the one that replied already did; a step
+                # still running knows its occurrence).
+                self._commit(session, plain, method_name, "step", session.ledger, session.output)
+                return
             if method_name == ASK_CHECKPOINT:
                 kind, ledger = "ask", session.ledger
             elif session.pending is not None and method_name == _interrupt_method(
@@ -313,7 +320,6 @@ class RemitFlowPersistence(FlowPersistence):
                 # The feedback method completes when its feedback is consumed.
                 kind, ledger = "feedback", session.ledger
             else:
-                occurrence = occurrence_of(session.flow_id, method_name)
                 kind, ledger = "step", session.ledger.completing(method_name, occurrence)
                 # (Keyed by occurrence: runs of one method at once each record their own.)
                 ran = (method_name, occurrence)
@@ -1395,7 +1401,7 @@ class RemitFlowPersistence(FlowPersistence):
             ledger = ledger.accepting(
                 accepted(i.value, run_id=session.run_id, interrupt_id=i.interrupt_id)
             )
-        session.ledger, session.replay = ledger, Replay(ledger)
+        session.ledger, session.replay = ledger, Replay.of(ledger)
         session.keys_from = self._paused_on(session)
         before = self._state_before_asks(session)
         if before is not None:
@@ -1412,7 +1418,9 @@ class RemitFlowPersistence(FlowPersistence):
         if _new_turn(flow):
             # A conversational turn runs the flow's graph again on its saved state (CrewAI
             # clears what the last turn ran): nothing is replayed, and each method's
-            # occurrences, the keys of its effects, go on from the ledger's.
+            # occurrences, the keys of its effects, go on from the ledger's. A restart
+            # without a message continues this turn (`Replay.of`).
+            session.ledger = dataclasses.replace(ledger, turn=dict(ledger.counts))
             session.replay = None
             flow._completed_methods = set()
         else:
@@ -1689,8 +1697,21 @@ class RemitFlowPersistence(FlowPersistence):
                 self._accept(session, flow)
             elif completed and session.replay is not None:
                 self._keep_inputs(session, flow)
+            # CrewAI saves a conversational turn's reply after the run ended, before its
+            # kickoff returns: under this claim (`_end_turn`), else a turn another process
+            # took meanwhile would be overwritten by this turn's older state, its messages
+            # lost.
+            session.turn_over = completed and _new_turn(flow)
         finally:
             _left_by_run(flow, session)
+            if not session.turn_over:
+                self._release(session)
+
+    def _end_turn(self, flow: Flow[Any]) -> None:
+        """The kickoff of a conversational turn of `flow` returned: release the claim its
+        run kept for CrewAI's save of the reply (`_finish`)."""
+        session = self._session_of(flow.flow_id, flow)
+        if session is not None and session.turn_over and self._owns(session, flow):
             self._release(session)
 
     def _check_inputs(self, session: Session, flow: Flow[Any], ex: Execution) -> None:
