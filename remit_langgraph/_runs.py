@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_origin
 from langchain_core.runnables import RunnableConfig
 from langgraph._internal._constants import (
     CONF,
+    CONFIG_KEY_CHECKPOINTER,
     CONFIG_KEY_RESUME_MAP,
     CONFIG_KEY_SEND,
     ERROR,
@@ -311,6 +312,16 @@ def current_run() -> Run | None:
 
 
 @contextlib.contextmanager
+def as_run(run: Run) -> Iterator[None]:
+    """`run` is this context's while the block lasts (`Runs.of_loop`)."""
+    token = _current.set(run)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+@contextlib.contextmanager
 def beside_run(thread: str) -> Iterator[None]:
     """For a saver call of LangGraph's `update_state` (the caller checks that): if
     it edits `thread` beside the run this context has open on it, not from one of
@@ -504,7 +515,10 @@ class Runs:
 
     def _nest(self, loop: PregelLoop, frame: FrameType) -> None:
         """Note a subgraph's loop (its `__enter__` is `frame`) in the run it is part of."""
+        conf = loop.config.get("configurable") or {}
         run = current_run()
+        if run is None or run.thread != str(conf.get("thread_id")):
+            run = self.of_task(conf)  # (another run's mark: `of_task`)
         if run is None:
             return
         # Its tasks name effects' steps; its own schema holds of its checkpoints and
@@ -574,6 +588,39 @@ class Runs:
         """The run this context belongs to, if it is on `thread`."""
         run = current_run()
         return run if run is not None and run.thread == thread else None
+
+    # A run's mark is a context variable, and a `stream` generator runs in its
+    # consumer's context: code that reads two runs' streams in turn (in one thread,
+    # or one asyncio task) sees the mark of the run that started or ended last. What
+    # LangGraph hands over names the run without it: the loop that calls the saver,
+    # the config of the task that calls an effect. (Looked up only when the mark
+    # names no run of the thread: the common case costs nothing.)
+
+    def of_loop(self, frame: FrameType | None, thread: str) -> Run | None:
+        """The open run on `thread` whose loop, or a subgraph loop of it, is the
+        `self` of `frame` (a saver call's caller)."""
+        loop = None if frame is None else frame.f_locals.get("self")
+        if not isinstance(loop, PregelLoop):
+            return None
+        for run in list(self._open.values()):
+            if run.thread != thread or run.claim._released:
+                continue
+            if (run.loop is not None and run.loop() is loop) or any(
+                ref() is loop for ref in list(run.nested.values())
+            ):
+                return run
+        return None
+
+    def of_task(self, conf: Mapping[str, Any]) -> Run | None:
+        """The open run a task of `conf` (its config's "configurable") is part of: the
+        run on its thread whose loop runs its top-level task."""
+        thread = str(conf.get("thread_id"))
+        top = str(conf.get("checkpoint_ns", "")).split("|", 1)[0].partition(":")[2]
+        for run in list(self._open.values()):
+            loop = None if run.loop is None else run.loop()
+            if run.thread == thread and loop is not None and top in loop.tasks:
+                return None if run.claim._released else run
+        return None
 
     def open_on(self, thread: str, branch: str) -> list[Run]:
         """The runs this process has open on `thread`'s `branch`."""
@@ -1981,13 +2028,16 @@ def effect_scope() -> StepScope | None:
     same), step number and task path. Registered with the core at import.
     """
     run = current_run() or _closed_under()
-    if run is None:
-        return None
     try:
         config = get_config()
     except RuntimeError:
         return None
     conf = config.get("configurable") or {}
+    if run is None or str(conf.get("thread_id")) != run.thread:
+        runs = getattr(conf.get(CONFIG_KEY_CHECKPOINTER), "_runs", None)
+        run = runs.of_task(conf) if isinstance(runs, Runs) else None  # (`Runs.of_loop`)
+    if run is None:
+        return None
     meta = config.get("metadata") or {}
     if "langgraph_step" not in meta or str(conf.get("thread_id")) != run.thread:
         return None

@@ -63,6 +63,7 @@ from remit_langgraph._runs import (
     Run,
     Runs,
     above_saver,
+    as_run,
     beside_run,
     calls_at_pause,
     current_run,
@@ -418,6 +419,9 @@ class RemitSaver(BaseCheckpointSaver[str]):
     ) -> RunnableConfig:
         """`put`, called from `frame`."""
         run = self._runs.active(_thread(config))
+        if run is None and (run := self._runs.of_loop(frame, _thread(config))) is not None:
+            with as_run(run):  # (a run read in turn with another: `Runs.of_loop`)
+                return self._put_at(frame, config, checkpoint, metadata, new_versions)
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
         held = self._take_edit_writes(frame, config) if run is None else ()
@@ -1132,6 +1136,9 @@ class RemitSaver(BaseCheckpointSaver[str]):
     ) -> RunnableConfig:
         """`aput`, called from `frame`."""
         run = self._runs.active(_thread(config))
+        if run is None and (run := self._runs.of_loop(frame, _thread(config))) is not None:
+            with as_run(run):  # (a run read in turn with another: `Runs.of_loop`)
+                return await self._aput_at(frame, config, checkpoint, metadata, new_versions)
         by_graph, caller = (False, None) if run is not None else self._runs.learn(frame)
         last = run is not None and run.is_last_put(frame, metadata, _ns(config))
         held = self._take_edit_writes(frame, config) if run is None else ()
