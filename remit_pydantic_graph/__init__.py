@@ -5,6 +5,6 @@ persistence = RemitStatePersistence("sqlite:///remit.db", run_id="order-42")
 await graph.run(Start(), state=state, persistence=persistence)
 """
 
-from remit_pydantic_graph.persistence import EndNotRunnable, RemitStatePersistence
+from remit_pydantic_graph.persistence import EndNotRunnable, RemitStatePersistence, UnknownPause
 
-__all__ = ["EndNotRunnable", "RemitStatePersistence"]
+__all__ = ["EndNotRunnable", "RemitStatePersistence", "UnknownPause"]

@@ -107,7 +107,7 @@ from remit_pydantic_graph._codec import (
     foreign_node,
 )
 
-__all__ = ["RemitStatePersistence"]
+__all__ = ["EndNotRunnable", "RemitStatePersistence", "UnknownPause"]
 
 #: A head node an answer may take the place of: one not started, or one that raised
 #: (a pause run by mistake): nothing followed it.
@@ -116,6 +116,14 @@ _ANSWERABLE = ("created", "pending", "error")
 _OWN_NEXT_PATIENCE = 2.0
 #: How often a resumer whose consumed answer's commit was fenced looks again (`_deliver`).
 _DELIVER_TRIES = 3
+
+
+class UnknownPause(ResumeConflict, UnknownRecord):
+    """`resume()` or `update_state()` given a `pause_id` that names no snapshot of the run
+    (a typo, another run's pause): no answer or edit can be for it. An `UnknownRecord`
+    (a `LookupError`), so that a client does not take it for a pause answered by another
+    resumer and drop its answer; and, for code that caught it as such before, still a
+    `ResumeConflict`."""
 
 
 class EndNotRunnable(GraphNodeStatusError):
@@ -1215,7 +1223,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             # The node this instance has just run, whose next snapshot is still to come: a
             # second record_run is refused as pydantic-graph's own persistences refuse it,
             # and the instance keeps the node (and its claim) for that snapshot.
-            GraphNodeStatusError.check(resumer.ran[0].top.status)
+            raise self._not_runnable(resumer.ran[0].top, ran_here=True)
         try:
             head = self._read_head()
             why = self._run_reason(resumer, snapshot_id, head)
@@ -1239,7 +1247,8 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             resumer.loaded = None
             if not head.top.is_node:
                 raise EndNotRunnable(head.top.id)
-            GraphNodeStatusError.check(head.top.status)
+            if head.top.status not in ("created", "pending"):
+                raise self._not_runnable(head.top, ran_here=False)
             before = head.top.status
             self._set_status(resumer, head.top, "running")
             self._refuse_answered(resumer, head, before)
@@ -1249,6 +1258,38 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             self._drop(resumer)
             raise
         return head, effects_id
+
+    def _not_runnable(self, stored: _Stored, *, ran_here: bool) -> GraphNodeStatusError:
+        """pydantic-graph's refusal of a node that is not `created` or `pending`, saying which
+        snapshot of which run it is and how the run goes on: its own words name neither.
+        `ran_here`: this instance ran the node, and its next snapshot is still to come."""
+        status = stored.status
+        if ran_here:
+            why = (
+                "this instance has just run it, and the snapshot that follows it is still to "
+                "be stored (snapshot_node() or snapshot_end(), as GraphRun.next() does); a "
+                "node runs once"
+            )
+        else:
+            why = {
+                "running": "it was started by a resumer whose claim has lapsed since (its "
+                "process died, or was paused past its lease), so it never ended",
+                "success": "it ran, and the resumer that ran it stopped before it stored the "
+                "snapshot that follows it",
+                "error": "it raised when it last ran",
+            }.get(status, f"it is {status}")
+            why += (
+                ". Continue the run with iter_from_persistence(): its load_next() hands this "
+                "node out again, and it runs again (its recorded effects are not applied "
+                "again). Running a stored node through Graph.iter() or Graph.run() is for a "
+                "node nobody has started"
+            )
+        refusal = GraphNodeStatusError(status)
+        refusal.args = (
+            f"{refusal.args[0]} Snapshot {stored.id!r} of run {self.run_id!r} is {status!r}: "
+            f"{why}. Nothing was run",
+        )
+        return refusal
 
     def _effects_id(self, stored: _Stored) -> str:
         """The snapshot id a node's effects are keyed by: its own, or, for a node that an
@@ -1555,9 +1596,17 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             )
         ids = {"run_id": self.run_id, "checkpoint_id": head.top.id}
         if pause_id is not None and not self._is_pause(head.top, pause_id):
+            if not self._stored(pause_id):  # (a refusal's read only)
+                raise UnknownPause(
+                    f"{what} is for pause {pause_id}, which is no snapshot of this run (it is "
+                    f"at {head.top.describe()}): pass the id paused() gave for this run's "
+                    f"pause; {lost}",
+                    **ids,
+                )
             raise ResumeConflict(
                 f"{what} is for pause {pause_id}, but the run is at {head.top.describe()}: "
-                f"that pause was answered already, or is not this run's; {lost}",
+                f"that pause was answered already, or is one of another line of this run; "
+                f"{lost}",
                 **ids,
             )
         if not head.top.is_node:
