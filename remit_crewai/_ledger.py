@@ -61,6 +61,12 @@ class Ledger:
     `turn`: per method, how often it had completed when the current turn of a
     conversational flow began (CrewAI runs each turn's graph anew): a restart without
     a new message continues that turn, so its replay begins there.
+    `asked`: per occurrence (`m#n`) of a conversational flow's feedback method still
+    waiting for its answer, how many pauses were saved at it; `reasked`: the same as
+    the current turn began. A later turn that reaches that method runs the waiting
+    occurrence again, as a question of its own: its effects are keyed by `reasked`
+    (`again`), so that they apply for that turn, and the same each time that turn is
+    continued or sent again.
     `joins`, `fired`, `running`: where CrewAI's joins stood when the flow last paused:
     per listener, the triggers its `and_`/`or_` condition has seen; the `or_`
     listeners that fired and completed; the methods still running then, each with
@@ -79,6 +85,8 @@ class Ledger:
     running: dict[str, int] = field(default_factory=dict)
     gaps: dict[str, tuple[int, ...]] = field(default_factory=dict)
     turn: dict[str, int] = field(default_factory=dict)
+    asked: dict[str, int] = field(default_factory=dict)
+    reasked: dict[str, int] = field(default_factory=dict)
 
     def completing(self, method: str, occurrence: int | None = None) -> Ledger:
         """Record a completion of `method`: of `occurrence` (the next free one if None)."""
@@ -138,7 +146,29 @@ class Ledger:
         if any(f["interrupt"] == value["interrupt"] for f in self.feedback):
             return self
         done = self.completing(value["method"]).routing(value["method"], value.get("outcome"))
-        return replace(done, feedback=(*self.feedback, value))
+        answered = value["interrupt"]
+        return replace(
+            done,
+            feedback=(*self.feedback, value),
+            asked={k: n for k, n in self.asked.items() if k != answered},
+            reasked={k: n for k, n in self.reasked.items() if k != answered},
+        )
+
+    def asking(self, method: str) -> Ledger:
+        """Record a pause saved at the waiting occurrence of feedback method `method`."""
+        name = f"{method}#{self.occurrence(method)}"
+        return replace(self, asked={**self.asked, name: self.asked.get(name, 0) + 1})
+
+    def new_turn(self, waiting: Collection[str]) -> Ledger:
+        """The ledger as a conversational flow's turn begins, `waiting` the feedback
+        methods whose questions wait for their answers."""
+        reasked = {k: n for k, n in self.asked.items() if k.rsplit("#", 1)[0] in waiting}
+        return replace(self, turn=dict(self.counts), reasked=reasked)
+
+    def again(self, name: str) -> int | None:
+        """How many pauses were saved at occurrence `name` (`m#n`) before the current turn
+        began, if this turn runs that waiting occurrence again as a question of its own."""
+        return self.reasked.get(name)
 
     def noting(self, value: dict[str, Any]) -> Ledger:
         """Record feedback given at once (no pause) by the method whose completion
@@ -217,6 +247,8 @@ def encode(body: Body) -> bytes:
             **({} if not ledger.running else {"running": ledger.running}),
             **({} if not ledger.gaps else {"gaps": {m: list(g) for m, g in ledger.gaps.items()}}),
             **({} if not ledger.turn else {"turn": ledger.turn}),
+            **({} if not ledger.asked else {"asked": ledger.asked}),
+            **({} if not ledger.reasked else {"reasked": ledger.reasked}),
             **({} if body.output is None else {"output": body.output}),
             **({} if body.prompt is None else {"prompt": body.prompt}),
         }
@@ -261,6 +293,8 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
                     lambda gaps, where: tuple(_count(n, where) for n in _list(gaps, where)),
                 ),
                 turn=_mapping(raw.get("turn", {}), "turn", _count),
+                asked=_mapping(raw.get("asked", {}), "asked", _count),
+                reasked=_mapping(raw.get("reasked", {}), "reasked", _count),
             ),
             output=_bytes_or_none(raw.get("output")),
             prompt=_bytes_or_none(raw.get("prompt")),

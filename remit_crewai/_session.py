@@ -239,7 +239,9 @@ class Session:
     def step_key(self, method: str, occurrence: int) -> str:
         """The effect scope of `occurrence` of `method`: branch, method, occurrence."""
         name = f"{method}#{occurrence}"
-        return f"{self.keys_from.get(name, self.branch)}/{name}"
+        key = f"{self.keys_from.get(name, self.branch)}/{name}"
+        again = self.ledger.again(name)
+        return key if again is None else f"{key}/asked-again-{again}"
 
     def end_occurrence(self, method: str, occurrence: int | None = None) -> None:
         """A run of `method` (`occurrence`, else its lowest running) completed (its

@@ -378,6 +378,8 @@ class RemitFlowPersistence(FlowPersistence):
             ledger = session.ledger
             if flow is not None:
                 ledger = ledger.pausing(*_joins_of(flow, session, method))
+                if _conversational(flow):  # (a later turn may ask it again: `Ledger.asked`)
+                    ledger = ledger.asking(method)
             # The checkpoint keeps the prompt too: if this process dies before the
             # interrupt is open, `load_pending_feedback` opens it (`_unopened_pause`).
             record = self._commit(session, plain, method, "pause", ledger, prompt=prompt)
@@ -1278,12 +1280,21 @@ class RemitFlowPersistence(FlowPersistence):
     def _hydrate_fork(self, source_id: str, ex: Execution) -> dict[str, Any] | None:
         """`kickoff(restore_from_state_id=source_id)`: a fork, under the active fork token."""
         run_id, branch = locate(source_id)
+        self._unname_new_flow(ex, run_id)
         if ex.fork_token is None or ex.restart is not None or ex.inputs is None:
             current = self.remit.branch(run_id, branch=branch)
+            named = (
+                ""
+                if ex.fork_token is None or ex.restart is None
+                else (
+                    f" (inputs['id'], or handle_turn's session_id, names flow {ex.restart!r} "
+                    "here: a fork's id is its own, made from the flow it forks and the token)"
+                )
+            )
             raise ForkWithoutIntent(
                 "restore_from_state_id continues another flow's state under a new id, which "
                 "is a fork: run the kickoff inside `with remit_crewai.fork_token(token):` and "
-                "without inputs['id'], or use RemitFlowPersistence.fork",
+                f"without inputs['id']{named}, or use RemitFlowPersistence.fork",
                 run_id=run_id,
                 checkpoint_id=None if current is None else current.head_id,
             )
@@ -1307,6 +1318,30 @@ class RemitFlowPersistence(FlowPersistence):
         session = sessions.get(self._where, forked)
         assert session is not None
         return {**session.state, "id": forked}
+
+    def _unname_new_flow(self, ex: Execution, run_id: str) -> None:
+        """A fork of run `run_id` whose kickoff (`ex`, under a fork token) has an
+        `inputs["id"]` that is its flow instance's own id: CrewAI's `handle_turn`
+        (`stream_turn`, `chat`) passes it when no `session_id` is given, so a turn that
+        forks a conversation (`handle_turn(message, restore_from_state_id=S)`) names no
+        other flow, as long as that id is new or the token's fork of `run_id` (`chat`'s
+        next turn, on the instance the first one forked). It forks as a kickoff without
+        `inputs["id"]` does: the claim taken on that id is given back, and the token's
+        fork goes on."""
+        flow = ex.flow()
+        if ex.fork_token is None or ex.restart is None or flow is None:
+            return
+        if ex.restart != flow.flow_id or ex.refusal is not None:
+            return
+        session = sessions.get(self._where, ex.restart)
+        if session is None or not self._owns(session, flow):
+            return
+        if session.head is not None:
+            made = self.remit.fork_branch(run_id, ex.fork_token)
+            if made is None or (session.run_id, session.branch) != (run_id, made.branch):
+                return
+        self._release(session)
+        ex.restart = None
 
     def _check_fork_inputs(
         self, flow: Flow[Any], inputs: Mapping[str, Any], head: CheckpointRecord, source_id: str
@@ -1420,7 +1455,7 @@ class RemitFlowPersistence(FlowPersistence):
             # clears what the last turn ran): nothing is replayed, and each method's
             # occurrences, the keys of its effects, go on from the ledger's. A restart
             # without a message continues this turn (`Replay.of`).
-            session.ledger = dataclasses.replace(ledger, turn=dict(ledger.counts))
+            session.ledger = ledger.new_turn(waiting)
             session.replay = None
             flow._completed_methods = set()
         else:
@@ -1957,6 +1992,13 @@ def _new_turn(flow: Flow[Any]) -> bool:
     Replayed as a restart, the turn would run nothing: no reply, and the message lost."""
     turn = getattr(flow, "_should_apply_pending_kickoff_context", None)
     return callable(turn) and bool(turn())
+
+
+def _conversational(flow: Flow[Any]) -> bool:
+    """Whether `flow` is a conversational flow (`conversational = True`), whose turns
+    each run its graph anew."""
+    enabled = getattr(flow, "_is_conversational_enabled", None)
+    return callable(enabled) and bool(enabled())
 
 
 def _leaves(condition: Any) -> set[str]:
