@@ -9,10 +9,17 @@ the step execution that starts it instead:
     <parent run>/<parent step key>/retry-K/workflow#N  ... of the step's K-th retry
 
 The step key names the step and its work item, both kept by a checkpoint, so a
-re-run of the same step execution names the same children; a retry is another
-execution and starts children of its own. The runtime then looks the id up: a
-child that ended answers at once with its stored result (`EndedRun`), one that
-did not continues from its head. A `run_id` the user passes is kept as it is.
+re-run of the same step execution names the same children. The runtime then looks
+the id up: a child that ended answers at once with its stored result (`EndedRun`),
+one that did not continues from its head. A retry is another execution: its child
+is a new run, unless the same child of the step's latest earlier attempt that
+started one completed, whose result it is given (its effects applied; a retry, like
+a re-run, does not apply them again; a child that failed is started anew).
+
+A `run_id` the user passes is kept as it is. Such a child records the step execution
+that started it (`StepExecution.slot`, in its checkpoints' metadata), so that the same
+step, re-run after a crash or retried, finds it as it finds a child it named, where
+any other start under that id is refused as a run that exists already.
 Children are counted with the step's effect calls (`StepExecution`): a step that
 runs again on a fork from its top finds the children it started before the fork's
 base as it finds those calls, under the ids of the branch that started them.
@@ -28,7 +35,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import workflows.context.context as framework_context
@@ -69,10 +76,35 @@ class StepExecution:
     run_id: str
     scope: StepScope
     retry: int
+    #: The ids the user gave to the children this execution started.
+    named: set[str] = field(default_factory=set)
+
+    @property
+    def slot(self) -> str:
+        """What a child names as the step execution that started it (its attempts alike)."""
+        return f"{self.run_id}/{self.scope.step_key}"
 
     def next_child(self) -> str:
         attempt = f"retry-{self.retry}/" if self.retry else ""
         return f"{self.run_id}/{self.scope.next_key(f'{attempt}workflow')}"
+
+    def earlier_attempts(self, child_id: str) -> list[str]:
+        """The ids `child_id` (this execution's `next_child`) had in the step's earlier
+        attempts, the latest first."""
+        if not self.retry:
+            return []
+        head, _, n = child_id.rpartition(f"/retry-{self.retry}/workflow#")
+        return [
+            f"{head}/retry-{k}/workflow#{n}" if k else f"{head}/workflow#{n}"
+            for k in range(self.retry - 1, -1, -1)
+        ]
+
+    def starts_again(self, run_id: str) -> bool:
+        """Whether the user's `run_id` is started for the first time in this execution
+        (a second start of one id in one execution is another run: refused)."""
+        first = run_id not in self.named
+        self.named.add(run_id)
+        return first
 
 
 _execution: contextvars.ContextVar[StepExecution | None] = contextvars.ContextVar(
@@ -131,10 +163,9 @@ def was_drawn(run_id: str) -> bool:
     return drawn == run_id
 
 
-def next_child_id() -> str | None:
-    """The id of the next child of the executing step of a Remit run, if there is one."""
-    execution = _execution.get()
-    return None if execution is None else execution.next_child()
+def current_execution() -> StepExecution | None:
+    """The execution of a step of a Remit run this code runs in, if it runs in one."""
+    return _execution.get()
 
 
 class EndedRun(ExternalRunAdapter, SnapshottableAdapter, V2RuntimeCompatibilityShim):

@@ -270,6 +270,8 @@ class Session:
         self.effects = _shared_effects.restored(
             effects or {}, init_state, self.step_key, forked=forked
         )
+        # The step execution that started this run, for a child (`_child.StepExecution`).
+        self.parent: str | None = None
         self.claim: ClaimHandle | None = None
         # Seconds a claim held elsewhere is waited for before `ResumeConflict`.
         self.claim_patience = 0.0
@@ -506,6 +508,8 @@ class Session:
         }
         if isinstance(last, TickStepResult):
             meta["step"] = str(last.step_id)
+        if self.parent is not None:
+            meta["parent"] = self.parent
         result = getattr(exit_command, "result", None)
         if status == snap.COMPLETED and result is not None:
             meta["result"] = self.serializer.serialize(result)
@@ -669,6 +673,8 @@ class Session:
                 "journal_seq": record.metadata.get("journal_seq"),
                 "error": f"{type(error).__name__}: {error}",
             }
+            if self.parent is not None:
+                metadata["parent"] = self.parent
             self.remit.commit(
                 run_id=self.run_id,
                 checkpoint_id=checkpoint_id,

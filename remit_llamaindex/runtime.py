@@ -247,20 +247,29 @@ class RemitRuntime(BaseRuntimeDecorator):
             assert serialized_state is not None
             snap.check_handle(serialized_state)
         drawn = _child.was_drawn(run_id)
+        execution = _child.current_execution()
         child = None
-        found: Session | _child.EndedRun
+        found: Session | _child.EndedRun | None = None
         if start_event is None and snap.is_handle(serialized_state):
             assert serialized_state is not None
             found = self._restored(workflow, serialized_state, json_ser)
-        elif drawn and (child := _child.next_child_id()) is not None:
-            found = self._child_session(workflow, child, init_state, serialized_state, json_ser)
-            if isinstance(found, Session) and found.head_id is not None:
-                start_event = None  # the stored run took its start event already
-        else:
+        elif execution is not None and drawn:
+            child = execution.next_child()
+            found = self._child_session(
+                workflow, child, init_state, serialized_state, json_ser, execution
+            )
+        elif execution is not None:
+            found = self._named_child(workflow, run_id, execution, json_ser)
+            child = None if found is None else run_id
+        if found is None:
             found = self._fresh(workflow, run_id, init_state, serialized_state, json_ser)
         if isinstance(found, _child.EndedRun):
             return found
         session = found
+        if child is not None and session.head_id is not None:
+            start_event = None  # the stored run took its start event already
+        if execution is not None and session.head_id is None:
+            session.parent = execution.slot
         stored = session.head_id is not None
         parked = stored and (snap.is_idle(session.init_state) or not session.init_state.is_running)
         if start_event is not None or session.injections or not parked:
@@ -403,13 +412,47 @@ class RemitRuntime(BaseRuntimeDecorator):
         init_state: BrokerState,
         serialized_state: dict[str, Any] | None,
         serializer: JsonSerializer,
+        execution: _child.StepExecution,
     ) -> Session | _child.EndedRun:
         """A child run a step starts (`_child`): new the first time; when the step runs
         again after a crash, the stored run, ended (answered from the store) or not
-        (continued from its head)."""
+        (continued from its head). A retry's child is the completed child of the step's
+        latest earlier attempt that started this one (its effects are not applied again,
+        P2), else a new run."""
         branch = self.remit.branch(run_id)
         if branch is None or branch.head_id is None:
+            for earlier_id in execution.earlier_attempts(run_id):
+                earlier = self.remit.branch(earlier_id)
+                if earlier is None or earlier.head_id is None:
+                    continue
+                record = self._checkpoint(earlier_id, earlier.head_id)
+                if record.metadata.get("status") == snap.COMPLETED:
+                    return self._ended_run(workflow, record, serializer)
+                break  # (it failed or did not end: the retry starts its own)
             return self._new(workflow, run_id, init_state, serialized_state, serializer)
+        handle = {"run_id": run_id, "branch": MAIN_BRANCH, "checkpoint_id": branch.head_id}
+        return self._restored(workflow, handle, serializer)
+
+    def _named_child(
+        self,
+        workflow: Workflow,
+        run_id: str,
+        execution: _child.StepExecution,
+        serializer: JsonSerializer,
+    ) -> Session | _child.EndedRun | None:
+        """The stored run a step started under the id its code gave, started again by
+        the same step execution (re-run after a crash, or retried): ended, it answers
+        from the store; not ended, it continues from its head (P1, P2). None when no run
+        is stored under the id, or another one is (started by other code, or a second
+        time by this execution): `_fresh` starts the one or refuses the other."""
+        if not execution.starts_again(run_id) or split_run_id(run_id)[1] != MAIN_BRANCH:
+            return None
+        branch = self.remit.branch(run_id)
+        if branch is None or branch.head_id is None:
+            return None
+        record = self._checkpoint(run_id, branch.head_id)
+        if record.metadata.get("parent") != execution.slot:
+            return None
         handle = {"run_id": run_id, "branch": MAIN_BRANCH, "checkpoint_id": branch.head_id}
         return self._restored(workflow, handle, serializer)
 
@@ -503,6 +546,7 @@ class RemitRuntime(BaseRuntimeDecorator):
             deadlines=record.metadata.get("deadlines") or {},
             forked=record.branch != branch.branch,
         )
+        session.parent = record.metadata.get("parent")
         pending = {w.interrupt_id for w in snap.waiters(init) if w.pending}
         # Only a value accepted for what the head still waits on is read and decoded:
         # the answers of earlier rounds are in the journal already, and reading them
