@@ -225,11 +225,21 @@ class Run:
             self.failed = error
         return error
 
-    def unrefused(self, writes: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    def unrefused(self, writes: Sequence[tuple[str, Any]], ns: str) -> list[tuple[str, Any]]:
         """`writes` without the error record of an output this run refused: LangGraph
         records a failed node's error, and this one would be the trace of a write
-        that was never stored (the node runs again when the run is continued)."""
+        that was never stored (the node runs again when the run is continued).
+
+        Except for a top-level task (namespace `ns` "") that was answered before it
+        returned the refused output: the answer led to it, so the task's answers (its
+        resume write) are not stored, and its error is, which opens its question again
+        (`Runs.after_failed`): the resumer was told the value was refused, and the next
+        answer is taken (P4, P5)."""
         refused = [id(e) for e in self.refused.values()]
+        if not any(ch == ERROR and id(v) in refused for ch, v in writes):
+            return list(writes)
+        if ns == "" and any(ch == RESUME for ch, _ in writes):
+            return [(ch, v) for ch, v in writes if ch != RESUME]
         return [(ch, v) for ch, v in writes if not (ch == ERROR and id(v) in refused)]
 
     def settle(self, timeout: float = 5.0) -> None:
@@ -1780,11 +1790,15 @@ class Runs:
         own validators), which the JSON Schema checked before the consume cannot
         express. LangGraph stores nothing of such an answer and takes the next one;
         here the consumed record stays consumed, and the next answer consumes a record
-        of its own (`_again_id`), once (P5)."""
+        of its own (`_again_id`), once (P5). The same holds for an answered task whose
+        output the state schema refused (`Run.unrefused`)."""
         if run is None or ns != "":
             return
+        refused = run.refused.get(task_id)
         if not any(
-            channel == ERROR and isinstance(value, BaseException) and is_invalid_resume(value)
+            channel == ERROR
+            and isinstance(value, BaseException)
+            and (is_invalid_resume(value) or value is refused)
             for channel, value in writes
         ):
             return
