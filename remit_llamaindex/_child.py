@@ -19,7 +19,9 @@ a re-run, does not apply them again; a child that failed is started anew).
 A `run_id` the user passes is kept as it is. Such a child records the step execution
 that started it (`StepExecution.slot`, in its checkpoints' metadata), so that the same
 step, re-run after a crash or retried, finds it as it finds a child it named, where
-any other start under that id is refused as a run that exists already.
+any other start under that id is refused as a run that exists already. Its starts are
+counted with the step's effect calls too (`StepExecution.starter`): a step re-run on a
+fork finds the child its shared prefix started under that id.
 Children are counted with the step's effect calls (`StepExecution`): a step that
 runs again on a fork from its top finds the children it started before the fork's
 base as it finds those calls, under the ids of the branch that started them.
@@ -98,6 +100,16 @@ class StepExecution:
             f"{head}/retry-{k}/workflow#{n}" if k else f"{head}/workflow#{n}"
             for k in range(self.retry - 1, -1, -1)
         ]
+
+    def starter(self, run_id: str) -> str:
+        """The step execution (`slot`) a stored run under the user's `run_id` must name as
+        its starter to be this start's child: this execution's own, or, for a start that
+        a step re-run on a fork makes as the branch it shares made it before the fork's
+        base, that branch's (the child belongs to the shared prefix, as the step's
+        earlier `@effect` calls do). Counted with the step's effect calls."""
+        name = f"named-workflow:{run_id}"
+        key = self.scope.next_key(name)
+        return f"{self.run_id}/{key.rpartition(f'/{name}#')[0]}"
 
     def starts_again(self, run_id: str) -> bool:
         """Whether the user's `run_id` is started for the first time in this execution

@@ -441,17 +441,19 @@ class RemitRuntime(BaseRuntimeDecorator):
         serializer: JsonSerializer,
     ) -> Session | _child.EndedRun | None:
         """The stored run a step started under the id its code gave, started again by
-        the same step execution (re-run after a crash, or retried): ended, it answers
-        from the store; not ended, it continues from its head (P1, P2). None when no run
+        the same step execution (re-run after a crash, or retried, or on a fork whose
+        shared prefix started it): ended, it answers from the store; not ended, it
+        continues from its head (P1, P2, P3). None when no run
         is stored under the id, or another one is (started by other code, or a second
         time by this execution): `_fresh` starts the one or refuses the other."""
+        starter = execution.starter(run_id)
         if not execution.starts_again(run_id) or split_run_id(run_id)[1] != MAIN_BRANCH:
             return None
         branch = self.remit.branch(run_id)
         if branch is None or branch.head_id is None:
             return None
         record = self._checkpoint(run_id, branch.head_id)
-        if record.metadata.get("parent") != execution.slot:
+        if record.metadata.get("parent") != starter:
             return None
         handle = {"run_id": run_id, "branch": MAIN_BRANCH, "checkpoint_id": branch.head_id}
         return self._restored(workflow, handle, serializer)
