@@ -49,6 +49,7 @@ def install() -> None:
     @functools.wraps(from_pending)
     def from_pending_releasing(cls: type[Flow[Any]], *args: Any, **kwargs: Any) -> Flow[Any]:
         before = current_resumers.get()
+        args, kwargs = _with_class_persistence(cls, args, kwargs)
         claiming = current_from_pending.set(True)
         try:
             flow: Flow[Any] = from_pending(cls, *args, **kwargs)
@@ -102,6 +103,23 @@ def install() -> None:
     engine.from_pending = classmethod(from_pending_releasing)  # type: ignore[assignment]
     engine.resume_async = resume_async_claiming  # type: ignore[assignment]
     engine._execute_listeners = execute_listeners  # type: ignore[assignment,method-assign]
+
+
+def _with_class_persistence(
+    cls: type[Flow[Any]], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`from_pending`'s arguments, with the class's own `@persist` backend when it is a
+    `RemitFlowPersistence` and none was given: CrewAI would look in its default backend,
+    which never holds a pause such a class saved (a bare `ValueError`, "no pending
+    feedback"). Any other call is left as it is."""
+    given = args[1] if len(args) > 1 else kwargs.get("persistence")
+    if given is not None or kwargs.get("definition") is not None:
+        return args, kwargs
+    config = getattr(cls, "__flow_persistence_config__", None)
+    own = getattr(config, "persistence", None)
+    if not isinstance(own, RemitFlowPersistence):
+        return args, kwargs
+    return args[:1], {**kwargs, "persistence": own}
 
 
 def _check_paused_method(flow: Flow[Any]) -> None:
