@@ -621,6 +621,25 @@ class Runs:
                 return run
         return None
 
+    def asking(self, marked: Run, frame: FrameType | None) -> Run:
+        """The run whose loop asks for a version (`frame` is the saver's caller), when
+        the context's mark names `marked`: two runs read in turn share one mark, and a
+        run whose write was refused, or whose claim was taken over, must not stop the
+        other. `marked` if no open run's loop is found a few frames up."""
+        for _ in range(_GRAPH_FRAME_DEPTH):
+            if frame is None:
+                break
+            loop = frame.f_locals.get("self")
+            if isinstance(loop, PregelLoop):
+                for run in list(self._open.values()):
+                    if (run.loop is not None and run.loop() is loop) or any(
+                        ref() is loop for ref in list(run.nested.values())
+                    ):
+                        return run
+                break
+            frame = frame.f_back
+        return marked
+
     def of_task(self, conf: Mapping[str, Any]) -> Run | None:
         """The open run a task of `conf` (its config's "configurable") is part of: the
         run on its thread whose loop runs its top-level task."""

@@ -1050,7 +1050,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
         """
         run = current_run()
         if run is not None and (run.failed is not None or run.lapsed()):
-            run.ensure_live()  # raises
+            self._runs.asking(run, sys._getframe(1)).ensure_live()  # (raises for `run`)
         if current is None:
             n = 1
         elif isinstance(current, str):
