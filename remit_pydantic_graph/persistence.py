@@ -49,6 +49,9 @@ Between two nodes it holds no claim: if another resumer runs its next node
 meanwhile, it gets `ResumeConflict` as a racing resumer does.
 Store calls are blocking; every async method runs them in a worker thread, to its
 end also when the task is cancelled (the cancellation comes once they are done).
+An instance made by URL while an event loop runs opens its store in a worker thread
+too, at its first call (`_Opener`): a store's first open in a process (connecting,
+creating its tables) would hold up every other task of the loop.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import os
 import re
 import threading
 import time
@@ -66,6 +70,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from time import perf_counter
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import anyio.to_thread
 import pydantic
@@ -98,6 +103,8 @@ from remit_core.errors import (
     VersionMismatch,
 )
 from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, FenceRef, WriteRecord
+from remit_core.stores import check_url
+from remit_core.stores.sqlite import sqlite_path
 from remit_pydantic_graph._codec import (
     ForeignNode,
     NotASnapshot,
@@ -114,6 +121,11 @@ __all__ = ["EndNotRunnable", "RemitStatePersistence", "UnknownPause"]
 _ANSWERABLE = ("created", "pending", "error")
 #: Seconds a driver waits for the claim to run its own next node (`_begin_run`).
 _OWN_NEXT_PATIENCE = 2.0
+#: Seconds (at most half the lease) an answer or an edit waits for a claim another
+#: resumer holds on the pause (`_paused_head`): one held for a moment (an edit, an
+#: answer, a worker's poll) is given back by then; one held by a driver that loaded the
+#: pause to run it is not.
+_HELD_PATIENCE = 2.0
 #: How often a resumer whose consumed answer's commit was fenced looks again (`_deliver`).
 _DELIVER_TRIES = 3
 
@@ -214,6 +226,52 @@ async def _in_thread(call: Callable[..., _T], *args: Any) -> _T:
         if not work.cancelled():
             work.exception()  # retrieved: the cancellation is what the caller gets
         raise
+
+
+def _on_loop() -> bool:
+    """Whether this thread is running an event loop (a store opened here would stall it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _pinned(url: str) -> str:
+    """`url` as it names its store now (`ValueError` for one no engine takes): a relative
+    SQLite path resolved against the working directory as the persistence is made, in the
+    form the process's store cache knows it by, since the store opens later, maybe after
+    an `os.chdir`."""
+    if check_url(url).split(":", 1)[0].lower() != "sqlite":
+        return url
+    path = sqlite_path(url)
+    if path == ":memory:" or os.path.isabs(path):
+        return url
+    return f"sqlite:///{os.path.abspath(path)}?{urlsplit(url).query}"
+
+
+class _Opener:
+    """The `Remit` of an instance and its copies and forks, opened at its first use.
+
+    Opening a store the first time in a process connects to it and creates its tables
+    (over 100 ms on a network engine). An instance made while an event loop runs opens
+    it at its first call, in that call's worker thread, so the loop's other tasks go on
+    meanwhile; concurrent first calls share one open (`open_store`'s lock)."""
+
+    def __init__(self, url: str | Remit, lease: float) -> None:
+        self._lock = threading.Lock()
+        self.lease = lease
+        self.url = url if isinstance(url, str) else ""
+        self.opened: Remit | None = url if isinstance(url, Remit) else None
+
+    def remit(self) -> Remit:
+        remit = self.opened
+        if remit is None:
+            with self._lock:
+                if self.opened is None:
+                    self.opened = Remit(self.url, lease=self.lease)
+                remit = self.opened
+        return remit
 
 
 def _check_versions(workflow_version: object, accept_versions: object) -> frozenset[str]:
@@ -325,6 +383,9 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     is recorded on every snapshot; a run written by another version is refused
     unless `accept_versions` lists it (this one is always accepted).
     Bad options raise `TypeError` / `ValueError` before the store is opened.
+    The store opens as the instance is made, or, made while an event loop runs in
+    this thread, at its first call, in that call's worker thread (a store that
+    cannot be reached then raises `StoreUnavailable` from that call).
     """
 
     def __init__(
@@ -344,12 +405,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             checked_id("fork_token", fork_token)
         self.lease = checked_lease(lease)
         self.accept_versions = _check_versions(workflow_version, accept_versions)
-        self.remit = url if isinstance(url, Remit) else Remit(url, lease=self.lease)
+        self._opener = _Opener(url if isinstance(url, Remit) else _pinned(url), self.lease)
         self.run_id = run_id
         self.fork_token = fork_token
         self.workflow_version = workflow_version
-        self.branch = MAIN_BRANCH
+        self._branch = MAIN_BRANCH
         self._line: BranchRecord | None = None
+        self._line_unread = fork_token is not None
+        self._line_lock = threading.Lock()
         self._codec: SnapshotCodec[StateT, RunEndT] | None = None
         self._edges: dict[str, tuple[frozenset[str], bool]] = {}
         self._node_types: dict[str, type] = {}
@@ -358,7 +421,46 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._resumer = _Resumer()
         self._busy = False
         self._busy_lock = threading.Lock()
-        self._token_line()
+        if not _on_loop():
+            self._open()  # no loop waits on this thread: opened (or refused) here, as ever
+
+    # -- the store, opened at first use --------------------------------------------
+    def _open(self) -> Remit:
+        """The instance's `Remit`, opened if it is not yet, and the line its fork token
+        names read once it is (the constructor's work, put off to the first call when
+        the instance was made on a running event loop: `_Opener`)."""
+        remit = self._opener.remit()
+        if self._line_unread:
+            with self._line_lock:
+                if self._line_unread and self.fork_token is not None:
+                    line = remit.fork_branch(self.run_id, self.fork_token)
+                    if line is not None:
+                        self._line, self._branch = line, line.branch
+                self._line_unread = False
+        return remit
+
+    @property
+    def remit(self) -> Remit:
+        """The `Remit` over the instance's store (opened here if no call has opened it)."""
+        return self._open()
+
+    @property
+    def branch(self) -> str:
+        """The branch of the run this instance works on (`main`, or its fork token's)."""
+        self._open()
+        return self._branch
+
+    @branch.setter
+    def branch(self, branch: str) -> None:
+        self._branch = branch
+
+    async def _off_loop(self, call: Callable[..., _T], *args: Any) -> _T:
+        """`call(*args)` in a worker thread (`_in_thread`), the store opened there first."""
+        return await _in_thread(self._opened, call, *args)
+
+    def _opened(self, call: Callable[..., _T], *args: Any) -> _T:
+        self._open()
+        return call(*args)
 
     # -- types (the graph's own adapters) ---------------------------------------
     def set_graph_types(self, graph: Graph[StateT, Any, RunEndT]) -> None:
@@ -435,20 +537,23 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 run_id=self.run_id,
             ) from exc
 
-    def _encode(self, snapshot: Snapshot[StateT, RunEndT]) -> bytes:
-        """The snapshot's bytes, if they read back as this snapshot (P4)."""
+    def _encode(self, snapshot: Snapshot[StateT, RunEndT], edit_of: str | None = None) -> bytes:
+        """The snapshot's bytes, if they read back as this snapshot (P4). `edit_of`: the
+        pause an `update_state` edit is for, which a refusal names (the snapshot the edit
+        would have stored has an id of its own, that the caller never saw)."""
         self._check_id(snapshot.id)
         if isinstance(snapshot, NodeSnapshot):  # status lives in the log, not in the bytes
             snapshot = dataclasses.replace(snapshot, status="created", start_ts=None, duration=None)
         try:
             return self._types().encode(snapshot)
         except Unfit as exc:
+            what = "snapshot" if edit_of is None else f"the state edit of pause {edit_of!r}"
             raise CheckpointInvalid(
-                f"snapshot refused at {exc.field}: {exc.problem}{self._untyped(exc.field)}; "
+                f"{what} refused at {exc.field}: {exc.problem}{self._untyped(exc.field)}; "
                 "nothing was written",
                 field=exc.field,
                 run_id=self.run_id,
-                checkpoint_id=snapshot.id,
+                checkpoint_id=snapshot.id if edit_of is None else edit_of,
             ) from exc
 
     def _untyped(self, field: str) -> str:
@@ -1015,7 +1120,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         node = _checked_node("snapshot_node", next_node)
         snapshot = NodeSnapshot(state=_as_called(state), node=node)
         with self._turn() as resumer:
-            await _in_thread(self._advance, resumer, snapshot)
+            await self._off_loop(self._advance, resumer, snapshot)
 
     async def snapshot_node_if_new(
         self, snapshot_id: str, state: StateT, next_node: BaseNode[StateT, Any, RunEndT]
@@ -1030,7 +1135,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         snapshot = NodeSnapshot(state=_as_called(state), node=node)
         with self._turn() as resumer:
             try:
-                await _in_thread(self._snapshot_if_new, resumer, snapshot_id, snapshot)
+                await self._off_loop(self._snapshot_if_new, resumer, snapshot_id, snapshot)
             except BaseException:
                 self._drop(resumer)  # cut short (cancelled): the node will not run now
                 raise
@@ -1144,7 +1249,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     async def snapshot_end(self, state: StateT, end: End[RunEndT]) -> None:
         snapshot = EndSnapshot(state=_as_called(state), result=_checked_end(end))
         with self._turn() as resumer:
-            await _in_thread(self._advance, resumer, snapshot)
+            await self._off_loop(self._advance, resumer, snapshot)
 
     @asynccontextmanager
     async def record_run(self, snapshot_id: str) -> AsyncIterator[None]:
@@ -1160,7 +1265,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         with self._turn() as resumer:
             resumer.started = None
             try:
-                head, effects_id = await _in_thread(self._begin_run, resumer, snapshot_id)
+                head, effects_id = await self._off_loop(self._begin_run, resumer, snapshot_id)
             except BaseException:
                 if resumer.started is not None:  # cancelled while the node was being marked running
                     self._end_run(resumer, resumer.started, "created", None)
@@ -1177,7 +1282,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                     yield
             except Exception:
                 duration = perf_counter() - start
-                await _in_thread(self._end_run, resumer, head, "error", duration)
+                await self._off_loop(self._end_run, resumer, head, "error", duration)
                 raise
             except BaseException:
                 # Cancelled: give the node back now, on this thread; it has no result.
@@ -1185,7 +1290,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 raise
             duration = perf_counter() - start
             try:
-                await _in_thread(self._finish_run, resumer, head, duration)
+                await self._off_loop(self._finish_run, resumer, head, duration)
             except BaseException:
                 ran = resumer.ran
                 self._drop(resumer)  # no next snapshot may follow: let another resumer rerun it
@@ -1327,7 +1432,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         own backends answer a second call)."""
         with self._turn() as resumer:
             try:
-                return await _in_thread(self._load_next, resumer)
+                return await self._off_loop(self._load_next, resumer)
             except BaseException:
                 self._drop(resumer)  # cut short (cancelled): the node stays free to load
                 raise
@@ -1364,7 +1469,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         return snapshot
 
     async def load_all(self) -> list[Snapshot[StateT, RunEndT]]:
-        return await _in_thread(self._load_all)
+        return await self._off_loop(self._load_all)
 
     def _load_all(self) -> list[Snapshot[StateT, RunEndT]]:
         """This branch's line of snapshots, oldest first (a fork includes its shared prefix).
@@ -1419,7 +1524,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if pause_id is not None:
             checked_id("pause_id", pause_id)
         with self._turn() as resumer:
-            return await _in_thread(self._resume, resumer, node, pause_id)
+            return await self._off_loop(self._resume, resumer, node, pause_id)
 
     def _check_answer(self, node: object) -> None:
         """`TypeError` / `ValueError` for an answer that cannot be a node of this graph."""
@@ -1451,7 +1556,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._types()
         self._follow_token(resumer)
         while True:
-            paused = self._paused_head(pause_id)
+            paused = self._paused_head(pause_id, patient_until=self._held_patience())
             self._check_successor(paused.top, node, pause_id)
             self._check_id(node.get_snapshot_id())
             taken = self.remit.checkpoint(self.run_id, node.get_snapshot_id())
@@ -1584,10 +1689,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return False
         return True
 
-    def _paused_head(self, pause_id: str | None = None, what: str = "the answer") -> _Head:
+    def _paused_head(
+        self, pause_id: str | None = None, what: str = "the answer", *, patient_until: float = 0.0
+    ) -> _Head:
         """The head if the run is paused (at `pause_id`, if given, for `what`): a node not
         started, not holding an answer, unclaimed. A refusal says that `what` (the answer,
-        the edit) was not stored."""
+        the edit) was not stored. Until `patient_until` (`time.monotonic()`), a claim
+        another resumer holds is waited out, and the run read again."""
         lost = "the value was not stored" if what == "the answer" else f"{what} was not stored"
         head = self._read_head()
         if head is None:
@@ -1625,6 +1733,13 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         claim = self.remit.store.get_claim(self.run_id, self.branch)
         now = self.remit.clock()
         if claim is not None and policy.decide_claim(claim, self._holder(), now) == "conflict":
+            if time.monotonic() < patient_until:
+                # Held for a moment (another resumer's edit or answer being stored, a
+                # worker loading the pause to give it back): read again once it is given
+                # back. A refusal now would tell an answer's sender that the pause was
+                # taken while nobody answered it.
+                time.sleep(0.05)
+                return self._paused_head(pause_id, what, patient_until=patient_until)
             raise ResumeConflict(
                 "another resumer holds the run: it is running the paused node, or it loaded "
                 "it (load_next(), as iter_from_persistence() does) and holds it until it runs "
@@ -1633,6 +1748,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
                 **ids,
             )
         return head
+
+    def _held_patience(self) -> float:
+        """Until when (`time.monotonic()`) an answer or an edit waits out a claim held."""
+        return time.monotonic() + min(_HELD_PATIENCE, self.lease / 2)
 
     def _is_pause(self, stored: _Stored, pause_id: str) -> bool:
         """Whether `stored` is pause `pause_id`, or that pause after `update_state` edits:
@@ -1749,7 +1868,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
 
     async def paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
         """The head snapshot if the run is paused and free to resume, else None."""
-        return await _in_thread(self._paused)
+        return await self._off_loop(self._paused)
 
     def _paused(self) -> NodeSnapshot[StateT, RunEndT] | None:
         self._types()
@@ -1786,7 +1905,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         if pause_id is not None:
             checked_id("pause_id", pause_id)
         with self._turn() as resumer:
-            return await _in_thread(self._update_state, resumer, _as_called(state), pause_id)
+            return await self._off_loop(self._update_state, resumer, _as_called(state), pause_id)
 
     def _update_state(
         self, resumer: _Resumer, state: StateT, pause_id: str | None
@@ -1794,7 +1913,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         self._types()
         self._follow_token(resumer)
         # Refuse from a read first: a refused edit never takes the claim.
-        self._paused_head(pause_id, "the edit")
+        self._paused_head(pause_id, "the edit", patient_until=self._held_patience())
         self._acquire(resumer, heartbeat=False)
         try:
             paused = self._paused_head(pause_id, "the edit")
@@ -1810,7 +1929,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             again = node.deep_copy()
             again.set_snapshot_id(generate_snapshot_id(node.get_node_id()))
             snapshot = NodeSnapshot(state=state, node=again)
-            body = self._encode(snapshot)
+            body = self._encode(snapshot, edit_of=paused.top.id if pause_id is None else pause_id)
             self._commit(
                 resumer, snapshot, body, paused, release=True, via="update", replaces=paused.top.id
             )
@@ -1832,14 +1951,14 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         """
         checked_id("snapshot_id", snapshot_id)
         checked_id("fork_token", fork_token)
-        await _in_thread(self._fork_readable, snapshot_id, fork_token)
+        await self._off_loop(self._fork_readable, snapshot_id, fork_token)
         return self._sibling(fork_token)
 
     def _sibling(self, fork_token: str | None) -> RemitStatePersistence[StateT, RunEndT]:
         """Another resumer of this run, on the line `fork_token` names: the same store,
         options and graph types, and a claim of its own."""
         other: RemitStatePersistence[StateT, RunEndT] = RemitStatePersistence(
-            self.remit,
+            self._opener.opened or self._opener.url,
             self.run_id,
             fork_token=fork_token,
             lease=self.lease,
