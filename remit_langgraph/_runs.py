@@ -1997,8 +1997,9 @@ def _check_outputs(loop: PregelLoop, run: Run, check: StateCheck | None) -> None
         return checked_hits(await amatch(current))
 
     loop.tick = checked_tick  # type: ignore[method-assign]
-    loop.match_cached_writes = checked_match  # type: ignore[method-assign]
-    loop.amatch_cached_writes = checked_amatch  # type: ignore[method-assign]
+    if loop.cache is not None:  # (without a cache, LangGraph matches nothing)
+        loop.match_cached_writes = checked_match  # type: ignore[method-assign]
+        loop.amatch_cached_writes = checked_amatch  # type: ignore[method-assign]
 
 
 def _check_send(
