@@ -11,7 +11,7 @@ needs the server extra, imported from `remit_llamaindex.server`).
 from typing import Any
 
 from remit_llamaindex._child import RunFailed
-from remit_llamaindex.runtime import RemitRuntime, RunCheckpoint
+from remit_llamaindex.runtime import PauseAnswered, RemitRuntime, RunCheckpoint
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +22,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["RemitRuntime", "RemitWorkflowStore", "RunCheckpoint", "RunFailed"]
+__all__ = ["PauseAnswered", "RemitRuntime", "RemitWorkflowStore", "RunCheckpoint", "RunFailed"]

@@ -117,6 +117,22 @@ logger = logging.getLogger("remit_llamaindex")
 _FIRST_ATTEMPT = RetryAttempt()
 
 
+class PauseAnswered(ResumeConflict, ForkWithoutIntent):
+    """A restored pause whose question another resumer answered meanwhile (P5).
+
+    Two copies restored from one paused snapshot (`Context.from_dict` of the same
+    `ctx.to_dict()`, or `RemitRuntime.context` at that pause's checkpoint) race to
+    answer it: the first answer moves the run on, and a copy restored after that
+    restores a checkpoint that is no longer its branch's head. It lost the race, it
+    asked for no fork: a `ResumeConflict`, as every other losing resumer's refusal; and,
+    for code that caught it as such before, still a `ForkWithoutIntent`. Nothing ran
+    and nothing was stored. `exc.head_id` is the branch's head when it was refused."""
+
+    def __init__(self, message: str, *, head_id: str | None = None, **ids: Any) -> None:
+        super().__init__(message, **ids)
+        self.head_id = head_id
+
+
 @dataclass(frozen=True)
 class RunCheckpoint:
     """One committed checkpoint of a run, as `RemitRuntime.checkpoints` lists it."""
@@ -492,6 +508,41 @@ class RemitRuntime(BaseRuntimeDecorator):
 
         return _child.EndedRun(key, init, store, raised)
 
+    def _answered_pause(
+        self, run_id: str, base_id: str, branch: BranchRecord
+    ) -> PauseAnswered | None:
+        """The refusal of a restore of `base_id`, a pause of `branch` that is no longer its
+        head, if a question it waited on was answered (its interrupt consumed): the
+        restoring copy lost a race to answer it (P5), it did not ask for a fork. None for
+        any other non-head checkpoint (time travel: a plain `ForkWithoutIntent`)."""
+        try:
+            record = self.remit.checkpoint(run_id, base_id)
+        except RemitError:  # (unreadable: refused as any other non-head restore)
+            return None
+        on_branch = record is not None and (
+            record.branch == branch.branch or base_id == branch.base_id  # (a fork's base)
+        )
+        if record is None or not on_branch or record.metadata.get("status") != snap.WAITING:
+            return None
+        key = public_run_id(run_id, branch.branch)
+        for waiter in record.metadata.get("waiting", ()):
+            found = self.remit.interrupt(run_id, str(waiter), branch=branch.branch)
+            if found is not None and found.status == "consumed":
+                return PauseAnswered(
+                    f"the pause restored at checkpoint {base_id!r} of run {key!r} was "
+                    f"answered already (its question {found.interrupt_id!r} was answered by "
+                    f"another resumer, and the run moved on to {branch.head_id!r}); this "
+                    "copy lost the race to answer it: nothing ran and nothing was stored. "
+                    "Restore the run's head (RemitRuntime.context(workflow, run_id)) and read "
+                    "rt.status/rt.result, or pass a fork token to answer it again on a "
+                    "branch of its own",
+                    run_id=key,
+                    checkpoint_id=base_id,
+                    interrupt_id=found.interrupt_id,
+                    head_id=branch.head_id,
+                )
+        return None
+
     def _restored(
         self, workflow: Workflow, handle: dict[str, Any], serializer: JsonSerializer
     ) -> Session | _child.EndedRun:
@@ -516,6 +567,10 @@ class RemitRuntime(BaseRuntimeDecorator):
                 run_id=run_id,
                 checkpoint_id=base_id,
             )
+        if found is not None and token is None and found.head_id != base_id:
+            answered = self._answered_pause(run_id, base_id, found)
+            if answered is not None:
+                raise answered
         if found is None or (token is None and found.head_id != base_id):
             raise ForkWithoutIntent(
                 f"checkpoint {base_id!r} is not the head of run {run_id!r}; restoring it "
@@ -759,7 +814,8 @@ class RemitRuntime(BaseRuntimeDecorator):
 
         Running it continues the run. A checkpoint that is not its branch's head
         is continued only with `fork_token` (one token, one branch, from any
-        process); without one the run refuses with `ForkWithoutIntent`. A fork's
+        process); without one the run refuses with `ForkWithoutIntent` (`PauseAnswered`,
+        also a `ResumeConflict`, for a pause whose question was answered since). A fork's
         run id ("<run>@fork-...") names its branch: a checkpoint given with it is
         continued on that branch (a new fork's head is its base, stored on the
         branch it was forked from), never on another.
@@ -1121,6 +1177,9 @@ class RemitRuntime(BaseRuntimeDecorator):
 
     def _cancel(self, run_id: str) -> str:
         key_run, branch_name = split_run_id(run_id)
+        # A run the store does not hold is refused before its claim is taken: a claim
+        # taken for it would leave a claim row behind for a run that does not exist.
+        self._branch(run_id)
         try:
             claim = self.remit.claim(key_run, branch_name)
         except ResumeConflict as exc:

@@ -303,9 +303,9 @@ asyncio.run(main())
 
 #: What a racer that lost gets: its handler ends with `ResumeConflict` (it restored the
 #: snapshot in time, and the winner consumed the answer first), or the restore itself is
-#: refused, with `ResumeConflict` while the winner holds the run, or as a fork once the
-#: winner moved the run on from the snapshot.
-LOSERS = {"LOST ResumeConflict", "REFUSED ResumeConflict", "REFUSED ForkWithoutIntent"}
+#: refused, with `ResumeConflict` while the winner holds the run, or with `PauseAnswered`
+#: (a `ResumeConflict` too) once the winner moved the run on from the snapshot.
+LOSERS = {"LOST ResumeConflict", "REFUSED ResumeConflict", "REFUSED PauseAnswered"}
 
 
 def answer_together(
@@ -365,7 +365,8 @@ def test_two_questions_paused_the_frameworks_way_and_answered_by_racing_processe
     question (`ctx.to_dict()` to a file, `cancel_run()`), and four processes restore
     that file (`Context.from_dict`) and answer through `handler.ctx.send_event` at once.
     Each round exactly one proceeds; each other one runs nothing (its handler ends with
-    `ResumeConflict`, or its restore is refused as a fork once the run moved on).
+    `ResumeConflict`, or its restore is refused with `PauseAnswered`, a `ResumeConflict`
+    too, once the run moved on).
     Every step is entered once, each answer is paid once with the winner's value, and
     the first round's file, restored again, is refused as a fork."""
     monkeypatch.setenv(DIR_VAR, str(tmp_path))
