@@ -918,7 +918,7 @@ class RemitFlowPersistence(FlowPersistence):
         """The state as plain data the codec stores exactly, or `CheckpointInvalid`."""
         ids = {"run_id": session.run_id, "checkpoint_id": session.head}
         try:
-            return self._checked_state(session, state_data, ids)
+            return self._checked_state(session, _snapshot(state_data), ids)
         except RecursionError:
             raise CheckpointInvalid(
                 "state is nested too deeply to store (checking it goes past Python's "
@@ -2138,6 +2138,37 @@ def _by_field_name(model: type[BaseModel], state: Mapping[str, Any]) -> dict[str
         if f.serialization_alias is not None and f.serialization_alias != name
     }
     return {names.get(k, k): v for k, v in state.items()}
+
+
+def _snapshot(value: Any) -> Any:
+    """`value` with each dict, list, set and tuple in it (a model's fields and extra fields
+    too) copied, so that checking and encoding it reads what it held at the save.
+
+    CrewAI saves an async step's completion in a thread while the event loop runs the
+    step's siblings on the same state: read live, a dict a sibling adds a key to
+    meanwhile fails the save ("dictionary changed size during iteration") and with it
+    the flow. Each container is copied in one C call, which no other thread interrupts;
+    only exact built-in types are copied (a subclass stays as it is, to be refused by
+    type), so what is checked is what is stored."""
+    kind = type(value)
+    if kind is dict:
+        return {key: _snapshot(item) for key, item in value.copy().items()}
+    if kind is list:
+        return [_snapshot(item) for item in value.copy()]
+    if kind is tuple:
+        return tuple(_snapshot(item) for item in value)
+    if kind is set:
+        return value.copy()
+    if isinstance(value, BaseModel):
+        copied = value.model_copy()  # a new `__dict__` (and extra dict), in C calls
+        for name, item in copied.__dict__.items():
+            copied.__dict__[name] = _snapshot(item)
+        extra = copied.__pydantic_extra__
+        if extra:
+            for name, item in extra.items():
+                extra[name] = _snapshot(item)
+        return copied
+    return value
 
 
 def _mixed_dump(state: BaseModel, *, by_alias: bool) -> dict[str, Any]:

@@ -20,6 +20,9 @@ from test_crewai_probes20 import other_flow
 
 from remit_crewai import RemitFlowPersistence, fork_token
 
+#: How long a kickoff held at a gate waits for its rival to end before the gate opens.
+GATE_PATIENCE = 60.0
+
 
 def test_a_fork_refused_for_another_flow_class_makes_no_branch_and_spends_no_token(
     url: str, world: Path
@@ -64,13 +67,17 @@ def test_one_flow_id_kicked_off_from_two_threads_at_once_runs_once(url: str, wor
     """P5, P1: two threads of one process kick off one flow id at once (each its own
     instance, behind a barrier): exactly one runs the flow, the other gets
     `ResumeConflict` before any method body runs; every step entered once, the effect
-    applied once, and nothing is left claimed (a later kickoff by id runs nothing)."""
+    applied once, and nothing is left claimed (a later kickoff by id runs nothing).
+    The one that claims the flow is held in `charge` until the other kickoff ended, so
+    the two meet however slowly either thread runs (a watchdog opens the gate after
+    `GATE_PATIENCE` s, so a kickoff that never ends fails the probe, never hangs it)."""
     import threading
 
     flow_id = f"o-{uuid.uuid4().hex}"
+    gate = world.parent / "gate"
 
     def race() -> list[str]:
-        cls = order_flow(url, world)
+        cls = order_flow(url, world, points={"charge.before": f"wait:{gate}"})
         barrier = threading.Barrier(2)
         out: list[str] = []
 
@@ -81,12 +88,17 @@ def test_one_flow_id_kicked_off_from_two_threads_at_once_runs_once(url: str, wor
                 out.append("ok")
             except Exception as exc:
                 out.append(type(exc).__name__)
+            finally:
+                gate.touch()  # the first to end lets the other go on
 
+        watchdog = threading.Timer(GATE_PATIENCE, gate.touch)
+        watchdog.start()
         threads = [threading.Thread(target=one) for _ in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        watchdog.cancel()
         again = kickoff(cls, inputs={"id": flow_id})
         return sorted(out) + [str(again["state"]["shipped"])]
 
@@ -134,25 +146,35 @@ def test_one_flow_id_kicked_off_from_two_tasks_at_once_runs_once(url: str, world
     """P5, P1: two asyncio tasks of one event loop kick off one flow id at once with
     `kickoff_async` (each its own instance): exactly one runs the flow, the other gets
     `ResumeConflict` before any method body runs; each step entered once, the effect
-    applied once, and nothing is left claimed (a later kickoff by id finishes at once)."""
+    applied once, and nothing is left claimed (a later kickoff by id finishes at once).
+    The one that claims the flow is held in `charge` (a sync step: CrewAI runs it in a
+    thread) until the other kickoff ended; a watchdog opens the gate after
+    `GATE_PATIENCE` s, so a kickoff that never ends fails the probe, never hangs it."""
     import asyncio
+    import threading
 
     flow_id = f"o-{uuid.uuid4().hex}"
+    gate = world.parent / "gate"
 
     def race() -> list[str]:
-        cls = order_flow(url, world)
+        cls = order_flow(url, world, points={"charge.before": f"wait:{gate}"})
 
         async def one() -> str:
             try:
                 await cls(suppress_flow_events=True).kickoff_async(inputs={"id": flow_id})
             except Exception as exc:
                 return type(exc).__name__
+            finally:
+                gate.touch()  # the first to end lets the other go on
             return "ok"
 
         async def both() -> list[str]:
             return list(await asyncio.gather(one(), one()))
 
+        watchdog = threading.Timer(GATE_PATIENCE, gate.touch)
+        watchdog.start()
         out = sorted(asyncio.run(both()))
+        watchdog.cancel()
         again = kickoff(cls, inputs={"id": flow_id})
         return [*out, str(again["state"]["shipped"])]
 
