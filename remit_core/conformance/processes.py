@@ -183,8 +183,10 @@ class Worker:
         if os.WIFSTOPPED(status):
             return Outcome("stopped", signal=os.WSTOPSIG(status)) if stopped_counts else None
         self._status = status
-        while not self._drain():
-            time.sleep(0.001)
+        # Ended: all it wrote is in the pipe. Read that without waiting for end of
+        # file, which a process it forked (holding the write end it inherited) would
+        # put off for as long as that process lives.
+        self._drain()
         os.close(self.fd)
         self.outcome = self._decode(status)
         return self.outcome
