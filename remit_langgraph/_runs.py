@@ -1551,9 +1551,7 @@ class Runs:
             if interrupt.prompt is not None:
                 schema = codec.loads(interrupt.prompt).get("response_schema")
                 if isinstance(schema, Mapping):
-                    StateSchema(schema).validate(
-                        _json_form(value), run_id=run.thread, interrupt_id=iid
-                    )
+                    _check_answer(schema, value, run.thread, iid)
         # Every value is checked and encoded before the first is consumed: a map with
         # one refused value consumes none of its interrupts.
         packed = {
@@ -2031,6 +2029,25 @@ def _check_send(
         raise
     if refused:
         refused.pop(task_id, None)  # (a retry's output was taken)
+
+
+def _check_answer(schema: Mapping[str, Any], value: Any, thread: str, iid: str) -> None:
+    """Check a resume value against its interrupt's `response_schema` (a JSON Schema),
+    or raise `CheckpointInvalid` that says it is the answer, not the state, that the
+    schema refuses, naming the field and the interrupt."""
+    try:
+        StateSchema(schema).validate(_json_form(value), run_id=thread, interrupt_id=iid)
+    except CheckpointInvalid as error:
+        where = error.field or "<root>"
+        _, _, why = error.message.partition(f" at {where}: ")
+        raise CheckpointInvalid(
+            f"the resume value for interrupt {iid!r} does not satisfy the interrupt's "
+            f"response_schema at {where}: {why or error.message}; the value was not "
+            "stored and the interrupt is still pending",
+            field=error.field,
+            run_id=thread,
+            interrupt_id=iid,
+        ) from error
 
 
 def _json_form(value: Any) -> Any:
