@@ -11,7 +11,9 @@ store, no event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -234,6 +236,38 @@ def _as_read_back(state: BaseModel, schema: StateSchema, **ids: Any) -> BaseMode
     return validated if isinstance(validated, model) else None
 
 
+def _retyped(value: Any, back: Any, path: str) -> tuple[str, str] | None:
+    """Where a model in `value` reads back (`back`) as another type: a model of a union
+    with no discriminator read as another member, a subclass read as the base class its
+    field declares (its own fields dropped), a model in an `Any` field read as a dict.
+    Plain data read as a model (a dict, an ISO string) is the model's own reading."""
+    if isinstance(value, (BaseModel, Enum)) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    ):
+        if type(back) is not type(value) and not (isinstance(value, Enum) and back == value):
+            return path, f"a {type(value).__name__} would come back as a {type(back).__name__}"
+        if not isinstance(value, BaseModel):
+            return None
+        for name in type(value).model_fields:
+            found = _retyped(getattr(value, name), getattr(back, name, None), _path(path, name))
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, dict) and isinstance(back, dict):
+        for key in value:
+            if key in back:
+                found = _retyped(value[key], back[key], _path(path, key))
+                if found is not None:
+                    return found
+        return None
+    if isinstance(value, (list, tuple)) and isinstance(back, (list, tuple)):
+        for i, (a, b) in enumerate(zip(value, back, strict=False)):
+            found = _retyped(a, b, _path(path, i))
+            if found is not None:
+                return found
+    return None
+
+
 def checked_state(
     state: BaseModel, schema: StateSchema | None, serializer: JsonSerializer, **ids: Any
 ) -> BaseModel:
@@ -241,7 +275,9 @@ def checked_state(
     storable as it is (`check_storable`). A typed field given a value its model accepts
     in another form ({"n": "5"} for an int, a dict for a nested model, an ISO string
     for a datetime) is taken as the model reads it, which is what the checkpoint gives
-    back, so the live state and every later read hold the same value."""
+    back, so the live state and every later read hold the same value. A model that
+    would be read back as another type (`_retyped`) is refused naming its field: taking
+    the other type would silently change what the step wrote."""
     if schema is not None:
         state = schema.validate(state, **ids)
         back = _as_read_back(state, schema, **ids)
@@ -249,6 +285,19 @@ def checked_state(
             _mismatch(getattr(state, name), getattr(back, name), name) is not None
             for name in type(state).model_fields
         )
+        if back is not None and changed:
+            for name in type(state).model_fields:
+                found = _retyped(getattr(state, name), getattr(back, name), name)
+                if found is not None:
+                    field, reason = found
+                    raise CheckpointInvalid(
+                        f"state value at {field} cannot be stored as it is: {reason} (its "
+                        "field's model reads the stored data as that type); nothing was "
+                        "stored: give the models a Literal field to discriminate them, or "
+                        "declare the exact type",
+                        field=field,
+                        **ids,
+                    )
         if back is not None and changed and unstorable(back, serializer) is None:
             return back
     check_storable(state, serializer, **ids)
