@@ -242,6 +242,12 @@ class Run:
             return [(ch, v) for ch, v in writes if ch != RESUME]
         return [(ch, v) for ch, v in writes if not (ch == ERROR and id(v) in refused)]
 
+    def drives(self, loop: PregelLoop) -> bool:
+        """Whether `loop` is this run's loop, or the loop of one of its subgraphs."""
+        return (self.loop is not None and self.loop() is loop) or any(
+            ref() is loop for ref in list(self.nested.values())
+        )
+
     def settle(self, timeout: float = 5.0) -> None:
         """Wait for this run's writes in flight, then `ensure_live`."""
         with self._settled:
@@ -615,9 +621,7 @@ class Runs:
         for run in list(self._open.values()):
             if run.thread != thread or run.claim._released:
                 continue
-            if (run.loop is not None and run.loop() is loop) or any(
-                ref() is loop for ref in list(run.nested.values())
-            ):
+            if run.drives(loop):
                 return run
         return None
 
@@ -632,9 +636,7 @@ class Runs:
             loop = frame.f_locals.get("self")
             if isinstance(loop, PregelLoop):
                 for run in list(self._open.values()):
-                    if (run.loop is not None and run.loop() is loop) or any(
-                        ref() is loop for ref in list(run.nested.values())
-                    ):
+                    if run.drives(loop):
                         return run
                 break
             frame = frame.f_back
