@@ -87,6 +87,7 @@ from pydantic_graph.persistence import (
     SnapshotStatus,
     StateT,
 )
+from pydantic_graph.persistence._utils import nodes_type_context
 
 from remit_core import codec, policy
 from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_id, checked_lease
@@ -513,7 +514,16 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         return self._codec is None
 
     def set_types(self, state_type: type[StateT], run_end_type: type[RunEndT]) -> None:
-        """Build the snapshot codec (called inside the graph's node-type context)."""
+        """Build the snapshot codec (called inside the graph's node-type context).
+
+        Called by hand, outside it, the node types are unknown: pydantic-graph's own
+        words would then say to call `set_types()`, the very call that failed."""
+        if nodes_type_context.get(None) is None:
+            raise RuntimeError(
+                "set_types() builds the snapshot types from the graph's nodes, which only "
+                "set_graph_types(graph) knows: call persistence.set_graph_types(graph) "
+                "instead (Graph.run, iter, initialize and iter_from_persistence do it)"
+            )
         self._codec = SnapshotCodec(state_type, run_end_type, self._edges, self._node_types)
 
     def _types(self) -> SnapshotCodec[StateT, RunEndT]:
@@ -1442,8 +1452,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         raised (no snapshot followed it, so it runs again, its recorded effects not)."""
         self._types()
         self._follow_token(resumer)
-        if self._read_head() is None:
-            return None  # no run on this line (an unknown run id): nothing to claim or write
+        first = self._read_head()
+        if first is None or not first.top.is_node:
+            # No run on this line (an unknown run id), or it has ended (no node follows an
+            # End): nothing to claim or write. A claim taken here would only turn racing
+            # readers of an ended run away with `ResumeConflict`.
+            return None
         self._acquire(resumer, heartbeat=False)
         try:
             head = self._read_head()
