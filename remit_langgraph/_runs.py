@@ -1128,6 +1128,7 @@ class Runs:
                 resume,
                 edited=edited,
                 gone=gone,
+                replaced=self._replaced_senders(loop, run, record, writes),
                 failed=self._failed(run, writes),
                 asked_again=self._asked_again(run, here, writes),
             )
@@ -1141,6 +1142,21 @@ class Runs:
         # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
         if any(i.checkpoint_id != record.checkpoint_id for i in here):
             return self._owed_across_update(run, writes, here)
+        replaced = self._replaced_senders(loop, run, record, writes)
+        owed = [
+            i.interrupt_id for i in here if i.status == "consumed" and i.interrupt_id in replaced
+        ]
+        if owed:
+            raise ResumeConflict(
+                "this interrupt's value was consumed by a resumer that stopped before its "
+                f"Send branch (index {replaced[owed[0]]}) finished, and this command's goto "
+                "replaces that branch: LangGraph would hand the value to the branch now at "
+                "its index, another question, or to none. Nothing was stored; continue with "
+                "invoke(None, config), or give the goto the pending branch's Send at the "
+                "same index first",
+                run_id=run.thread,
+                interrupt_id=owed[0],
+            )
         self._redeliver(loop, run, writes, here)
         # What the ledger owes goes back by interrupt id; LangGraph's own resume write
         # is spent (its node took it, or takes it again by id): kept, it would answer
@@ -1432,6 +1448,40 @@ class Runs:
                 gone[item.id] = node
         return gone
 
+    def _replaced_senders(
+        self,
+        loop: PregelLoop,
+        run: Run,
+        record: CheckpointRecord,
+        writes: Sequence[WriteRecord],
+    ) -> dict[str, int]:
+        """The interrupts that `Send` branches asked at the head `record` (its `writes`)
+        whose packets the command's `goto` replaces, with each branch's index: once the
+        goto's `Send`s are written, they are the step's pending sends, and the branch
+        at that index is another one (under the same task id, so the same interrupt
+        id) or none, so the value would answer another question or be read by nothing.
+        A goto that gives the same packet at the same index keeps the branch."""
+        command = loop.input
+        if not isinstance(command, Command) or not command.goto:
+            return {}
+        sent = [v for _, channel, v in map_command(command) if channel == TASKS]
+        if not sent:
+            return {}
+        sends: Sequence[Any] | None = None
+        replaced: dict[str, int] = {}
+        for w in writes:
+            if w.channel != INTERRUPT or not _is_send_path(w.task_path):
+                continue
+            if sends is None:
+                values = self.saver._tuple(record, list(writes)).checkpoint["channel_values"]
+                sends = values.get(TASKS) or ()
+            index = int(w.task_path.split(", ")[1])
+            if index < min(len(sent), len(sends)) and sent[index] == sends[index]:
+                continue
+            for item in _interrupts_in(self.saver._decode(w.value, run_id=run.thread)):
+                replaced[item.id] = index
+        return replaced
+
     def _consume(
         self,
         run: Run,
@@ -1440,6 +1490,7 @@ class Runs:
         *,
         edited: bool = False,
         gone: Mapping[str, str] | None = None,
+        replaced: Mapping[str, int] | None = None,
         failed: Sequence[str] = (),
         asked_again: Mapping[str, InterruptRecord] | None = None,
     ) -> dict[str, Any]:
@@ -1447,6 +1498,7 @@ class Runs:
         by interrupt id (`edited`: they were
         asked before an `update_state` that the head is, or follows; `gone`: those
         asked by nodes the running graph lacks, by id, whose values nothing reads;
+        `replaced`: those asked by `Send` branches the command's goto replaces;
         `failed`: the errors the head's tasks raised, if the last run failed;
         `asked_again`: the newest records of the questions asked again after their
         node refused an answer, by question id: a pending one takes the value)."""
@@ -1531,6 +1583,17 @@ class Runs:
                     "the run with the value read by nothing. Nothing was stored; resume "
                     "with the graph that has the node (a saver's workflow_version tells "
                     "the two graphs apart)",
+                    run_id=run.thread,
+                    interrupt_id=iid,
+                )
+            if replaced and iid in replaced:
+                raise ResumeConflict(
+                    f"this interrupt was asked by the Send branch at index {replaced[iid]}, "
+                    "which this command's goto replaces: LangGraph runs the goto's Send "
+                    "packets in place of the step's pending ones, so the value would answer "
+                    "another branch's question or be read by nothing. Nothing was stored; "
+                    "resume without a Send in goto, or give the goto the pending branch's "
+                    "Send at the same index first",
                     run_id=run.thread,
                     interrupt_id=iid,
                 )
