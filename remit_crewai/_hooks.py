@@ -60,6 +60,8 @@ from remit_crewai._session import (
     current_fork_token,
     pausing,
     started_as,
+    streamed_token,
+    streaming_under,
 )
 from remit_crewai.persistence import RemitFlowPersistence
 
@@ -83,6 +85,8 @@ def install() -> None:
         _resume.install()
         _end_when_cancelled("kickoff_async")
         _end_when_cancelled("resume_async")
+        _fork_where_called("stream_events")
+        _fork_where_called("astream")
         _complete_on_own_store()
         _installed = True
 
@@ -112,6 +116,23 @@ def _end_when_cancelled(name: str) -> None:
                 backend._end_turn(self)
 
     setattr(engine, name, ending)
+
+
+def _fork_where_called(name: str) -> None:
+    """Wrap CrewAI's `name` (`stream_events`, `astream`: what `kickoff` and `kickoff_async`
+    of a streaming flow return) so that the run it makes forks under the `fork_token` of
+    the place the kickoff was called: CrewAI starts that run only when the frames are
+    read, maybe after the block (`streaming_under`)."""
+    engine = runtime.Flow
+    stream = getattr(engine, name)
+
+    @functools.wraps(stream)
+    def streaming(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(getattr(self, "persistence", None), RemitFlowPersistence):
+            streaming_under(self, current_fork_token.get())
+        return stream(self, *args, **kwargs)
+
+    setattr(engine, name, streaming)
 
 
 def _complete_on_own_store() -> None:
@@ -213,6 +234,7 @@ def _on_start(ctx: Any) -> Any:
         # The token names this kickoff's fork only: a flow kicked off inside its steps
         # gets the step's id for it (`_nested_id`), not a fork's. Back at its end.
         current_fork_token.set(None)
+    token = streamed_token(ctx.flow) or token
     inputs: Any = ctx.payload
     replaced: dict[str, Any] | None = None
     if (

@@ -130,6 +130,39 @@ def fork_token(token: str) -> Iterator[None]:
         current_fork_token.reset(reset)
 
 
+#: The fork token of the latest streaming kickoff of a flow instance called inside a
+#: `fork_token` block, not run yet (id -> the instance, the token): see `streaming_under`.
+_streaming: dict[int, tuple[weakref.ref[Any], str]] = {}
+
+
+def streaming_under(flow: Any, token: str | None) -> None:
+    """Note the fork token current where a streaming kickoff of `flow` (`stream = True`)
+    was called. CrewAI runs such a flow only when the frames are read, in a thread or
+    task of that place's context, which may be after the `fork_token` block the kickoff
+    was called in (a web handler returns the stream): the run takes this token
+    (`streamed_token`)."""
+    key = id(flow)
+    if token is None:
+        _streaming.pop(key, None)
+        return
+
+    def forget(ref: weakref.ref[Any], key: int = key) -> None:
+        if _streaming.get(key, (None,))[0] is ref:
+            del _streaming[key]
+
+    _streaming[key] = (weakref.ref(flow, forget), token)
+
+
+def streamed_token(flow: Any) -> str | None:
+    """The fork token the streaming kickoff of `flow` that now starts running was called
+    under (`streaming_under`), taken: None for any other kickoff."""
+    noted = _streaming.get(id(flow))
+    if noted is None or noted[0]() is not flow:
+        return None
+    del _streaming[id(flow)]
+    return noted[1]
+
+
 @dataclass(eq=False)
 class Execution:
     """One kickoff of a Remit-backed flow, as the interception hooks saw it begin.
