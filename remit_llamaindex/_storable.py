@@ -67,12 +67,38 @@ def _mismatch(value: Any, back: Any, path: str) -> tuple[str, str] | None:
     return path, f"it would not read back as the same {type(value).__name__}"
 
 
+_TOO_DEEP = "it is nested too deeply to be stored as JSON"
+
+
+def _too_deep(exc: BaseException | None) -> bool:
+    """Whether `exc` came of Python's recursion limit (the framework's serializer raises
+    it as a `ValueError` whose context is the `RecursionError`)."""
+    while exc is not None:
+        if isinstance(exc, RecursionError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _is_too_deep(value: Any, serializer: JsonSerializer) -> bool:
+    """Whether the serializer fails on `value` for its depth alone."""
+    try:
+        serializer.serialize(value)
+    except Exception as exc:  # the framework's serializer raises ValueError, or worse
+        return _too_deep(exc)
+    return False
+
+
 def _unstorable_value(value: Any, serializer: JsonSerializer, path: str) -> tuple[str, str] | None:
     """The first part of `value` the serializer cannot store, or would store as another
     value (a tuple read back as a list, an int key as a string, a datetime it rejects)."""
     try:
         back = serializer.deserialize(serializer.serialize(value))
-    except Exception:  # the framework's serializer raises ValueError, or worse
+    except Exception as exc:  # the framework's serializer raises ValueError, or worse
+        if _too_deep(exc):
+            # Named at this key: looking deeper for the part that fails would recurse
+            # as deep, and fail with a bare RecursionError.
+            return path, _TOO_DEEP
         for key, child in _children(value):
             found = _unstorable_value(child, serializer, _path(path, key))
             if found is not None:
@@ -101,6 +127,8 @@ def _unstorable_model(state: BaseModel, serializer: JsonSerializer) -> tuple[str
                 # are not text, the JSON text an int of more digits than it converts.
                 json.dumps(state.model_dump(mode="json", include={name}))
             except Exception as field_exc:
+                if _is_too_deep(getattr(state, name), serializer):
+                    return name, _TOO_DEEP
                 return name, f"it cannot be stored as JSON ({field_exc})"
         return "<root>", f"the state cannot be stored as JSON ({exc})"
     if not (isinstance(data, dict) and data.get("__is_pydantic")):
@@ -277,7 +305,32 @@ def checked_state(
     for a datetime) is taken as the model reads it, which is what the checkpoint gives
     back, so the live state and every later read hold the same value. A model that
     would be read back as another type (`_retyped`) is refused naming its field: taking
-    the other type would silently change what the step wrote."""
+    the other type would silently change what the step wrote. A value nested too deeply
+    for the serializer is refused naming its key, not with a bare `RecursionError`."""
+    try:
+        return _checked_state(state, schema, serializer, **ids)
+    except RecursionError as exc:
+        key = _too_deep_key(state, serializer)
+        raise CheckpointInvalid(
+            f"state value at {key} cannot be stored: {_TOO_DEEP}; nothing was stored",
+            field=key,
+            **ids,
+        ) from exc
+
+
+def _too_deep_key(state: BaseModel, serializer: JsonSerializer) -> str:
+    """The first key (or field) of `state` whose value the serializer cannot encode for
+    its depth ("<root>" if none on its own)."""
+    if isinstance(state, DictState):
+        entries = list(state.items())
+    else:
+        entries = [(name, getattr(state, name)) for name in type(state).model_fields]
+    return next((str(key) for key, value in entries if _is_too_deep(value, serializer)), "<root>")
+
+
+def _checked_state(
+    state: BaseModel, schema: StateSchema | None, serializer: JsonSerializer, **ids: Any
+) -> BaseModel:
     if schema is not None:
         state = schema.validate(state, **ids)
         back = _as_read_back(state, schema, **ids)
