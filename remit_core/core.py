@@ -1157,8 +1157,14 @@ class Remit:
         *,
         branch: str = MAIN_BRANCH,
         fence: FenceRef | None = None,
+        writes: Sequence[WriteRecord] = (),
     ) -> InterruptRecord:
         """Consume a pending interrupt with `value`, once across all resumers (P5).
+
+        `writes` (step writes of this run, kept where their slots are taken, as
+        `put_writes` mode "first") are stored in the consume's own transaction:
+        what a resume brings beside its value (a command's update, where it goes)
+        is never lost to a resumer that dies after the value was taken.
 
         Raises `ResumeConflict` if it was already consumed (nothing stored). The
         record names this call as its consumer (`consumed_by`: the instance's
@@ -1170,6 +1176,14 @@ class Remit:
         checked_id("branch", branch)
         _check_bytes("value", value)
         check_fence_run(fence, run_id)
+        writes = _collected(writes)
+        for w in writes:
+            _checked_write(w)
+            if w.run_id != run_id:
+                raise ValueError(
+                    f"a consume stores writes of its own run only: run_id {run_id!r}, "
+                    f"a write's {w.run_id!r}"
+                )
         failpoints.hit("interrupt.before_consume")
         pending = self.store.get_interrupt(run_id, branch, interrupt_id)
         if pending is not None and pending.status != "consumed":
@@ -1187,6 +1201,7 @@ class Remit:
                 consumer=consumer,
                 now=self.clock(),
                 fence=fence,
+                writes=[self._seal_write(w) for w in writes],
             )
         except StoreUnavailable as lost:
             record = self._landed_consume(run_id, branch, interrupt_id, consumer, lost)

@@ -13,7 +13,9 @@ graph that runs is the frame above. At that call the saver (`Runs.start`):
   (`ForkWithoutIntent`), and turns a fork token seen before into its branch;
 - consumes the interrupt(s) a `Command(resume=...)` answers, after checking
   the value against the interrupt's `response_schema`: the value is durable
-  before any node runs, and a consumed interrupt refuses a second value;
+  before any node runs, with the writes LangGraph makes of the command's
+  `update` and `goto` (in the consume's transaction), and a consumed
+  interrupt refuses a second value;
 - re-delivers values consumed by a resumer that died before its node finished;
 - learns the graph's state schema (P4) and the types its serializer may store.
 
@@ -57,7 +59,9 @@ from langgraph._internal._constants import (
 from langgraph._internal._serde import build_serde_allowlist
 from langgraph._internal._typing import MISSING
 from langgraph.channels.base import BaseChannel
+from langgraph.channels.untracked_value import UntrackedValue
 from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
     BaseCheckpointSaver,
     CheckpointTuple,
     get_serializable_checkpoint_metadata,
@@ -68,9 +72,10 @@ from langgraph.config import get_config
 from langgraph.errors import EmptyInputError, InvalidUpdateError, is_invalid_resume
 from langgraph.func import entrypoint
 from langgraph.pregel import Pregel
+from langgraph.pregel._algo import sanitize_untracked_values_in_send
 from langgraph.pregel._io import map_command
 from langgraph.pregel._loop import AsyncPregelLoop, PregelLoop, SyncPregelLoop
-from langgraph.types import Command, Interrupt
+from langgraph.types import Command, Interrupt, Send
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from remit_core import Remit, codec, policy
@@ -96,7 +101,7 @@ from remit_core.records import (
 from remit_core.schema import StateSchema
 from remit_core.stores.base import display_url
 from remit_langgraph._records import THREAD_LIVES, checked_conf, restamped, thread_id
-from remit_langgraph._schema import StateCheck, plain_record_types
+from remit_langgraph._schema import DeltaChannel, StateCheck, plain_record_types
 from remit_langgraph._serde import StrictSerializer
 from remit_langgraph._shared_effects import CALLS, Made, TaskCalls
 
@@ -781,7 +786,9 @@ class Runs:
                         call.check.after(
                             _channels_at(loop.specs, values, earlier, pairs), pairs, **ids
                         )
-                owed = self._settle_resume(loop, run, record, writes)
+                owed = self._settle_resume(
+                    loop, run, record, writes, () if found is None else found.pending_writes or ()
+                )
                 edited = record.metadata.get("source") == "update"
                 if (branch != MAIN_BRANCH or edited) and (
                     loop.input is None or isinstance(loop.input, Command)
@@ -1088,10 +1095,12 @@ class Runs:
         run: Run,
         record: CheckpointRecord,
         writes: Sequence[WriteRecord],
+        prior: Sequence[tuple[str, str, Any]] = (),
     ) -> Any:
         """Consume what a `Command(resume=...)` answers; re-deliver what a dead resumer
-        took. `writes` are the checkpoint's. Returns a value still owed to the pause
-        `update_state` moved past (see `_pause`), or None."""
+        took. `writes` are the checkpoint's, `prior` the pending writes LangGraph reads
+        with it. Returns a value still owed to the pause `update_state` moved past (see
+        `_pause`), or None."""
         resume = loop.input.resume if isinstance(loop.input, Command) else None
         # A command without a resume value (`Command(update=...)`, `goto=`) runs the
         # paused tasks again as `invoke(None, config)` does: it owes them the same values.
@@ -1131,6 +1140,7 @@ class Runs:
                 replaced=self._replaced_senders(loop, run, record, writes),
                 failed=self._failed(run, writes),
                 asked_again=self._asked_again(run, here, writes),
+                riding=self._command_writes(loop, run, record, prior, edited=edited),
             )
             command = loop.input
             if isinstance(command, Command) and command.goto and not edited:
@@ -1163,6 +1173,56 @@ class Runs:
         # the node's next question with the previous answer.
         run.resume_spent = True
         return None
+
+    def _command_writes(
+        self,
+        loop: PregelLoop,
+        run: Run,
+        record: CheckpointRecord,
+        prior: Sequence[tuple[str, str, Any]],
+        *,
+        edited: bool,
+    ) -> list[WriteRecord]:
+        """The writes LangGraph stores on `record` for a resume command's `update` and
+        `goto`, as its loop will (`put_writes` of the null task: after the head's own
+        null writes, the special channels last, untracked values left out), to be
+        stored with the consume. LangGraph stores them itself only after the value is
+        consumed, in the background (in "exit" durability at the run's end): a resumer
+        that died between the two left the value taken without them, and the run
+        continued with it on the old state and route (P5, P6). LangGraph's own later
+        write of the same slots keeps these. None for a command with neither."""
+        command = loop.input
+        if not isinstance(command, Command) or not (command.update or command.goto):
+            return []
+        # LangGraph hands a map (by interrupt id) to the tasks, not to the null task;
+        # a plain value with a goto becomes one (`_settle_resume`).
+        by_id = _is_resume_map(command.resume) or (bool(command.goto) and not edited)
+        made = [(c, v) for tid, c, v in map_command(command) if tid == NULL_TASK_ID]
+        made = [(c, v) for c, v in made if not (c == RESUME and by_id)]
+        if all(c in WRITES_IDX_MAP for c, _ in made):
+            return []  # (stored as LangGraph stores them: overwriting, not with the value)
+        if any(isinstance(loop.specs.get(c), DeltaChannel) for c, _ in made):
+            # (LangGraph gives a delta key's messages their ids as it stores them, and in
+            # "exit" durability files its writes apart: left to LangGraph, as before.)
+            return []
+        made.sort(key=lambda w: w[0] in WRITES_IDX_MAP)
+        earlier = [(c, v) for t, c, v in prior if t == NULL_TASK_ID and c not in WRITES_IDX_MAP]
+        if any(isinstance(spec, UntrackedValue) for spec in loop.specs.values()):
+            specs: Any = loop.specs  # (its channels' types are what the check reads)
+            made = [
+                (c, sanitize_untracked_values_in_send(v, specs))
+                if c == TASKS and isinstance(v, Send)
+                else (c, v)
+                for c, v in made
+                if not isinstance(loop.specs.get(c), UntrackedValue)
+            ]
+            earlier = [
+                (c, v) for c, v in earlier if not isinstance(loop.specs.get(c), UntrackedValue)
+            ]
+        records = self.saver._write_records(
+            run.thread, "", record.checkpoint_id, NULL_TASK_ID, "", [*earlier, *made]
+        )
+        return records[len(earlier) :]
 
     def _record_asked(
         self,
@@ -1493,6 +1553,7 @@ class Runs:
         replaced: Mapping[str, int] | None = None,
         failed: Sequence[str] = (),
         asked_again: Mapping[str, InterruptRecord] | None = None,
+        riding: Sequence[WriteRecord] = (),
     ) -> dict[str, Any]:
         """Consume the interrupts of `here` that `resume` answers, and return the values
         by interrupt id (`edited`: they were
@@ -1501,7 +1562,8 @@ class Runs:
         `replaced`: those asked by `Send` branches the command's goto replaces;
         `failed`: the errors the head's tasks raised, if the last run failed;
         `asked_again`: the newest records of the questions asked again after their
-        node refused an answer, by question id: a pending one takes the value)."""
+        node refused an answer, by question id: a pending one takes the value;
+        `riding`: writes stored with the first value, in its transaction)."""
         pending = {i.interrupt_id: i for i in here if i.status == "pending"}
         reasked = {iid: r for iid, r in (asked_again or {}).items() if r.status == "pending"}
         pending.update((i.interrupt_id, i) for i in here if i.interrupt_id in reasked)
@@ -1625,7 +1687,10 @@ class Runs:
         }
         for iid, value in packed.items():
             target = reasked[iid].interrupt_id if iid in reasked else iid
-            self.remit.consume(run.thread, target, value, branch=run.branch, fence=run.fence)
+            self.remit.consume(
+                run.thread, target, value, branch=run.branch, fence=run.fence, writes=riding
+            )
+            riding = ()
         return answers
 
     def _failed(self, run: Run, writes: Sequence[WriteRecord]) -> list[str]:

@@ -15,10 +15,10 @@ pending ones, so the asking branch was dropped and the branch now at its index (
 task id, same interrupt id) took `v` as the answer to its own question, or nothing
 read it. The same happened to the value of a resumer that died, on a later
 `Command(goto=Send(...))`. Both are now refused with `ResumeConflict` before anything
-is consumed or run. Left (xfail, remit_core): the answer is consumed alone, and the
-command's update and goto are stored later by LangGraph, so a resumer killed between
-leaves the answer without them. Real LangGraph, real stores, real processes killed with
-SIGKILL; no mocks."""
+is consumed or run. The answer was consumed alone, and the command's update and goto
+stored later by LangGraph, so a resumer killed between left the answer without them:
+they are now stored in the consume's transaction. Real LangGraph, real stores, real
+processes killed with SIGKILL; no mocks."""
 
 from __future__ import annotations
 
@@ -575,26 +575,15 @@ def routed_graph(world: World, saver: Any) -> Any:
     return builder.compile(checkpointer=saver)
 
 
-HALF_COMMAND = pytest.mark.xfail(
-    strict=True,
-    reason="the answer is consumed alone (Remit.consume), the command's update and goto "
-    "are stored later by LangGraph's put_writes (in 'exit' durability only at the run's "
-    "end): a resumer killed between the two leaves the answer consumed and its update "
-    "and goto lost, so the recovery charges the old amount on the old route. Storing "
-    "them with the answer needs a consume that also stores writes in its transaction, "
-    "in remit_core",
-)
-
-
 @pytest.mark.parametrize(
     ("point", "durability"),
     [
-        pytest.param("interrupt.after_consume", "async", marks=HALF_COMMAND),
-        pytest.param("interrupt.after_consume", "sync", marks=HALF_COMMAND),
-        pytest.param("interrupt.after_consume", "exit", marks=HALF_COMMAND),
+        ("interrupt.after_consume", "async"),
+        ("interrupt.after_consume", "sync"),
+        ("interrupt.after_consume", "exit"),
         ("charge.paid", "async"),
         ("charge.paid", "sync"),
-        pytest.param("charge.paid", "exit", marks=HALF_COMMAND),
+        ("charge.paid", "exit"),
     ],
 )
 def test_a_resume_with_update_and_goto_killed_recovers_as_an_unkilled_one(

@@ -254,7 +254,8 @@ return {"ok"}
 """
 )
 
-#: KEYS: fence claims, interrupts. ARGV: fence, member, value, consumer, now.
+#: KEYS: fence claims, interrupts, then write keys. ARGV: fence, member, value,
+#: consumer, now, then (absent: none) the writes, kept where present ("first").
 #: Answers checkpoint id, prompt and created_at of the consumed interrupt.
 CONSUME_INTERRUPT = (
     _PRELUDE
@@ -267,6 +268,7 @@ if not status then return {"unknown"} end
 if status ~= "pending" then return {"conflict"} end
 redis.call("HSET", KEYS[2], m .. NUL .. "s", "consumed", m .. NUL .. "v", ARGV[3],
            m .. NUL .. "u", ARGV[4], m .. NUL .. "t", ARGV[5])
+put_writes(6, "first")
 return {"ok", redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "p", m .. NUL .. "c")}
 """
 )

@@ -687,6 +687,7 @@ class SqlStore(Store):
         consumer: str,
         now: float,
         fence: FenceRef | None = None,
+        writes: Sequence[WriteRecord] = (),
     ) -> InterruptRecord:
         with self._txn() as txn:
             self._check_fence(txn, fence)
@@ -711,6 +712,7 @@ class SqlStore(Store):
                     run_id=run_id,
                     interrupt_id=interrupt_id,
                 )
+            self._upsert_writes(txn, writes, "first")
             failpoints.hit("interrupt.in_consume")
         return _interrupt(row)
 

@@ -253,11 +253,14 @@ class Store(ABC):
         consumer: str,
         now: float,
         fence: FenceRef | None = None,
+        writes: Sequence[WriteRecord] = (),
     ) -> InterruptRecord:
-        """Move a pending interrupt to consumed with `value`, once.
+        """Move a pending interrupt to consumed with `value`, once, and store
+        `writes` (mode "first") in the same transaction: both or neither.
 
-        Raises `ResumeConflict` if it is already consumed (the value is not
-        stored), `UnknownRecord` if it does not exist, `Fenced` on a stale fence.
+        Raises `ResumeConflict` if it is already consumed (neither the value nor
+        the writes are stored), `UnknownRecord` if it does not exist, `Fenced` on
+        a stale fence.
         """
 
     @abstractmethod

@@ -806,9 +806,11 @@ class RedisStore(Store):
         consumer: str,
         now: float,
         fence: FenceRef | None = None,
+        writes: Sequence[WriteRecord] = (),
     ) -> InterruptRecord:
         keys = _Keys("", run_prefix(run_id) + "in")
         args = [_join(branch, interrupt_id), value, consumer, repr(now)]
+        args += _write_args(keys, writes) if writes else []
         failpoints.hit("interrupt.in_consume")
         reply = self._fenced_run("CONSUME_INTERRUPT", fence, run_id, keys, args)
         if reply[0] == b"unknown":
