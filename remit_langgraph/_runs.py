@@ -230,7 +230,9 @@ class Run:
             self.failed = error
         return error
 
-    def unrefused(self, writes: Sequence[tuple[str, Any]], ns: str) -> list[tuple[str, Any]]:
+    def unrefused(
+        self, writes: Sequence[tuple[str, Any]], ns: str, task_id: str = ""
+    ) -> list[tuple[str, Any]]:
         """`writes` without the error record of an output this run refused: LangGraph
         records a failed node's error, and this one would be the trace of a write
         that was never stored (the node runs again when the run is continued).
@@ -239,13 +241,22 @@ class Run:
         returned the refused output: the answer led to it, so the task's answers (its
         resume write) are not stored, and its error is, which opens its question again
         (`Runs.after_failed`): the resumer was told the value was refused, and the next
-        answer is taken (P4, P5)."""
+        answer is taken (P4, P5). So too for a top-level task that failed with the
+        refusal of a task of its subgraph (`task_id` is not the refused task's): the
+        subgraph's node took the answer its parent task asked for."""
         refused = [id(e) for e in self.refused.values()]
         if not any(ch == ERROR and id(v) in refused for ch, v in writes):
             return list(writes)
-        if ns == "" and any(ch == RESUME for ch, _ in writes):
+        answered = any(ch == RESUME for ch, _ in writes)
+        if ns == "" and (answered or (task_id != "" and task_id not in self.refused)):
             return [(ch, v) for ch, v in writes if ch != RESUME]
-        return [(ch, v) for ch, v in writes if not (ch == ERROR and id(v) in refused)]
+        # (A subgraph's node whose output was refused after an answer keeps the answers
+        # it had before: the refused one is asked again through its parent task.)
+        return [
+            (ch, v)
+            for ch, v in writes
+            if not (ch == ERROR and id(v) in refused) and not (answered and ch == RESUME)
+        ]
 
     def drives(self, loop: PregelLoop) -> bool:
         """Whether `loop` is this run's loop, or the loop of one of its subgraphs."""
@@ -1941,11 +1952,13 @@ class Runs:
         output the state schema refused (`Run.unrefused`)."""
         if run is None or ns != "":
             return
-        refused = run.refused.get(task_id)
+        # (A subgraph's task whose output was refused fails its parent task with the
+        # same error: the question the parent task asked for it opens again too.)
+        refused = {id(e) for e in run.refused.values()}
         if not any(
             channel == ERROR
             and isinstance(value, BaseException)
-            and (is_invalid_resume(value) or value is refused)
+            and (is_invalid_resume(value) or id(value) in refused)
             for channel, value in writes
         ):
             return

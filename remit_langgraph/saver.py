@@ -642,7 +642,7 @@ class RemitSaver(BaseCheckpointSaver[str]):
                 self._still_head(thread, ns, checkpoint_id, config)
         run = self._runs.before_writes(thread, ns, checkpoint_id, task_id, writes)
         if run is not None and run.refused:
-            writes = run.unrefused(writes, ns)
+            writes = run.unrefused(writes, ns, task_id)
             if not writes:
                 return
         records = self._write_records(thread, ns, checkpoint_id, task_id, task_path, writes)

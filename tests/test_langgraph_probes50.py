@@ -7,11 +7,19 @@ leaves either the value and its update and goto, or none of them. Checked here: 
 stored writes right after a kill, a kill inside the consume's transaction, an update
 to a reducer key applied once after a kill, a node asked twice with a command each
 (the second's writes numbered after the first's), a map by id with an update, and
-the same commands unkilled against LangGraph's own SqliteSaver. Real LangGraph, real
-stores, real processes killed with SIGKILL; no mocks."""
+the same commands unkilled against LangGraph's own SqliteSaver.
+
+Also found: an answer that led a subgraph's node (a compiled graph added as a node) to
+an output the state schema refuses was refused (`CheckpointInvalid`), but the question
+was not asked again: every next answer got `ResumeConflict` ("already consumed"), and
+the subgraph kept the refused answer, which `invoke(None)` handed to the node again.
+Now the parent task's error is stored and its question opened again, as for a
+top-level node, and the subgraph's node keeps only the answers it had before. Real
+LangGraph, real stores, real processes killed with SIGKILL; no mocks."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import operator
 import sqlite3
 import uuid
@@ -20,6 +28,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
+from annotated_types import Ge
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, Send, interrupt
@@ -28,9 +37,10 @@ from test_langgraph_support import World
 from typing_extensions import TypedDict
 
 import remit_core
-from remit_core import failpoints
+from remit_core import CheckpointInvalid, ResumeConflict, failpoints
 from remit_langgraph import RemitSaver
 
+CTX = mp.get_context("fork")
 DURABILITIES = ["async", "sync", "exit"]
 NULL_TASK = "00000000-0000-0000-0000-000000000000"
 
@@ -322,3 +332,87 @@ def test_unkilled_commands_end_as_with_langgraphs_own_saver(
     finally:
         saver.remit.close()
         conn.close()
+
+
+# -- an answer refused inside a subgraph -------------------------------------------------
+
+
+class Bounded(TypedDict, total=False):
+    amount: Annotated[int, Ge(0)]
+    who: str
+    log: Annotated[list[str], operator.add]
+
+
+def nested_asker(saver: Any) -> Any:
+    """A subgraph (added as a node) whose node asks who, then the amount, and writes
+    the amount to a key that must be >= 0."""
+
+    def ask(state: Bounded) -> dict[str, Any]:
+        who = interrupt("who?")
+        return {"who": who, "amount": interrupt("amount?"), "log": [f"by {who}"]}
+
+    inner = StateGraph(Bounded)
+    inner.add_node("ask", ask)
+    inner.add_edge(START, "ask")
+    inner.add_edge("ask", END)
+    builder = StateGraph(Bounded)
+    builder.add_node("sub", inner.compile())
+    builder.add_edge(START, "sub")
+    builder.add_edge("sub", END)
+    return builder.compile(checkpointer=saver)
+
+
+def test_an_answer_refused_inside_a_subgraph_keeps_the_earlier_one(url: str) -> None:
+    """The subgraph's node had its first answer; the second leads it to an output the
+    schema refuses (`CheckpointInvalid`). The question is asked again (not refused as
+    consumed), the next answer is taken, and the first answer stands."""
+    saver = RemitSaver(url, lease=LEASE)
+    try:
+        graph, cfg = nested_asker(saver), config()
+        graph.invoke({"amount": 0, "log": []}, cfg)
+        out = graph.invoke(Command(resume="ada"), cfg)
+        assert [i.value for i in out["__interrupt__"]] == ["amount?"]
+        with pytest.raises(CheckpointInvalid, match="amount"):
+            graph.invoke(Command(resume=-5), cfg)
+        again = graph.invoke(None, cfg)
+        assert [i.value for i in again["__interrupt__"]] == ["amount?"]
+        out = graph.invoke(Command(resume=5), cfg)
+        assert (out["who"], out["amount"], out["log"]) == ("ada", 5, ["by ada"])
+        with pytest.raises(ResumeConflict):
+            graph.invoke(Command(resume=6), cfg)
+    finally:
+        saver.remit.close()
+
+
+def test_racing_answers_after_a_refusal_inside_a_subgraph_take_one(url: str) -> None:
+    """After the refusal, 4 processes answer at once: one proceeds, the others get
+    `ResumeConflict`, and the state holds the winner's amount."""
+    saver = RemitSaver(url, lease=LEASE)
+    try:
+        graph, cfg = nested_asker(saver), config()
+        graph.invoke({"amount": 0, "log": []}, cfg)
+        graph.invoke(Command(resume="ada"), cfg)
+        with pytest.raises(CheckpointInvalid):
+            graph.invoke(Command(resume=-5), cfg)
+        barrier = CTX.Barrier(4)
+        results = CTX.Queue()
+
+        def answer(n: int) -> None:
+            barrier.wait(30)
+            try:
+                out = graph.invoke(Command(resume=n), cfg)
+                results.put(("ok", out["amount"]))
+            except ResumeConflict:
+                results.put(("conflict", n))
+
+        procs = [CTX.Process(target=answer, args=(n,)) for n in (1, 2, 3, 4)]
+        for proc in procs:
+            proc.start()
+        outcomes = [results.get(timeout=120) for _ in procs]
+        for proc in procs:
+            proc.join(60)
+        won = [v for kind, v in outcomes if kind == "ok"]
+        assert len(won) == 1 and sorted(k for k, _ in outcomes).count("conflict") == 3
+        assert graph.get_state(cfg).values["amount"] == won[0]
+    finally:
+        saver.remit.close()
