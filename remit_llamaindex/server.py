@@ -27,6 +27,13 @@ Where the server's own stores fall short, this one keeps the contract:
   waits nothing does: a garbage collection would destroy it and the next
   event would be acknowledged and lost. The store holds the task of every
   run it appends ticks for, until the task ends.
+- An `@effect` in a step the server runs is recorded in the run's effect
+  ledger under the run's claim (its fence): keyed by the step execution's
+  work item, which the server's replay of the journal gives back, so a step
+  run again after a crash (on a new server) finds its effects recorded and
+  does not apply them again (P2), while each work item (a second event, a
+  loop's next round) gets keys of its own. A retry of the work item
+  (`retry_policy`) shares them, as under `RemitRuntime`.
 - State is validated on every write against the workflow's state model:
   an invalid value (even one built with `model_construct`) raises
   `CheckpointInvalid` naming the field in the step, and nothing is stored; so
@@ -43,6 +50,7 @@ import logging
 import math
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
@@ -69,9 +77,12 @@ from workflows.context.state_store import (
     StateStoreFacade,
     decode_state,
 )
+from workflows.plugins.basic import get_current_run_id
+from workflows.runtime.types.results import StepWorkerState, StepWorkerStateContextVar
 
 from remit_core import connect
 from remit_core.core import DEFAULT_LEASE, ClaimHandle, Remit, checked_lease
+from remit_core.effects import StepScope, register_scope_resolver
 from remit_core.errors import CheckpointInvalid, RemitError, ResumeConflict
 from remit_core.records import FenceRef, WriteRecord
 from remit_core.schema import StateSchema
@@ -170,6 +181,7 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         self._runs: dict[str, asyncio.Task[Any]] = {}
         # Runs whose journal this server read to rebuild them, not yet claimed since.
         self._rebuilt: set[str] = set()
+        _stores.add(self)
 
     @property
     def remit(self) -> Remit:
@@ -195,6 +207,12 @@ class RemitWorkflowStore(AbstractWorkflowStore):
                 claim = self.remit.claim(run_id, _SCOPE)
                 self._claims[run_id] = claim
             return claim.fence
+
+    def _holds(self, run_id: str) -> bool:
+        """Whether this server holds the claim on `run_id` (as far as it knows)."""
+        with self._claim_lock:
+            claim = self._claims.get(run_id)
+            return claim is not None and not claim.lost
 
     def _release(self, run_id: str) -> None:
         with self._claim_lock:
@@ -392,6 +410,56 @@ class RemitWorkflowStore(AbstractWorkflowStore):
         facade: _RemitStateFacade[Any] = _RemitStateFacade(storage, state_type, serializer)
         storage.facade = facade
         return facade
+
+
+# -- effects in served steps ----------------------------------------------------------------
+
+#: The stores of this process, for the effect scope of a step one of them journals.
+_stores: weakref.WeakSet[RemitWorkflowStore] = weakref.WeakSet()
+
+
+def _step_key(state: StepWorkerState, run_id: str) -> str:
+    """The key of a served step execution's effects: its work item, which the server's
+    replay of the journal gives back to the step run again after a crash, and the
+    scope it runs in (a nested workflow's work items are counted apart)."""
+    if state.work_item_id is None:
+        raise RemitError(
+            f"step {state.step_name!r} runs without a work item id, so its effects would "
+            "have no key that a re-run after a crash finds again; nothing was applied "
+            "(a workflow state written by an older version of the framework)",
+            run_id=run_id,
+        )
+    return "/".join((*state.scope_path, f"{state.step_name}:{state.work_item_id}"))
+
+
+def _served_scope() -> StepScope | None:
+    """The effect scope of a step a workflow server runs on a `RemitWorkflowStore`:
+    the run's ledger, under the fence of the claim the store holds on the run (taken
+    by the journal's first tick of the session, before any step runs). None outside
+    such a step."""
+    run_id = get_current_run_id()
+    worker = StepWorkerStateContextVar.get(None)
+    if run_id is None or worker is None:
+        return None
+    found = [s for s in list(_stores) if run_id in s._runs]
+    if not found:
+        return None
+    # Another server of this process that reloads the run waits for its claim: the
+    # step is of the server that holds it.
+    holders = found if len(found) == 1 else [s for s in found if s._holds(run_id)]
+    if len(holders) != 1:
+        raise RemitError(
+            f"run {run_id!r} is journalled by {len(found)} workflow stores of this process "
+            f"and {len(holders)} of them hold its claim, so its effects have no one ledger "
+            "and fence; nothing was applied",
+            run_id=run_id,
+        )
+    store = holders[0]
+    key = _step_key(worker.state, run_id)
+    return StepScope(store.remit, run_id, key, store._fence(run_id))
+
+
+register_scope_resolver(_served_scope)
 
 
 class _RemitStateFacade(StateStoreFacade[MODEL_T]):

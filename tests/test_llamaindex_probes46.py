@@ -8,19 +8,19 @@ step got a bare `RecursionError` (through `ctx.store` and the server's state sto
 alike): now `CheckpointInvalid` names the key and says it is nested too deeply, and
 nothing is stored (P4).
 
-Left open (xfail): an `@effect` in a step the workflow server runs is refused ("called
-outside a Remit step"), since the server's store sees no step executions.
+Left open here, fixed in round 47: an `@effect` in a step the workflow server runs was
+refused ("called outside a Remit step"), since the server's store saw no step
+executions; it is now recorded and applied once.
 
 Held: an `edit_state` block that raises midway (after changing a nested list in place)
 stores nothing of the edit, in a running step and on a parked run; NaN and infinities
 read back as themselves on every engine; a start, step or stop event whose validator
 would read its stored copy as another value is refused before it could change under a
-recovery, and one whose validator reads it back as it is runs on; an `@effect` in a
-step the workflow server runs is refused, applying nothing; a server SIGKILLed while its
-run waits is answered through the next server on the store (each step before the wait
-once, the answer once); `handler.cancel_run()` of a parked copy while another process,
-stopped just after consuming the answer, holds the run: the run completes once, paid
-once.
+recovery, and one whose validator reads it back as it is runs on; a server SIGKILLed
+while its run waits is answered through the next server on the store (each step before
+the wait once, the answer once); `handler.cancel_run()` of a parked copy while another
+process, stopped just after consuming the answer, holds the run: the run completes
+once, paid once.
 """
 
 from __future__ import annotations
@@ -441,41 +441,11 @@ class Charge(Workflow):
         return StopEvent(result=pay("served"))
 
 
-def test_an_effect_in_a_served_step_is_refused_and_applies_nothing(
-    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The server runs its workflows on its own runtime, which gives a step no Remit scope:
-    an `@effect` there raises `RemitError` before its body runs (never applied unrecorded),
-    and the handler ends failed with that error."""
-    monkeypatch.setenv(DIR_VAR, str(tmp_path))
-    from llama_agents.server import WorkflowServer
-
-    async def go() -> dict[str, Any]:
-        store = RemitWorkflowStore(store_url, namespace=uuid.uuid4().hex[:8])
-        server = WorkflowServer(workflow_store=store)
-        server.add_workflow("charge", Charge(timeout=None))
-        async with server.contextmanager():
-            transport = httpx.ASGITransport(app=server.app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
-                done = await client.post("/workflows/charge/run", json={"start_event": {}})
-                return dict(done.json())
-
-    done = asyncio.run(asyncio.wait_for(go(), GUARD))
-    assert done["status"] == "failed" and "effect 'pay'" in done["error"], done
-    assert applied(tmp_path) == []
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="a step the server runs has no Remit effect scope: `RemitWorkflowStore` sees "
-    "ticks and state, not step executions, so `@effect` raises 'called outside a Remit "
-    "step' (advising a Remit backend the user has); needs a scope resolver for served "
-    "steps in remit_llamaindex.server (a feature, not a minimal fix)",
-)
 def test_an_effect_in_a_served_step_is_recorded_and_applied_once(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What a user of the server with Remit's store would expect of `@effect` (P2)."""
+    """What a user of the server with Remit's store expects of `@effect` (P2): recorded
+    in the run's ledger and applied once (round 47; crashes: test_llamaindex_probes47)."""
     monkeypatch.setenv(DIR_VAR, str(tmp_path))
     from llama_agents.server import WorkflowServer
 
@@ -490,7 +460,8 @@ def test_an_effect_in_a_served_step_is_recorded_and_applied_once(
                 return dict(done.json())
 
     done = asyncio.run(asyncio.wait_for(go(), GUARD))
-    assert (done["status"], done["result"]) == ("completed", "served"), done
+    stop = done["result"]  # the server gives the `StopEvent` whole
+    assert (done["status"], stop["value"]["result"]) == ("completed", "served"), done
     assert applied(tmp_path) == ["served"]
 
 

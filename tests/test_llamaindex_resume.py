@@ -125,7 +125,15 @@ async def paused_snapshot(
     the framework documents (`ctx.to_dict()`, then `cancel_run()`); returns the snapshot."""
     handler = flow(runtime=rt).run(run_id=run)
     await parked(rt, run, waiting=waiting)
+    # The store shows the pause as its commit lands; the run's copy names it once the
+    # commit has returned (under load, a moment later): a snapshot taken in between
+    # names the checkpoint before, which a restore must treat as a fork.
+    head = committed(rt, run)[0].checkpoint_id
+    deadline = time.monotonic() + 20
     snapshot = handler.ctx.to_dict()
+    while head not in json.dumps(snapshot) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        snapshot = handler.ctx.to_dict()
     await handler.cancel_run()
     return snapshot
 
