@@ -1201,7 +1201,7 @@ class Runs:
         consumed, in the background (in "exit" durability at the run's end): a resumer
         that died between the two left the value taken without them, and the run
         continued with it on the old state and route (P5, P6). LangGraph's own later
-        write of the same slots keeps these. None for a command with neither."""
+        write of the same slots keeps these. Empty for a command with neither."""
         command = loop.input
         if not isinstance(command, Command) or not (command.update or command.goto):
             return []

@@ -19,7 +19,6 @@ LangGraph, real stores, real processes killed with SIGKILL; no mocks."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import operator
 import sqlite3
 import uuid
@@ -33,14 +32,13 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, Send, interrupt
 from test_langgraph_probes49 import LEASE, killed
-from test_langgraph_support import World
+from test_langgraph_support import World, race_answers
 from typing_extensions import TypedDict
 
 import remit_core
 from remit_core import CheckpointInvalid, ResumeConflict, failpoints
 from remit_langgraph import RemitSaver
 
-CTX = mp.get_context("fork")
 DURABILITIES = ["async", "sync", "exit"]
 NULL_TASK = "00000000-0000-0000-0000-000000000000"
 
@@ -394,24 +392,8 @@ def test_racing_answers_after_a_refusal_inside_a_subgraph_take_one(url: str) -> 
         graph.invoke(Command(resume="ada"), cfg)
         with pytest.raises(CheckpointInvalid):
             graph.invoke(Command(resume=-5), cfg)
-        barrier = CTX.Barrier(4)
-        results = CTX.Queue()
-
-        def answer(n: int) -> None:
-            barrier.wait(30)
-            try:
-                out = graph.invoke(Command(resume=n), cfg)
-                results.put(("ok", out["amount"]))
-            except ResumeConflict:
-                results.put(("conflict", n))
-
-        procs = [CTX.Process(target=answer, args=(n,)) for n in (1, 2, 3, 4)]
-        for proc in procs:
-            proc.start()
-        outcomes = [results.get(timeout=120) for _ in procs]
-        for proc in procs:
-            proc.join(60)
-        won = [v for kind, v in outcomes if kind == "ok"]
+        outcomes = race_answers(graph, cfg, [1, 2, 3, 4])
+        won = [out["amount"] for kind, out in outcomes if kind == "ok"]
         assert len(won) == 1 and sorted(k for k, _ in outcomes).count("conflict") == 3
         assert graph.get_state(cfg).values["amount"] == won[0]
     finally:

@@ -134,3 +134,32 @@ def build(world: World, checkpointer: Any, *, amount: int = 100, asks: int = 1) 
     builder.add_edge("charge", "notify")
     builder.add_edge("notify", END)
     return builder.compile(checkpointer=checkpointer)
+
+
+def race_answers(graph: Any, config: Any, values: list[Any]) -> list[tuple[str, Any]]:
+    """Answer the thread's pause with each of `values` at once, one forked process
+    each behind a barrier: ("ok", the run's output) or ("conflict", the value) per process."""
+    import multiprocessing as mp
+
+    from langgraph.types import Command
+
+    from remit_core import ResumeConflict
+
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(len(values))
+    results = ctx.Queue()
+
+    def answer(value: Any) -> None:
+        barrier.wait(30)
+        try:
+            results.put(("ok", graph.invoke(Command(resume=value), config)))
+        except ResumeConflict:
+            results.put(("conflict", value))
+
+    procs = [ctx.Process(target=answer, args=(value,)) for value in values]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(60)
+    return outcomes

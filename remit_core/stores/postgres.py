@@ -256,6 +256,19 @@ _ACQUIRE_CLAIM_ASYNC = (
     _TAKE_CLAIM_OF.format(row=f"SELECT ?, ?, ?, 1, ? WHERE {_NO_FLUSH}") + _CLAIM_RETURNING
 )
 
+#: Run ids up to this many bytes leave room in every index entry for the ids beside them.
+_ROOMY_ID = 2400
+#: A step write's key with a run id in it (see `PostgresStore._check_room`).
+_TRY_WRITE_KEY = (
+    "INSERT INTO remit_writes (run_id, ns, checkpoint_id, task_id, idx, channel, value, "
+    "task_path) VALUES (?, '', ?, ?, 0, '', ''::bytea, '')"
+)
+
+
+class _Tried(Exception):
+    """Rolls back the transaction of a try (`PostgresStore._check_room`)."""
+
+
 #: A claim and the head it starts from (with its writes), in one round trip. The
 #: head is read in the statement's snapshot, and so is the claim's row (`seen`): a
 #: take that waited on a holder's transaction (a commit that released the claim, or
@@ -728,10 +741,34 @@ class PostgresStore(SqlStore):
         if not held and fence is not None:
             raise stale_fence(fence, current, holder)
 
+    def _check_room(self, run_id: str) -> None:
+        """Refuse, before its claim is taken, a run id too long for the run's records.
+
+        PostgreSQL keeps the ids of a record's key in one index entry (2704 bytes,
+        compressed if they compress): an id that fits the claim's entry could fail
+        only at the first checkpoint, after the run's first step ran. A long id (in
+        bytes) is tried in a step write's key, the widest a run uses, with ids of 64
+        characters beside it; the try is rolled back. Shorter ids cost nothing."""
+        if len(run_id) <= _ROOMY_ID // 4 or len(run_id.encode()) <= _ROOMY_ID:
+            return
+        try:
+            with self._txn() as txn:
+                txn.execute(_TRY_WRITE_KEY, (run_id, "0" * 64, "0" * 64))
+                raise _Tried
+        except _Tried:
+            pass
+
+    def acquire_claim(
+        self, run_id: str, scope: str, holder: str, *, now: float, lease: float
+    ) -> Claim:
+        self._check_room(run_id)
+        return super().acquire_claim(run_id, scope, holder, now=now, lease=lease)
+
     def acquire_claim_at_head(
         self, run_id: str, scope: str, holder: str, *, now: float, lease: float, ns: str = ""
     ) -> tuple[Claim, CheckpointRecord | None, list[WriteRecord]]:
         failpoints.hit("claim.in_acquire")
+        self._check_room(run_id)
         with self._atomic() as txn:
             rows = txn.execute(
                 _CLAIM_AT_HEAD,
