@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -57,9 +58,20 @@ class StepScope:
     _lock: threading.Lock = field(
         default_factory=threading.Lock, init=False, repr=False, compare=False
     )
+    #: The process the step runs in. A process it forks starts from the step's count
+    #: as it stood, so each child would number its calls as the others do (and as the
+    #: step goes on to): they get no occurrences.
+    _pid: int = field(default_factory=os.getpid, init=False, repr=False, compare=False)
 
     def next_key(self, name: str) -> str:
         """The key of the step's next call of effect `name`."""
+        if os.getpid() != self._pid:
+            raise RemitError(
+                f"effect {name!r} was called in a process forked from its step: each such "
+                "process would number its calls as the others do, and one call would get "
+                "another's recorded outcome instead of being applied; give such calls a "
+                "key= of their own (from what makes each call distinct)"
+            )
         with self._lock:
             return self._next_key(name)
 

@@ -190,7 +190,8 @@ class _Resumer:
     stores that node's next one (`_snapshot_if_new`) until another claim is taken.
     `own_node`: the node object of that snapshot; `alias`: another id that object was
     given (by another run holding it) when its driver asked to run it, and the
-    snapshot it runs as (`_snapshot_if_new`)."""
+    snapshot it runs as (`_snapshot_if_new`). `wrote`: the node status this instance
+    wrote last, as (snapshot id, status log index)."""
 
     claim: ClaimHandle | None = None
     loaded: str | None = None
@@ -200,6 +201,7 @@ class _Resumer:
     own_node: object = None
     alias: tuple[str, str] | None = None
     cut: tuple[_Head, float] | None = None
+    wrote: tuple[str, int] | None = None
 
 
 _T = TypeVar("_T")
@@ -821,6 +823,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         snapshot = stored.snapshot
         assert isinstance(snapshot, NodeSnapshot)
         stored.status_idx = write.idx
+        resumer.wrote = (stored.id, write.idx)
         snapshot.status, snapshot.start_ts, snapshot.duration = status, entry["start_ts"], duration
 
     @contextmanager
@@ -1363,6 +1366,11 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             if not head.top.is_node:
                 raise EndNotRunnable(head.top.id)
             if head.top.status not in ("created", "pending"):
+                if head.top.id == resumer.own_head and resumer.wrote != (
+                    head.top.id,
+                    head.top.status_idx,
+                ):
+                    raise self._taken_over(head.top)
                 raise self._not_runnable(head.top, ran_here=False)
             before = head.top.status
             self._set_status(resumer, head.top, "running")
@@ -1405,6 +1413,24 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             f"{why}. Nothing was run",
         )
         return refusal
+
+    def _taken_over(self, stored: _Stored) -> ResumeConflict:
+        """`ResumeConflict` for a driver whose next node another resumer took over while
+        the driver held no claim (between its nodes) and left unfinished: started and
+        never ended (its process died), ran with no snapshot after it, or raised. The
+        run went on without this driver, as when that resumer runs the node to its end:
+        the node is handed out again by `load_next()`, so a driver that retries on
+        `ResumeConflict` continues it; `GraphNodeStatusError`, a `GraphRuntimeError`,
+        would read as a run with nothing left to restore."""
+        return ResumeConflict(
+            f"snapshot {stored.id!r} was this instance's next node, but another resumer "
+            "took it over while this instance held no claim, and left it "
+            f"{stored.status!r} (its process died or its claim lapsed before the node's "
+            "next snapshot was stored, or the node raised). Nothing was run. Continue the "
+            "run with iter_from_persistence(): its load_next() hands this node out again",
+            run_id=self.run_id,
+            checkpoint_id=stored.id,
+        )
 
     def _effects_id(self, stored: _Stored) -> str:
         """The snapshot id a node's effects are keyed by: its own, or, for a node that an

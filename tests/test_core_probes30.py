@@ -1,24 +1,37 @@
-"""Round 30 of the core probes: run ids too long for a store's records.
+"""Round 30 of the core probes: run ids too long for a store's records, and forks.
 
 PostgreSQL keeps the ids of a record's key in one index entry of at most 2704 bytes
 (compressed when they compress). A run id that fits the claim's entry but not a step
 write's or a checkpoint's used to pass the claim and fail at the first write, after the
 run's first step had run. It is now refused at the claim, with nothing stored; ids that
 fit (short ones, long ones that compress) work as before, and SQLite and Redis, which
-hold ids of any length, are unchanged. Real SQLite files, PostgreSQL and Redis."""
+hold ids of any length, are unchanged.
+
+Forks: a process forked while another thread of its parent was opening a store (its
+set-up, a round trip, runs under the lock of the process's cache of stores) inherited
+that lock held, and its own first store waited for good; it now gets a lock of its own.
+An effect called in processes forked inside a step was numbered there as the step
+numbers its calls, the same in every child: the second child's call (other arguments)
+was never applied and got the first's recorded outcome. It is now refused with
+`RemitError` naming `key=`; a key of the user's applies each call once. Real SQLite
+files, PostgreSQL and Redis; real forked processes."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import random
 import secrets
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from remit_core import Remit
+from remit_core import Remit, effect, step_scope, stores
 from remit_core.records import WriteRecord
+
+CTX = mp.get_context("fork")
 
 
 @pytest.fixture
@@ -128,3 +141,112 @@ def test_a_refused_id_leaves_the_claims_of_other_runs_as_they_were(remit: Remit)
     finally:
         held.release()
     _full_cycle(remit, f"run-{uuid.uuid4().hex}")
+
+
+# -- forks ------------------------------------------------------------------------------
+
+
+def _in_child(fn: Callable[[], Any], timeout: float = 20.0) -> tuple[str, Any]:
+    """Run `fn` in a forked child: ("ok", its result) or ("error", "Type: message");
+    ("hung", None) if it has not answered within `timeout` (the child is killed)."""
+    results = CTX.Queue()
+
+    def body() -> None:
+        try:
+            results.put(("ok", fn()))
+        except BaseException as exc:  # noqa: BLE001 (handed to the parent)
+            results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+    proc = CTX.Process(target=body)
+    proc.start()
+    try:
+        return results.get(timeout=timeout)
+    except Exception:
+        return ("hung", None)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+
+
+def test_a_child_forked_while_a_thread_opens_a_store_opens_its_own(store_url: str) -> None:
+    """A thread of this process holds the lock of its cache of stores (as while it sets
+    a store up) when a child is forked: the child opens its store and commits at once."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with stores._cache_lock:
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        run_id = f"run-{uuid.uuid4().hex}"
+
+        def child() -> str:
+            remit = Remit(store_url)
+            remit.commit(run_id=run_id, checkpoint_id="c1", parent_id=None, state=b"{}")
+            return remit.head(run_id).checkpoint_id  # type: ignore[union-attr]
+
+        assert _in_child(child) == ("ok", "c1")
+    finally:
+        release.set()
+        thread.join(10)
+
+
+class _Sink:
+    """Applications, one line each in a file, so forked children can append."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = path
+        self.path.touch()
+
+    def apply(self, item: str, key: str) -> str:
+        with open(self.path, "a") as f:
+            f.write(f"{item} {key}\n")
+        return f"receipt-{item}"
+
+    def lines(self) -> list[str]:
+        return self.path.read_text().splitlines()
+
+
+@pytest.mark.parametrize("own_keys", [False, True])
+def test_effects_called_in_processes_forked_inside_a_step(
+    remit: Remit, tmp_path: Any, own_keys: bool
+) -> None:
+    """Two children forked inside one step each charge an item. Without a key of the
+    user's, each call is refused (`RemitError` naming `key=`) and nothing is applied;
+    with one, each item is charged once, and a replay of the step in the parent returns
+    both recorded outcomes without charging again. The step's own calls are numbered as
+    if the children had made none."""
+    sink = _Sink(tmp_path / "sink.txt")
+    run_id = f"run-{uuid.uuid4().hex}"
+
+    def apply(item: str, *, idempotency_key: str) -> str:
+        return sink.apply(item, idempotency_key)
+
+    charge = (
+        effect(apply, name="charge", key=lambda item: f"charge:{item}")
+        if own_keys
+        else effect(apply, name="charge")
+    )
+    with step_scope(remit, run_id, "step-1"):
+        outcomes = [_in_child(lambda item=item: charge(item)) for item in ("a", "b")]
+        own = charge("c")
+    if own_keys:
+        assert outcomes == [("ok", "receipt-a"), ("ok", "receipt-b")]
+        with step_scope(remit, run_id, "step-1"):
+            assert (charge("a"), charge("b")) == ("receipt-a", "receipt-b")
+        assert sorted(line.split()[0] for line in sink.lines()) == ["a", "b", "c"]
+    else:
+        assert [kind for kind, _ in outcomes] == ["error", "error"], outcomes
+        for _, message in outcomes:
+            assert message.startswith("RemitError") and "forked from its step" in message
+            assert "key=" in message
+        assert [line.split()[0] for line in sink.lines()] == ["c"]
+    assert own == "receipt-c"
+    # The parent's call is the step's first of "charge" (or keyed by the user's key).
+    entry = remit.store.get_effect(run_id, "charge:c" if own_keys else "step-1/charge#0")
+    assert entry is not None and entry.status == "done"

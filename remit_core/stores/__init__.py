@@ -13,6 +13,17 @@ _cache: dict[tuple[str, int], Store] = {}
 _cache_lock = threading.Lock()
 
 
+def _renew_cache_lock() -> None:
+    """In a forked child: a lock of its own. Another thread of the parent may have held
+    it at the fork (it is held while a store is set up, a round trip), and would never
+    release it in the child, whose first `open_store` would wait for good."""
+    global _cache_lock
+    _cache_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_cache_lock)
+
+
 def check_url(url: str) -> str:
     """`url` if it names an engine Remit has (`ValueError` naming it if not); connects to
     nothing, so a persistence made with a mistyped URL is refused where it is made."""
