@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -298,6 +299,12 @@ class Session:
         self.inner: ExternalRunAdapter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
+        # Held from a commit's write until this copy names its checkpoint and has opened
+        # its interrupts (`_commit`): the store shows a checkpoint as its write lands, and
+        # a snapshot (`handle`) taken by whoever saw it there must name it.
+        self._settling = threading.RLock()
+        # The checkpoint a commit of this copy is writing, until this copy names it.
+        self.landing: str | None = None
         self.store: RemitStateStore[Any] = RemitStateStore(
             state,
             schema=schema,
@@ -310,7 +317,15 @@ class Session:
     # -- identity --------------------------------------------------------------
     def handle(self) -> dict[str, Any]:
         """What `ctx.to_dict()` stores for the state: where the run lives in Remit; once
-        the run has ended, with the live state too (`snap.carried_handle`)."""
+        the run has ended, with the live state too (`snap.carried_handle`).
+
+        A commit in flight is waited for (`_settling`): once its checkpoint is in the
+        store (`rt.status` reads "waiting" at a pause), a snapshot naming the one before
+        would restore as a fork of the run."""
+        with self._settling:
+            return self._handle()
+
+    def _handle(self) -> dict[str, Any]:
         handle = {
             "store_type": snap.HANDLE_TYPE,
             "run_id": self.run_id,
@@ -577,25 +592,38 @@ class Session:
             ]
         except (TypeError, ValueError) as exc:  # the framework's serializer refused a value
             raise _Unstorable() from exc
-        try:
-            self.remit.commit(
-                run_id=self.run_id,
-                checkpoint_id=checkpoint_id,
-                parent_id=self.head_id,
-                state=body,
-                metadata=metadata,
-                fork_token=self.fork_token,
-                schema_version=self.schema_version,
-                workflow_version=self.workflow_version,
-                writes=writes,
-                fence=fence,
-                plan=self._plan(fence),
-            )
-        except Fenced as exc:  # (paused between its plan and its write)
-            raise self._taken_over(exc, ": this checkpoint was not stored") from exc
-        self.head_id = checkpoint_id
-        self.unsaved.clear()
-        self._open_interrupts(fence)
+        plan = self._plan(fence)
+        with self._settling:
+            self.landing = checkpoint_id
+            try:
+                self.remit.commit(
+                    run_id=self.run_id,
+                    checkpoint_id=checkpoint_id,
+                    parent_id=self.head_id,
+                    state=body,
+                    metadata=metadata,
+                    fork_token=self.fork_token,
+                    schema_version=self.schema_version,
+                    workflow_version=self.workflow_version,
+                    writes=writes,
+                    fence=fence,
+                    plan=plan,
+                )
+                self.head_id = checkpoint_id  # (named before `landing` is cleared)
+            except Fenced as exc:  # (paused between its plan and its write)
+                raise self._taken_over(exc, ": this checkpoint was not stored") from exc
+            finally:
+                self.landing = None
+            self.unsaved.clear()
+            self._open_interrupts(fence)
+
+    def parking_at(self, head_id: str) -> bool:
+        """Whether this copy is parking the run at `head_id`: its commit of that checkpoint
+        is landing or has landed, and the claim it committed under is not released yet
+        (the store shows the pause meanwhile)."""
+        if self.done or self.lost is not None:
+            return False
+        return self.landing == head_id or (self.head_id == head_id and self.claim is not None)
 
     def _plan(self, fence: FenceRef) -> CommitPlan:
         """Where the next checkpoint goes: after this session's head, on its branch.
@@ -675,20 +703,22 @@ class Session:
             }
             if self.parent is not None:
                 metadata["parent"] = self.parent
-            self.remit.commit(
-                run_id=self.run_id,
-                checkpoint_id=checkpoint_id,
-                parent_id=self.head_id,
-                state=snap.body({**ctx, "is_running": False}, {}, metadata),
-                metadata=metadata,
-                fork_token=self.fork_token,
-                schema_version=self.schema_version,
-                workflow_version=self.workflow_version,
-                fence=fence,
-                plan=self._plan(fence),
-            )
-            self.head_id = checkpoint_id
-            self.unsaved.clear()
+            plan = self._plan(fence)
+            with self._settling:  # (as in `_commit`)
+                self.remit.commit(
+                    run_id=self.run_id,
+                    checkpoint_id=checkpoint_id,
+                    parent_id=self.head_id,
+                    state=snap.body({**ctx, "is_running": False}, {}, metadata),
+                    metadata=metadata,
+                    fork_token=self.fork_token,
+                    schema_version=self.schema_version,
+                    workflow_version=self.workflow_version,
+                    fence=fence,
+                    plan=plan,
+                )
+                self.head_id = checkpoint_id
+                self.unsaved.clear()
         self.release_claim()
         raise error from cause
 

@@ -100,6 +100,7 @@ from remit_core.stores import check_url
 from remit_llamaindex import _child
 from remit_llamaindex import _snapshot as snap
 from remit_llamaindex._run import (
+    _PARKING,
     Session,
     check_awaited,
     check_event_model,
@@ -1016,7 +1017,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         """
         check_is_event(event)
         head = await asyncio.to_thread(self._head, run_id)
-        parked = self._parked_copy(run_id, head.checkpoint_id)
+        parked = await self._settled_copy(run_id, head)
         if parked is not None and parked.workflow is workflow:
             await parked.deliver(TickAddEvent(event=event))
             inner = self._decorated.get_external_adapter(parked.inner_id)
@@ -1239,6 +1240,7 @@ class RemitRuntime(BaseRuntimeDecorator):
                 f"{type(values).__name__}; nothing was written"
             )
         head = await asyncio.to_thread(self._head, run_id)
+        session = await self._settled_copy(run_id, head)
         if self._driving(run_id) is not None:
             # (The core's refusal would say to retry once the lease runs out, which it
             # never does while this process renews it.)
@@ -1249,7 +1251,6 @@ class RemitRuntime(BaseRuntimeDecorator):
                 run_id=run_id,
                 checkpoint_id=head.checkpoint_id,
             )
-        session = self._parked_copy(run_id, head.checkpoint_id)
         if session is None:
             return await asyncio.to_thread(self._update_state, workflow, run_id, dict(values))
         ids = {"run_id": head.run_id, "checkpoint_id": head.checkpoint_id}
@@ -1259,6 +1260,26 @@ class RemitRuntime(BaseRuntimeDecorator):
             await session.store.set_state(edited)
         assert session.head_id is not None
         return session.head_id
+
+    async def _settled_copy(self, run_id: str, head: CheckpointRecord) -> Session | None:
+        """`_parked_copy` at `head`, once a copy of this event loop that is parking the
+        run there has parked (for up to `_PARKING` seconds): the store shows a pause as
+        its commit lands, a moment before the copy that committed it releases its
+        claim. Taken for a copy still running, that copy would be refused the edit, or
+        lose the answer to a copy of its own and end with `ResumeConflict`."""
+        head_id = head.checkpoint_id
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + _PARKING
+        while head.metadata.get("status") == snap.WAITING and time.monotonic() < deadline:
+            with self._lock:
+                parking = any(
+                    s.key == run_id and s.loop is loop and s.parking_at(head_id)
+                    for s in self._sessions.values()
+                )
+            if not parking:
+                break
+            await asyncio.sleep(0.01)
+        return self._parked_copy(run_id, head_id)
 
     def _parked_copy(self, run_id: str, head_id: str) -> Session | None:
         """The live copy, in this process and event loop, of `run_id` parked at `head_id`."""
