@@ -50,4 +50,9 @@ def test_vanilla_snapshots_are_measured(tmp_path: Path) -> None:
     assert sorted(column.cells) == list(range(1, 40))
     assert {r.status for r in column.cells.values()} <= {"PASS", "FAIL"}
     assert column.cells[1].status == column.cells[2].status == "PASS"
-    assert column.cells[30].measured.startswith("2 of 2 proceeded")
+    # The framework's snapshots store any invalid write (deterministic) ...
+    assert column.cells[19].status == "FAIL"
+    assert column.cells[19].measured.startswith("invalid write accepted")
+    # ... and K2-PROC races two real processes: on a loaded machine one can finish
+    # before the other starts, so its count is measured, not fixed.
+    assert column.cells[30].measured.startswith(("1 of 2 proceeded", "2 of 2 proceeded"))
