@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,26 @@ async def restores_to_pause(url: str, flow: type[Workflow], snapshot: dict[str, 
     return await asyncio.wait_for(restored, GUARD)
 
 
+async def snapshot_in_window(
+    url: str, flow: type[Workflow], run: str, parked: Callable[[RemitRuntime], Awaitable[Any]]
+) -> tuple[str, str, Any]:
+    """Start `run` with the commit that lands its pause held open for `HOLD` seconds
+    after it lands, wait with `parked(rt)`, snapshot the run's context, cancel it and
+    restore the snapshot elsewhere: (the head then, the snapshot, the restored result)."""
+    hit = await commits_to_pause(url, flow)
+    rt = RemitRuntime(url)
+    failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
+    try:
+        handler = flow(runtime=rt).run(run_id=run)
+        await parked(rt)
+        snapshot = handler.ctx.to_dict()
+        head = head_of(rt, run)
+        await handler.cancel_run()
+    finally:
+        failpoints.disarm("checkpoint.after_commit")
+    return head, json.dumps(snapshot), await restores_to_pause(url, flow, snapshot)
+
+
 @pytest.mark.parametrize("flow", FLOWS, ids=lambda f: f.__name__)
 def test_a_snapshot_once_the_status_reads_waiting_restores_that_pause(
     store_url: str, flow: type[Workflow]
@@ -143,21 +164,9 @@ def test_a_snapshot_once_the_status_reads_waiting_restores_that_pause(
     commit that landed the pause has not returned yet."""
     run = new_run()
 
-    async def go() -> tuple[str, str, Any]:
-        hit = await commits_to_pause(store_url, flow)
-        rt = RemitRuntime(store_url)
-        failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
-        try:
-            handler = flow(runtime=rt).run(run_id=run)
-            await until_parked(rt, run)
-            snapshot = handler.ctx.to_dict()
-            head = head_of(rt, run)
-            await handler.cancel_run()
-        finally:
-            failpoints.disarm("checkpoint.after_commit")
-        return head, json.dumps(snapshot), await restores_to_pause(store_url, flow, snapshot)
-
-    head, snapshot, result = asyncio.run(go())
+    head, snapshot, result = asyncio.run(
+        snapshot_in_window(store_url, flow, run, lambda rt: until_parked(rt, run))
+    )
     assert head in snapshot
     assert result == "hi ada"
 
@@ -174,29 +183,21 @@ def test_a_snapshot_once_the_store_lists_the_pause_restores_that_pause(
         while not stop.is_set():
             await asyncio.sleep(0)
 
+    async def listed(rt: RemitRuntime) -> None:
+        for _ in range(GUARD * 100):
+            found = await asyncio.to_thread(lambda: rt.checkpoints(run) if _seen(rt, run) else [])
+            if found and found[0].status == "waiting" and found[0].waiting:
+                return
+            await asyncio.sleep(0.01)
+
     async def go() -> tuple[str, str, Any]:
-        hit = await commits_to_pause(store_url, flow)
-        rt = RemitRuntime(store_url)
         stop = asyncio.Event()
         noise = asyncio.get_running_loop().create_task(busy(stop))
-        failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
         try:
-            handler = flow(runtime=rt).run(run_id=run)
-            for _ in range(GUARD * 100):
-                listed = await asyncio.to_thread(
-                    lambda: rt.checkpoints(run) if _seen(rt, run) else []
-                )
-                if listed and listed[0].status == "waiting" and listed[0].waiting:
-                    break
-                await asyncio.sleep(0.01)
-            snapshot = handler.ctx.to_dict()
-            head = head_of(rt, run)
-            await handler.cancel_run()
+            return await snapshot_in_window(store_url, flow, run, listed)
         finally:
-            failpoints.disarm("checkpoint.after_commit")
             stop.set()
             await noise
-        return head, json.dumps(snapshot), await restores_to_pause(store_url, flow, snapshot)
 
     head, snapshot, result = asyncio.run(go())
     assert head in snapshot
@@ -286,25 +287,14 @@ def test_a_snapshot_once_the_question_is_open_in_the_store(
     snapshots: the interrupt is opened once the pause is named (held)."""
     run = new_run()
 
-    async def go() -> tuple[str, str, Any]:
-        hit = await commits_to_pause(store_url, flow)
-        rt = RemitRuntime(store_url)
-        failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
-        try:
-            handler = flow(runtime=rt).run(run_id=run)
-            for _ in range(GUARD * 100):
-                opened = await asyncio.to_thread(rt.remit.interrupts, run)
-                if any(i.status == "pending" for i in opened):
-                    break
-                await asyncio.sleep(0.01)
-            snapshot = handler.ctx.to_dict()
-            head = head_of(rt, run)
-            await handler.cancel_run()
-        finally:
-            failpoints.disarm("checkpoint.after_commit")
-        return head, json.dumps(snapshot), await restores_to_pause(store_url, flow, snapshot)
+    async def opened(rt: RemitRuntime) -> None:
+        for _ in range(GUARD * 100):
+            found = await asyncio.to_thread(rt.remit.interrupts, run)
+            if any(i.status == "pending" for i in found):
+                return
+            await asyncio.sleep(0.01)
 
-    head, snapshot, result = asyncio.run(go())
+    head, snapshot, result = asyncio.run(snapshot_in_window(store_url, flow, run, opened))
     assert head in snapshot
     assert result == "hi ada"
 
