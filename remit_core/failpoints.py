@@ -89,6 +89,11 @@ def disarm(name: str | None = None) -> None:
         _hits.pop(name, None)
 
 
+def hits(name: str) -> int:
+    """How often armed point `name` was hit since it was armed (0 when unarmed)."""
+    return _hits.get(name, 0)
+
+
 def arm_from_env(spec: str | None = None) -> None:
     """Arm the points listed in `spec` (default: `REMIT_FAILPOINTS`)."""
     spec = os.environ.get("REMIT_FAILPOINTS", "") if spec is None else spec

@@ -78,7 +78,9 @@ def test_an_edit_that_changes_nothing_commits_nothing_and_stops_no_parked_copy(
     run = new_run()
 
     async def scenario() -> None:
-        rt = RemitRuntime(url, lease=1.5)  # parked copies look at the head every 0.5 s
+        # Parked copies look at the head every lease / 3 = 1 s; a lease this long also
+        # keeps the run's claim, once answered, through a loaded machine's pauses.
+        rt = RemitRuntime(url, lease=3.0)
         flow = Asks(runtime=rt)
         handler = flow.run(run_id=run)
         await until_parked(rt, run)
@@ -88,7 +90,7 @@ def test_an_edit_that_changes_nothing_commits_nothing_and_stops_no_parked_copy(
             assert await other.update_state(Asks(runtime=other), run, values) == before[0]
         assert await rt.update_state(flow, run, {"n": 0}) == before[0]
         assert [c.checkpoint_id for c in rt.checkpoints(run)] == before
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(2.5)
         assert not handler.is_done()
         edited = await rt.update_state(flow, run, {"n": 7})
         assert edited != before[0] and rt.checkpoints(run)[0].checkpoint_id == edited

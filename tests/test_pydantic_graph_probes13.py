@@ -82,16 +82,28 @@ def lines(snapshots: list[Any]) -> list[tuple[str, str, Any]]:
 @asynccontextmanager
 async def cut_short(url: str, run_id: str, world: World) -> AsyncIterator[Any]:
     """A run of the order graph from `Answer`, whose first `run.next()` a timeout cut
-    short as Answer's `success` (the run's 2nd status write) was being stored."""
+    short as Answer's `success` (the run's 2nd status write) was being stored: the
+    timeout expires once that write is under way (held there by a sleep), however
+    slow the machine is."""
     p = order.persistence(url, run_id, lease=LONG)
     failpoints.arm("writes.before", "sleep:0.6@2")
+
+    async def expire_in_the_write(timeout: asyncio.Timeout) -> None:
+        while failpoints.hits("writes.before") < 2:
+            await asyncio.sleep(0.005)
+        timeout.reschedule(asyncio.get_running_loop().time())
+
     try:
         async with order.GRAPH.iter(
             order.Answer("ann"), state=fresh(), deps=world, persistence=p
         ) as run:
             with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.3):
-                    await run.next()
+                async with asyncio.timeout(None) as timeout:
+                    watch = asyncio.ensure_future(expire_in_the_write(timeout))
+                    try:
+                        await run.next()
+                    finally:
+                        watch.cancel()
             failpoints.disarm("writes.before")
             assert statuses(await p.load_all()) == ["success"]
             yield run
