@@ -23,6 +23,7 @@ import asyncio
 import operator
 import sqlite3
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -48,25 +49,36 @@ class Fan(TypedDict):
     log: Annotated[list[str], operator.add]
 
 
+def payment(world: World, saver: Any) -> Callable[[], str]:
+    """A node's payment: an effect on Remit, a plain call on LangGraph's own saver (an
+    effect needs a Remit run)."""
+    if isinstance(saver, SqliteSaver):
+        return lambda: world.apply("pay", uuid.uuid4().hex)
+    return pay_with(world, "pay")  # type: ignore[no-any-return]
+
+
+def paying_node(world: World, name: str, pay: Callable[[], str]) -> Any:
+    """Node `name`: pays, passes its kill point `<name>.paid`, logs the outcome and `n`."""
+
+    def node(state: Fan) -> dict[str, Any]:
+        world.enter(name)
+        outcome = pay()
+        world.point(f"{name}.paid")
+        return {"log": [f"{name}:{outcome}:{state['n']}"]}
+
+    return node
+
+
 def fan(world: World, saver: Any, cache: Path | None = None, **compile_kwargs: Any) -> Any:
     """START -> a -> (b pays, c logs) -> d -> END. On LangGraph's own saver the payment
     is a plain call (an effect needs a Remit run). With `cache`, `b` is cached (by its
     input) in a node cache in that file."""
-    pay = (
-        (lambda: world.apply("pay", uuid.uuid4().hex))
-        if isinstance(saver, SqliteSaver)
-        else pay_with(world, "pay")
-    )
 
     def a(state: Fan) -> dict[str, Any]:
         world.enter("a")
         return {"n": state["n"] + 1, "log": ["a"]}
 
-    def b(state: Fan) -> dict[str, Any]:
-        world.enter("b")
-        outcome = pay()
-        world.point("b.paid")
-        return {"log": [f"b:{outcome}:{state['n']}"]}
+    b = paying_node(world, "b", payment(world, saver))
 
     def c(state: Fan) -> dict[str, Any]:
         world.enter("c")
@@ -102,6 +114,31 @@ def sorted_log(values: dict[str, Any]) -> dict[str, Any]:
 INPUT: Fan = {"n": 1, "log": []}
 
 
+def race_continuations(graph: Any, cfg: Any, k: int = 3, **kwargs: Any) -> list[str]:
+    """Continue the thread's stop with `invoke(None, cfg, **kwargs)` from `k` forked
+    processes at once, behind a barrier: "ok", "conflict" (`ResumeConflict`) or
+    "error ..." per process."""
+    barrier, results = CTX.Barrier(k), CTX.Queue()
+
+    def racer() -> None:
+        barrier.wait(60)
+        try:
+            graph.invoke(None, cfg, **kwargs)
+            results.put("ok")
+        except ResumeConflict:
+            results.put("conflict")
+        except BaseException as exc:  # noqa: BLE001 (handed to the parent)
+            results.put(f"error {exc!r}")
+
+    procs = [CTX.Process(target=racer) for _ in range(k)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in range(k)]
+    for p in procs:
+        p.join(60)
+    return got
+
+
 # -- racing continuations of a static breakpoint ------------------------------------------
 
 
@@ -122,25 +159,7 @@ def test_racing_continuations_of_a_breakpoint_pay_once_and_end_as_langgraphs_own
         graph, cfg = fan(world, saver, **breakpoint), config()
         graph.invoke(INPUT, cfg)
         assert set(graph.get_state(cfg).next) == {"b", "c"}
-        k = 3
-        barrier, results = CTX.Barrier(k), CTX.Queue()
-
-        def racer() -> None:
-            barrier.wait(60)
-            try:
-                graph.invoke(None, cfg)
-                results.put("ok")
-            except ResumeConflict:
-                results.put("conflict")
-            except BaseException as exc:  # noqa: BLE001 (handed to the parent)
-                results.put(f"error {exc!r}")
-
-        procs = [CTX.Process(target=racer) for _ in range(k)]
-        for p in procs:
-            p.start()
-        got = [results.get(timeout=120) for _ in range(k)]
-        for p in procs:
-            p.join(60)
+        got = race_continuations(graph, cfg)
         assert "ok" in got and set(got) <= {"ok", "conflict"}, got
         assert len(world.applications("pay")) == 1
         assert len(world.entries("d")) == 1
@@ -357,21 +376,12 @@ def test_every_stream_mode_across_a_breakpoint_reads_as_langgraphs_own(
 def nested(world: World, saver: Any) -> Any:
     """START -> prep -> sub (s1 -> [breakpoint] pay) -> after -> END; the subgraph has
     its own compiled breakpoint before `pay` and runs on the parent's saver."""
-    pay = (
-        (lambda: world.apply("pay", uuid.uuid4().hex))
-        if isinstance(saver, SqliteSaver)
-        else pay_with(world, "pay")
-    )
 
     def s1(state: Fan) -> dict[str, Any]:
         world.enter("s1")
         return {"n": state["n"] + 1, "log": ["s1"]}
 
-    def paying(state: Fan) -> dict[str, Any]:
-        world.enter("pay")
-        outcome = pay()
-        world.point("pay.paid")
-        return {"log": [f"pay:{outcome}:{state['n']}"]}
+    paying = paying_node(world, "pay", payment(world, saver))
 
     inner = StateGraph(Fan)
     inner.add_node("s1", s1)
@@ -413,26 +423,8 @@ def test_a_subgraphs_breakpoint_continued_by_a_killed_process_then_racers(
             graph.invoke(None, cfg, durability=durability)
 
         killed(doomed)
-        k = 3
-        barrier, results = CTX.Barrier(k), CTX.Queue()
-
-        def racer() -> None:
-            barrier.wait(60)
-            try:
-                results.put(("ok", graph.invoke(None, cfg, durability=durability)))
-            except ResumeConflict:
-                results.put(("conflict", None))
-            except BaseException as exc:  # noqa: BLE001 (handed to the parent)
-                results.put((f"error {exc!r}", None))
-
-        procs = [CTX.Process(target=racer) for _ in range(k)]
-        for p in procs:
-            p.start()
-        got = [results.get(timeout=120) for _ in range(k)]
-        for p in procs:
-            p.join(60)
-        kinds = [kind for kind, _ in got]
-        assert "ok" in kinds and set(kinds) <= {"ok", "conflict"}, got
+        got = race_continuations(graph, cfg, durability=durability)
+        assert "ok" in got and set(got) <= {"ok", "conflict"}, got
         assert len(world.applications("pay")) == 1
         assert len(world.entries("after")) == 1
 
@@ -694,11 +686,7 @@ class Flaky(Exception):
 def retried_fan(world: World, saver: Any) -> Any:
     """START -> a -> (b: pays, then fails its first two attempts; c logs) -> d -> END,
     `b` retried on `Flaky`. On LangGraph's own saver the payment is a plain call."""
-    pay = (
-        (lambda: world.apply("pay", uuid.uuid4().hex))
-        if isinstance(saver, SqliteSaver)
-        else pay_with(world, "pay")
-    )
+    pay = payment(world, saver)
 
     def b(state: Fan) -> dict[str, Any]:
         world.enter("b")
@@ -822,25 +810,7 @@ def test_a_breakpoint_before_a_send_fan_out_killed_mid_way_pays_each_item_once(
             graph.invoke(None, cfg, durability=durability)
 
         killed(doomed)
-        k = 3
-        barrier, results = CTX.Barrier(k), CTX.Queue()
-
-        def racer() -> None:
-            barrier.wait(60)
-            try:
-                graph.invoke(None, cfg, durability=durability)
-                results.put("ok")
-            except ResumeConflict:
-                results.put("conflict")
-            except BaseException as exc:  # noqa: BLE001 (handed to the parent)
-                results.put(f"error {exc!r}")
-
-        procs = [CTX.Process(target=racer) for _ in range(k)]
-        for p in procs:
-            p.start()
-        got = [results.get(timeout=120) for _ in range(k)]
-        for p in procs:
-            p.join(60)
+        got = race_continuations(graph, cfg, durability=durability)
         assert "ok" in got and set(got) <= {"ok", "conflict"}, got
         assert len(set(world.applications("pay"))) == len(world.applications("pay")) == 3
         assert len(world.entries("done")) == 1
