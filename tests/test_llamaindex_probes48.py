@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,20 @@ async def commits_to_pause(url: str, flow: type[Workflow]) -> int:
     return count
 
 
+@contextlib.asynccontextmanager
+async def pause_held_open(url: str, flow: type[Workflow]) -> AsyncIterator[RemitRuntime]:
+    """A runtime in which the commit that lands a run of `flow`'s pause is held open for
+    `HOLD` seconds after it lands (the window in which the store shows the pause and the
+    run's copy has not yet named it), for the block's first run of `flow`."""
+    hit = await commits_to_pause(url, flow)
+    rt = RemitRuntime(url)
+    failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
+    try:
+        yield rt
+    finally:
+        failpoints.disarm("checkpoint.after_commit")
+
+
 async def restores_to_pause(url: str, flow: type[Workflow], snapshot: dict[str, Any]) -> Any:
     """Restore `snapshot` in another runtime and answer it: the run's result."""
     later = RemitRuntime(url)
@@ -140,17 +154,12 @@ async def snapshot_in_window(
     """Start `run` with the commit that lands its pause held open for `HOLD` seconds
     after it lands, wait with `parked(rt)`, snapshot the run's context, cancel it and
     restore the snapshot elsewhere: (the head then, the snapshot, the restored result)."""
-    hit = await commits_to_pause(url, flow)
-    rt = RemitRuntime(url)
-    failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
-    try:
+    async with pause_held_open(url, flow) as rt:
         handler = flow(runtime=rt).run(run_id=run)
         await parked(rt)
         snapshot = handler.ctx.to_dict()
         head = head_of(rt, run)
         await handler.cancel_run()
-    finally:
-        failpoints.disarm("checkpoint.after_commit")
     return head, json.dumps(snapshot), await restores_to_pause(url, flow, snapshot)
 
 
@@ -258,10 +267,7 @@ def test_a_snapshot_as_the_question_streams_restores_that_pause(
     run = new_run()
 
     async def go() -> tuple[str, str, Any]:
-        hit = await commits_to_pause(store_url, flow)
-        rt = RemitRuntime(store_url)
-        failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
-        try:
+        async with pause_held_open(store_url, flow) as rt:
             handler = flow(runtime=rt).run(run_id=run)
             snapshot: dict[str, Any] = {}
             async for ev in handler.stream_events():
@@ -270,8 +276,6 @@ def test_a_snapshot_as_the_question_streams_restores_that_pause(
                     break
             head = head_of(rt, run)
             await handler.cancel_run()
-        finally:
-            failpoints.disarm("checkpoint.after_commit")
         return head, json.dumps(snapshot), await restores_to_pause(store_url, flow, snapshot)
 
     head, snapshot, result = asyncio.run(go())
@@ -311,16 +315,11 @@ def test_an_answer_once_the_status_reads_waiting_goes_on_in_the_parked_handler(
     run = new_run()
 
     async def go() -> tuple[Any, Any]:
-        hit = await commits_to_pause(store_url, flow)
-        rt = RemitRuntime(store_url)
-        failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
-        try:
+        async with pause_held_open(store_url, flow) as rt:
             wf = flow(runtime=rt)
             handler = wf.run(run_id=run)
             await until_parked(rt, run)
             answered = await rt.respond(wf, run, HumanResponseEvent(response="ada"))
-        finally:
-            failpoints.disarm("checkpoint.after_commit")
         return await asyncio.wait_for(answered, GUARD), await asyncio.wait_for(handler, GUARD)
 
     assert asyncio.run(go()) == ("hi ada", "hi ada")
@@ -356,16 +355,11 @@ def test_an_edit_once_the_status_reads_waiting_is_made_through_the_parked_copy(
     run = new_run()
 
     async def go() -> tuple[str, str, Any]:
-        hit = await commits_to_pause(store_url, NotedAsk)
-        rt = RemitRuntime(store_url)
-        failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
-        try:
+        async with pause_held_open(store_url, NotedAsk) as rt:
             wf = NotedAsk(runtime=rt)
             handler = wf.run(run_id=run)
             await until_parked(rt, run)
             edited = await rt.update_state(wf, run, {"text": "hello"})
-        finally:
-            failpoints.disarm("checkpoint.after_commit")
         head = head_of(rt, run)
         await rt.send_event(handler, HumanResponseEvent(response="ada"))
         return edited, head, await asyncio.wait_for(handler, GUARD)
@@ -392,15 +386,10 @@ def test_an_answer_from_another_workflow_once_the_status_reads_waiting(
     run = new_run()
 
     async def go() -> tuple[Any, BaseException | None]:
-        hit = await commits_to_pause(store_url, flow)
-        rt = RemitRuntime(store_url)
-        failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
-        try:
+        async with pause_held_open(store_url, flow) as rt:
             handler = flow(runtime=rt).run(run_id=run)
             await until_parked(rt, run)
             answered = await rt.respond(flow(runtime=rt), run, HumanResponseEvent(response="ada"))
-        finally:
-            failpoints.disarm("checkpoint.after_commit")
         result = await asyncio.wait_for(answered, GUARD)
         try:
             await asyncio.wait_for(handler, GUARD)
@@ -426,15 +415,10 @@ def test_a_cancel_once_the_status_reads_waiting_ends_the_run(
     run = new_run()
 
     async def go() -> BaseException | None:
-        hit = await commits_to_pause(store_url, flow)
-        rt = RemitRuntime(store_url)
-        failpoints.arm("checkpoint.after_commit", f"sleep:{HOLD}@{hit}")
-        try:
+        async with pause_held_open(store_url, flow) as rt:
             handler = flow(runtime=rt).run(run_id=run)
             await until_parked(rt, run)
             await rt.cancel(run)
-        finally:
-            failpoints.disarm("checkpoint.after_commit")
         try:
             await asyncio.wait_for(handler, GUARD)
         except WorkflowCancelledByUser as exc:
