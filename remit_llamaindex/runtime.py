@@ -269,7 +269,7 @@ class RemitRuntime(BaseRuntimeDecorator):
         found: Session | _child.EndedRun | None = None
         if start_event is None and snap.is_handle(serialized_state):
             assert serialized_state is not None
-            found = self._restored(workflow, serialized_state, json_ser)
+            found = self._restored(workflow, serialized_state, json_ser, snapshot=init_state)
         elif execution is not None and drawn:
             child = execution.next_child()
             found = self._child_session(
@@ -510,24 +510,46 @@ class RemitRuntime(BaseRuntimeDecorator):
         return _child.EndedRun(key, init, store, raised)
 
     def _answered_pause(
-        self, run_id: str, base_id: str, branch: BranchRecord
+        self,
+        run_id: str,
+        base_id: str,
+        branch: BranchRecord,
+        snapshot: BrokerState | None = None,
     ) -> PauseAnswered | None:
         """The refusal of a restore of `base_id`, a pause of `branch` that is no longer its
         head, if a question it waited on was answered (its interrupt consumed): the
         restoring copy lost a race to answer it (P5), it did not ask for a fork. None for
-        any other non-head checkpoint (time travel: a plain `ForkWithoutIntent`)."""
+        any other non-head checkpoint (time travel: a plain `ForkWithoutIntent`).
+
+        A pause deleted since (`Remit.prune`, which keeps heads and fork bases only) is
+        told by its questions, whose interrupts outlive the checkpoint: the ones raised
+        at it, and the waiters the restored `snapshot` holds. A copy that lost the race
+        is no less a loser for the pause's record being gone."""
         try:
             record = self.remit.checkpoint(run_id, base_id)
         except RemitError:  # (unreadable: refused as any other non-head restore)
             return None
-        on_branch = record is not None and (
-            record.branch == branch.branch or base_id == branch.base_id  # (a fork's base)
-        )
-        if record is None or not on_branch or record.metadata.get("status") != snap.WAITING:
-            return None
+        waiting: list[str]
+        if record is None:
+            raised = self.remit.interrupts(run_id, branch=branch.branch, checkpoint_id=base_id)
+            held = () if snapshot is None else snap.waiters(snapshot)
+            waiting = [i.interrupt_id for i in raised]
+            waiting += [w.interrupt_id for w in held if w.pending]
+        else:
+            on_branch = (
+                record.branch == branch.branch or base_id == branch.base_id  # (a fork's base)
+            )
+            if not on_branch or record.metadata.get("status") != snap.WAITING:
+                return None
+            waiting = [str(w) for w in record.metadata.get("waiting", ())]
         key = public_run_id(run_id, branch.branch)
-        for waiter in record.metadata.get("waiting", ()):
-            found = self.remit.interrupt(run_id, str(waiter), branch=branch.branch)
+        again = (
+            "pass a fork token to answer it again on a branch of its own"
+            if record is not None
+            else "its checkpoint was deleted since (pruned), so no fork can start from it"
+        )
+        for waiter in waiting:
+            found = self.remit.interrupt(run_id, waiter, branch=branch.branch)
             if found is not None and found.status == "consumed":
                 return PauseAnswered(
                     f"the pause restored at checkpoint {base_id!r} of run {key!r} was "
@@ -535,8 +557,7 @@ class RemitRuntime(BaseRuntimeDecorator):
                     f"another resumer, and the run moved on to {branch.head_id!r}); this "
                     "copy lost the race to answer it: nothing ran and nothing was stored. "
                     "Restore the run's head (RemitRuntime.context(workflow, run_id)) and read "
-                    "rt.status/rt.result, or pass a fork token to answer it again on a "
-                    "branch of its own",
+                    f"rt.status/rt.result; or {again}",
                     run_id=key,
                     checkpoint_id=base_id,
                     interrupt_id=found.interrupt_id,
@@ -545,12 +566,18 @@ class RemitRuntime(BaseRuntimeDecorator):
         return None
 
     def _restored(
-        self, workflow: Workflow, handle: dict[str, Any], serializer: JsonSerializer
+        self,
+        workflow: Workflow,
+        handle: dict[str, Any],
+        serializer: JsonSerializer,
+        *,
+        snapshot: BrokerState | None = None,
     ) -> Session | _child.EndedRun:
         """Continue the run a handle names; a non-head checkpoint needs its fork token (P3).
 
         A branch that has ended (a fork token presented again after its branch
-        completed) answers with its stored outcome and runs nothing."""
+        completed) answers with its stored outcome and runs nothing. `snapshot`: the
+        state a restored context carries beside its handle (`Context.from_dict`)."""
         run_id, base_id = handle["run_id"], handle["checkpoint_id"]
         token = handle.get("fork_token")
         remit = self.remit
@@ -569,7 +596,7 @@ class RemitRuntime(BaseRuntimeDecorator):
                 checkpoint_id=base_id,
             )
         if found is not None and token is None and found.head_id != base_id:
-            answered = self._answered_pause(run_id, base_id, found)
+            answered = self._answered_pause(run_id, base_id, found, snapshot)
             if answered is not None:
                 raise answered
         if found is None or (token is None and found.head_id != base_id):
