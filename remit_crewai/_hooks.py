@@ -280,10 +280,24 @@ def _on_start(ctx: Any) -> Any:
     current_execution.set(ex)
     pausing(ctx.flow, False)  # (it paused before: this kickoff runs it again)
     if isinstance(inputs, dict) and "id" in inputs:
+        ex.carried = _given_past(ctx.flow, str(inputs["id"]))
         backend._begin_restart(ex, ctx.flow, str(inputs["id"]))
     elif getattr(ctx.flow, "_restored_from_checkpoint", False):
         ex.carried = _carried(ctx.flow)
     return replaced
+
+
+def _given_past(flow: Any, flow_id: str) -> dict[str, int] | None:
+    """What CrewAI will skip of a kickoff of `flow` by its own id `flow_id`: the methods
+    the instance was told completed before it (`Flow.reload(execution_data)`, or a CrewAI
+    checkpoint), as `_carried` counts them; None if there are none, or if `inputs["id"]`
+    names another flow than the instance's (its past is not that flow's). A store that
+    has no checkpoint of the flow records them as completed with its first save, as for
+    a flow restored from a CrewAI checkpoint; else the flow's ledger is its past
+    (`RemitFlowPersistence._begin_restart`)."""
+    if flow.flow_id != flow_id or not flow._completed_methods:
+        return None
+    return _carried(flow)
 
 
 def _carried(flow: Any) -> dict[str, int]:

@@ -1124,6 +1124,13 @@ class RemitFlowPersistence(FlowPersistence):
                 session = self._open(flow_id, heartbeat=True)
                 session.owner = ex.flow
                 sessions.add(session)
+            if session.head is not None:
+                ex.carried = None  # (the flow's ledger is its past, not what CrewAI was told)
+            elif ex.carried:
+                # `reload(execution_data)` (or a CrewAI checkpoint) told the instance these
+                # methods completed, and CrewAI skips them: recorded with the first save, a
+                # restart skips them too (P1, P2; unrecorded, it would run them again).
+                session.ledger = Ledger(completed=tuple(ex.carried), counts=dict(ex.carried))
             self._check_flow_class(session, flow)
             self._restore_into(flow, session)
             if isinstance(flow.state, BaseModel):
