@@ -21,6 +21,10 @@ context manager for `with` and `async with`.
   returns it, in every durability mode: a refused output fails its node with
   `CheckpointInvalid` (a `ValueError`: a `retry_policy` runs it again only if its
   `retry_on` takes that), before any next step, and nothing of it is stored.
+  A checkpoint of an older schema version is read migrated: the migration gets
+  the state as it was written (keys the new version dropped or renamed
+  included; a thread's input checkpoint may hold none yet), and the keys it
+  adds or changes are carried into every checkpoint committed after it.
 - `allowlist`: extra types ((module, name) or classes) the serializer may store.
   Pickle is never used; types of the graph's state schema (of an `@entrypoint`:
   its input, return and saved types) are allowed automatically; any other type
@@ -88,7 +92,11 @@ resume value.
 Effects (P2): decorate the function that touches the outside world with
 `remit_core.effect(reconcile=...)` (or `idempotent=True`) and call it from a
 node; no other change. Its ledger key is the node's task identity (branch,
-namespace, step, task path), so a re-run node gets the recorded outcome.
+namespace, step, task path), so a re-run node gets the recorded outcome. The
+calls of one attempt of a node are numbered together wherever they run
+(`ToolNode`'s threads or gathered tasks, a node's own `asyncio.gather`); a retry
+numbers them from 0 again. Calls run at once may reach the effect in another
+order on a replay: give such an effect a `key=` of its own (a tool call's id).
 
 Storage: each channel value is stored once per channel version; a checkpoint
 names the versions it holds. `DeltaChannel` keys (beta in LangGraph) work as

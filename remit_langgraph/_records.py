@@ -11,6 +11,7 @@ with the saver's serializer and framed as `type NUL bytes`.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -94,6 +95,35 @@ def is_own_version(version: str) -> bool:
     """Whether `version` has the form `RemitSaver.get_next_version` makes, 32 digits
     of counter, a dot and a random salt (so it names one value only)."""
     return len(version) > 33 and version[32] == "." and version[:32].isdigit()
+
+
+def migrated_versions(
+    versions: Mapping[str, Any],
+    written: Mapping[str, Any],
+    migrated: Mapping[str, Any],
+    record: Any,
+) -> dict[str, Any]:
+    """`versions` of a checkpoint whose `written` values a state migration made into
+    `migrated`: a key it added or changed (a value that is not the one read) gets the
+    next version, named by the checkpoint, the key and the schema version read, so every
+    reader of the checkpoint gives it the same; a key it dropped has none."""
+    out = dict(versions)
+    for key in written.keys() - migrated.keys():
+        out.pop(key, None)
+    for key, value in migrated.items():
+        if key in written and written[key] is value:
+            continue
+        try:
+            n = int(str(out[key]).split(".", 1)[0]) + 1
+        except (KeyError, ValueError):  # (a key the migration added; a version of no count)
+            n = 1
+        salt = hashlib.sha256(
+            "\0".join(
+                (record.run_id, record.ns, record.checkpoint_id, key, str(record.schema_version))
+            ).encode("utf-8", "surrogatepass")
+        ).hexdigest()[:16]
+        out[key] = f"{n:032}.{salt}"
+    return out
 
 
 def blob_key(channel: str, version: Any) -> str:

@@ -50,6 +50,7 @@ from langgraph._internal._constants import (
     CONF,
     CONFIG_KEY_CHECKPOINTER,
     CONFIG_KEY_RESUME_MAP,
+    CONFIG_KEY_RUNTIME,
     CONFIG_KEY_SEND,
     ERROR,
     NS_END,
@@ -175,6 +176,12 @@ class Run:
     past_pause: str | None = None
     #: The thread's life (see `life`), read at the first effect.
     _life: str | None = None
+    #: The effect scope of each task attempt that called an effect, by the attempt's
+    #: execution info and the scope's step key: see `_attempt_scope`.
+    attempts: collections.OrderedDict[tuple[Any, str], StepScope] = field(
+        default_factory=collections.OrderedDict
+    )
+    _attempts_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def is_last_put(self, frame: FrameType | None, metadata: Any, ns: str) -> bool:
         """Whether a put called from `frame` is the last write of this run: the
@@ -2263,7 +2270,7 @@ def effect_scope() -> StepScope | None:
     if len(parts) > 1:
         call = _call_task(run, str(conf.get("checkpoint_ns", "")))
         if call is None:  # a subgraph's task: its calls are not shared with a fork
-            return StepScope(run.remit, run.thread, step_key, run.fence)
+            return _attempt_scope(run, conf, StepScope(run.remit, run.thread, step_key, run.fence))
         # A functional-API task (`@task` called from a task of the graph's own loop):
         # its writes are the loop's, so it is shared with a fork as a node is. Its
         # calls are recorded for a fork only when it runs before the loop's checkpoint
@@ -2273,11 +2280,53 @@ def effect_scope() -> StepScope | None:
         loop = None if run.loop is None else run.loop()
         if loop is None or loop.checkpoint["id"] == run.past_pause:
             shared = run.shared.get(f"{step}/{place}", [])
-            return SharedScope(run.remit, run.thread, step_key, run.fence, shared=shared)
+            return _attempt_scope(
+                run, conf, SharedScope(run.remit, run.thread, step_key, run.fence, shared=shared)
+            )
     calls = _task_calls(run, task_id, step, place, step_key)
-    return SharedScope(
-        run.remit, run.thread, step_key, run.fence, counts=calls.counts, shared=calls.shared
+    return _attempt_scope(
+        run,
+        conf,
+        SharedScope(
+            run.remit, run.thread, step_key, run.fence, counts=calls.counts, shared=calls.shared
+        ),
     )
+
+
+#: How many task attempts' scopes a run keeps (`_attempt_scope`): far more than run at once.
+_ATTEMPTS_KEPT = 256
+
+
+def _attempt_scope(run: Run, conf: Mapping[str, Any], scope: StepScope) -> StepScope:
+    """The scope of the task attempt whose config is `conf`: `scope`, unless a call of
+    the same attempt found one first, in another context.
+
+    A node may run its calls in threads or tasks of its own, each with a copy of the
+    node's context made before any effect was called (LangGraph's `ToolNode` runs
+    the tool calls of one message so, `asyncio.gather` runs coroutines so): each copy
+    would find a scope of its own, count from 0, and every call would get the first
+    call's key, and its recorded outcome instead of being applied (P2). The calls of
+    one attempt share its `Runtime`'s execution info (task id, attempt number, first
+    attempt's start: a value, so nothing of the run is held), and so one scope; a
+    retry of the node is a new attempt, which numbers its calls from 0 again and gets
+    the outcomes of the attempt before it."""
+    info = getattr(conf.get(CONFIG_KEY_RUNTIME), "execution_info", None)
+    if info is None:
+        return scope
+    key = (info, scope.step_key)
+    try:
+        hash(key)
+    except TypeError:  # (a runtime of another kind: each context numbers its own calls)
+        return scope
+    with run._attempts_lock:
+        held = run.attempts.get(key)
+        if held is not None:
+            run.attempts.move_to_end(key)
+            return held
+        run.attempts[key] = scope
+        while len(run.attempts) > _ATTEMPTS_KEPT:
+            run.attempts.popitem(last=False)
+    return scope
 
 
 def _on_event_loop() -> bool:

@@ -623,12 +623,24 @@ class StateCheck:
             ) from exc
 
     def upgrade(self, values: dict[str, Any], written_version: int, **ids: Any) -> dict[str, Any]:
-        """Migrate a state written with an older schema version (or refuse, `VersionMismatch`)."""
+        """Migrate a state written with an older schema version (or refuse, `VersionMismatch`).
+
+        The migration is handed the state as it was written: every key of the old
+        version, those this version no longer declares included (a migration that
+        renames `amount` to `total` reads `amount`); LangGraph's own channels (the
+        `__start__`, `branch:to:` and `join:` ones) pass through untouched. A key
+        the migration drops is gone from the values it returns."""
         if written_version == self.version or self.declared is None:
             return values
-        state = {k: values[k] for k in self.fields if k in values}
+        state = {k: v for k, v in values.items() if not is_graph_channel(k)}
         upgraded = self.declared.upgrade(state, written_version, **ids)
-        return {**{k: v for k, v in values.items() if k not in self.fields}, **upgraded}
+        return {**{k: v for k, v in values.items() if is_graph_channel(k)}, **upgraded}
+
+
+def is_graph_channel(key: str) -> bool:
+    """Whether `key` names one of LangGraph's own channels (`__start__`, `__pregel_tasks`,
+    `branch:to:<node>`, `join:<a>+<b>:<node>`), not a state key."""
+    return key.startswith(("__", "branch:to:", "join:"))
 
 
 _SCALARS = (bool, int, float, str, bytes)

@@ -177,7 +177,20 @@ class RemitSaver(BaseCheckpointSaver[str]):
         }
         for ch, raw in body["inline"].items():
             values[ch] = rec.decode_value(self.serde, raw, **ids)
-        values = self._runs.upgrade(record, values)
+        upgraded = self._runs.upgrade(record, values)
+        if upgraded is not values:
+            # Keys a migration added or changed get versions of their own, and those it
+            # dropped lose theirs: LangGraph carries a key into the next checkpoint only
+            # by its version, and this saver stores a value once per version, so the
+            # first checkpoint of the new schema would lose an added key and keep the
+            # old value of a changed one (stored as the new schema's).
+            body = {
+                **body,
+                "channel_versions": rec.migrated_versions(
+                    body["channel_versions"], values, upgraded, record
+                ),
+            }
+            values = upgraded
         pending = self._writes(record, writes)
         parent = (
             rec.run_config(record.run_id, record.ns, record.parent_id) if record.parent_id else None
