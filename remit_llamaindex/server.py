@@ -432,15 +432,57 @@ def _step_key(state: StepWorkerState, run_id: str) -> str:
     return "/".join((*state.scope_path, f"{state.step_name}:{state.work_item_id}"))
 
 
+#: The effect scope of each served step execution that called an effect, by the id of
+#: the framework's context of that execution (see `_served_scope`).
+_served_scopes: dict[int, tuple[weakref.ref[Any], StepScope]] = {}
+_served_scopes_lock = threading.Lock()
+
+
 def _served_scope() -> StepScope | None:
     """The effect scope of a step a workflow server runs on a `RemitWorkflowStore`:
     the run's ledger, under the fence of the claim the store holds on the run (taken
     by the journal's first tick of the session, before any step runs). None outside
-    such a step."""
+    such a step.
+
+    One scope per step execution: the framework makes a context of its own for each
+    (an attempt of a retried step, a step run again for its answer), and the calls a
+    step makes in threads or tasks of its own (`asyncio.gather`, `asyncio.to_thread`),
+    each in a copy of the step's context made before any effect was called, share it.
+    A scope of their own each would number every call from 0, and each call after
+    the first would get the first call's outcome instead of being applied (P2)."""
     run_id = get_current_run_id()
     worker = StepWorkerStateContextVar.get(None)
     if run_id is None or worker is None:
         return None
+    with _served_scopes_lock:
+        held = _served_scopes.get(id(worker))
+    if held is not None and held[0]() is worker:
+        return held[1]
+    scope = _new_served_scope(run_id, worker)
+    if scope is None:
+        return None
+    key = id(worker)
+
+    def forget(_: Any) -> None:
+        with _served_scopes_lock:
+            if key in _served_scopes and _served_scopes[key][0]() is None:
+                del _served_scopes[key]
+
+    try:
+        ref = weakref.ref(worker, forget)
+    except TypeError:  # (a context that takes no weak reference: not shared)
+        return scope
+    with _served_scopes_lock:
+        held = _served_scopes.get(key)
+        if held is not None and held[0]() is worker:
+            return held[1]  # (another thread of the same execution came first)
+        _served_scopes[key] = (ref, scope)
+    return scope
+
+
+def _new_served_scope(run_id: str, worker: Any) -> StepScope | None:
+    """A new scope for the served step execution `worker` of run `run_id` (see
+    `_served_scope`)."""
     found = [s for s in list(_stores) if run_id in s._runs]
     if not found:
         return None
