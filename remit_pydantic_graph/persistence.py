@@ -853,7 +853,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         parent: _Head | None,
         *,
         release: bool = False,
-        **metadata: str,
+        **metadata: str | list[str],
     ) -> None:
         """Append `snapshot` after `parent` on this branch: a fenced compare-and-set.
         `release`: give the claim up in the same transaction."""
@@ -864,7 +864,10 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             None if parent is None else parent.top.id,
             1 if parent is None else parent.branch.head_seq + 1,
         )
-        with self._lapsed(_what_commit(snapshot, metadata.get("via")), plan.expected_head):
+        via = metadata.get("via")
+        with self._lapsed(
+            _what_commit(snapshot, via if isinstance(via, str) else None), plan.expected_head
+        ):
             self.remit.commit(
                 run_id=self.run_id,
                 checkpoint_id=snapshot.id,
@@ -1437,13 +1440,28 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
         operator's edit (`update_state`) committed again, the id of the node edited. A
         node that raised after an effect, then was edited, applies that effect once (P2):
         the edit changes the state, not which node runs."""
-        record = stored.record
-        while record.metadata.get("via") == "update" and record.parent_id is not None:
-            edited = self.remit.checkpoint(self.run_id, record.parent_id)
+        return self._pause_ids(stored.record)[0]
+
+    def _pause_ids(self, record: CheckpointRecord) -> list[str]:
+        """The ids of the node `record` stores, oldest first: the node as first stored,
+        then each `update_state` edit of it, up to `record`. An edit keeps the ids before
+        it (`pause_ids`), so they are known once `Remit.prune` deleted those snapshots;
+        an edit stored without them (by an earlier Remit) is followed to its parents."""
+        ids = [record.checkpoint_id]
+        while record.metadata.get("via") == "update":
+            kept = record.metadata.get("pause_ids")
+            if isinstance(kept, list) and kept and all(isinstance(i, str) for i in kept):
+                return [*kept, *ids]
+            edited = (
+                None
+                if record.parent_id is None
+                else self.remit.checkpoint(self.run_id, record.parent_id)
+            )
             if edited is None:
                 break
             record = edited
-        return record.checkpoint_id
+            ids.insert(0, record.checkpoint_id)
+        return ids
 
     def _finish_run(self, resumer: _Resumer, head: _Head, duration: float) -> None:
         """Store `success`; keep the claim (no heartbeat) for the next snapshot's commit."""
@@ -1526,7 +1544,12 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             return out
         cursor, line, base_id = branch.head_id, branch.branch, branch.base_id
         while cursor is not None:
-            stored = self._read(cursor, base_id, line)
+            try:
+                stored = self._read(cursor, base_id, line)
+            except UnknownRecord as exc:
+                if out and exc.checkpoint_id == cursor:
+                    break  # deleted by `Remit.prune`: the line as kept, oldest first
+                raise
             out.append(stored.snapshot)
             if cursor == base_id:
                 line = stored.record.branch
@@ -1796,12 +1819,7 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
     def _is_pause(self, stored: _Stored, pause_id: str) -> bool:
         """Whether `stored` is pause `pause_id`, or that pause after `update_state` edits:
         the same question, asked with another state."""
-        record: CheckpointRecord | None = stored.record
-        while record is not None and record.checkpoint_id != pause_id:
-            if record.metadata.get("via") != "update" or record.parent_id is None:
-                return False
-            record = self.remit.checkpoint(self.run_id, record.parent_id)
-        return record is not None
+        return pause_id in self._pause_ids(stored.record)
 
     def _answered_since(self, record: CheckpointRecord, pause_id: str) -> bool:
         """Whether the line from pause `pause_id` to `record` holds an answer (`resume`)."""
@@ -1971,7 +1989,16 @@ class RemitStatePersistence(BaseStatePersistence[StateT, RunEndT]):
             snapshot = NodeSnapshot(state=state, node=again)
             body = self._encode(snapshot, edit_of=paused.top.id if pause_id is None else pause_id)
             self._commit(
-                resumer, snapshot, body, paused, release=True, via="update", replaces=paused.top.id
+                resumer,
+                snapshot,
+                body,
+                paused,
+                release=True,
+                via="update",
+                replaces=paused.top.id,
+                # The pause's ids, kept with the edit: `Remit.prune` may delete the
+                # snapshots edited, and the pause's effects and answers name them.
+                pause_ids=self._pause_ids(paused.top.record),
             )
         finally:
             self._drop(resumer)
