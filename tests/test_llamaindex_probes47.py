@@ -227,18 +227,35 @@ import asyncio, sys
 sys.path.insert(0, {tests!r})
 import httpx
 from remit_llamaindex import RemitWorkflowStore
-from test_llamaindex_probes47 import served
+from {module} import served
 
 async def main():
     server = served(RemitWorkflowStore({url!r}, namespace={ns!r}, lease={lease!r}))
     async with server.contextmanager():
         transport = httpx.ASGITransport(app=server.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
-            await client.post("/workflows/rounds/run-nowait", json={{"start_event": {{}}}})
+            await client.post("/workflows/{workflow}/run-nowait", json={{"start_event": {{}}}})
             await asyncio.sleep(600)
 
 asyncio.run(main())
 """
+
+
+async def resumed(server: Any) -> dict[str, Any]:
+    """Start `server`, which resumes the one handler its store holds, and wait for the
+    handler's end: its result."""
+    async with server.contextmanager():
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
+            [handler] = (await client.get("/handlers")).json()["handlers"]
+            deadline = time.monotonic() + GUARD
+            while time.monotonic() < deadline:
+                result = (await client.get(f"/results/{handler['handler_id']}")).json()
+                if result.get("status") != "running":
+                    return dict(result)
+                await asyncio.sleep(0.1)
+            raise AssertionError("the resumed run did not end")
+
 
 #: Where the first server dies in the second round: after the effect's outcome is
 #: recorded (the sink's `die_at`), or after it applied with no outcome recorded (a
@@ -265,7 +282,14 @@ def test_a_server_killed_after_the_effect_applied_is_resumed_without_applying_it
     monkeypatch.setattr(server_module, "RESUME_FRESH_HANDLER_GRACE", timedelta(0))
     monkeypatch.setenv(DIR_VAR, str(tmp_path))
     ns, lease = uuid.uuid4().hex[:8], 2.0
-    code = KILLED_SERVER.format(tests=TESTS, url=store_url, ns=ns, lease=lease)
+    code = KILLED_SERVER.format(
+        tests=TESTS,
+        module="test_llamaindex_probes47",
+        workflow="rounds",
+        url=store_url,
+        ns=ns,
+        lease=lease,
+    )
     env = {**os.environ, DIR_VAR: str(tmp_path), **KILLS[kill]}
     first = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=GUARD
@@ -274,22 +298,7 @@ def test_a_server_killed_after_the_effect_applied_is_resumed_without_applying_it
     assert (entered(tmp_path), applied(tmp_path)) == (["charge0", "charge1"], ["round", "round"])
     keys_before = [line.split()[0] for line in payments(tmp_path)]
 
-    async def restart() -> dict[str, Any]:
-        store = RemitWorkflowStore(store_url, namespace=ns, lease=lease)
-        server = served(store)
-        async with server.contextmanager():
-            transport = httpx.ASGITransport(app=server.app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
-                [handler] = (await client.get("/handlers")).json()["handlers"]
-                deadline = time.monotonic() + GUARD
-                while time.monotonic() < deadline:
-                    result = (await client.get(f"/results/{handler['handler_id']}")).json()
-                    if result.get("status") != "running":
-                        return dict(result)
-                    await asyncio.sleep(0.1)
-                raise AssertionError("the resumed run did not end")
-
-    result = asyncio.run(restart())
+    result = asyncio.run(resumed(served(RemitWorkflowStore(store_url, namespace=ns, lease=lease))))
     assert outcome(result) == ("completed", "round,round"), result
     assert entered(tmp_path) == ["charge0", "charge1", "charge1"]
     assert [line.split()[0] for line in payments(tmp_path)] == keys_before

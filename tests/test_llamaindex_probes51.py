@@ -19,7 +19,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 from llamaindex_sink import DIR_VAR, KILL_VAR, applied, die_at, enter, entered, pay, payments
-from test_llamaindex_probes47 import outcome
+from test_llamaindex_probes47 import KILLED_SERVER, outcome, resumed
 from workflows import Workflow, step
 from workflows.events import StartEvent, StopEvent
 from workflows.retry_policy import retry_policy, stop_after_attempt, wait_fixed
@@ -114,25 +113,6 @@ def test_a_served_steps_calls_in_threads_and_tasks_each_apply_once(
     assert len(set(keys(tmp_path))) == 4
 
 
-KILLED_SERVER = """
-import asyncio, sys
-sys.path.insert(0, {tests!r})
-import httpx
-from remit_llamaindex import RemitWorkflowStore
-from test_llamaindex_probes51 import served
-
-async def main():
-    server = served(RemitWorkflowStore({url!r}, namespace={ns!r}, lease={lease!r}))
-    async with server.contextmanager():
-        transport = httpx.ASGITransport(app=server.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
-            await client.post("/workflows/gathered/run-nowait", json={{"start_event": {{}}}})
-            await asyncio.sleep(600)
-
-asyncio.run(main())
-"""
-
-
 def test_a_server_killed_after_the_gathered_calls_applied_pays_none_again(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,7 +125,14 @@ def test_a_server_killed_after_the_gathered_calls_applied_pays_none_again(
     monkeypatch.setattr(server_module, "RESUME_FRESH_HANDLER_GRACE", timedelta(0))
     monkeypatch.setenv(DIR_VAR, str(tmp_path))
     ns, lease = uuid.uuid4().hex[:8], 2.0
-    code = KILLED_SERVER.format(tests=TESTS, url=store_url, ns=ns, lease=lease)
+    code = KILLED_SERVER.format(
+        tests=TESTS,
+        module="test_llamaindex_probes51",
+        workflow="gathered",
+        url=store_url,
+        ns=ns,
+        lease=lease,
+    )
     env = {**os.environ, DIR_VAR: str(tmp_path), KILL_VAR: "gathered"}
     first = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=GUARD
@@ -155,22 +142,7 @@ def test_a_server_killed_after_the_gathered_calls_applied_pays_none_again(
     before = sorted(keys(tmp_path))
     assert len(set(before)) == 4
 
-    async def restart() -> dict[str, Any]:
-        store = RemitWorkflowStore(store_url, namespace=ns, lease=lease)
-        server = served(store)
-        async with server.contextmanager():
-            transport = httpx.ASGITransport(app=server.app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
-                [handler] = (await client.get("/handlers")).json()["handlers"]
-                deadline = time.monotonic() + GUARD
-                while time.monotonic() < deadline:
-                    result = (await client.get(f"/results/{handler['handler_id']}")).json()
-                    if result.get("status") != "running":
-                        return dict(result)
-                    await asyncio.sleep(0.1)
-                raise AssertionError("the resumed run did not end")
-
-    result = asyncio.run(restart())
+    result = asyncio.run(resumed(served(RemitWorkflowStore(store_url, namespace=ns, lease=lease))))
     status, paid = outcome(result)
     assert status == "completed", result
     # Calls run at once may reach their effects in another order on the replay (each
