@@ -20,19 +20,30 @@ import functools
 import inspect
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from remit_core import codec, failpoints, policy
 from remit_core.core import check_fence_run, checked_id
-from remit_core.errors import CorruptRecord, EffectInDoubt, RemitError, StoreUnavailable
+from remit_core.errors import (
+    CorruptRecord,
+    EffectInDoubt,
+    EffectInFlight,
+    RemitError,
+    StoreUnavailable,
+)
 from remit_core.records import EffectRecord, FenceRef
 
 if TYPE_CHECKING:
     from remit_core.core import Remit
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: How long a caller waits for another caller's effect in flight (its intent recorded
+#: under a claim still held) to be recorded before it gives up with `EffectInFlight`.
+IN_FLIGHT_WAIT = 5.0
 
 
 class _NotApplied:
@@ -216,7 +227,16 @@ class _Reconcile:
     idem: str
 
 
-_Op = _Get | _Begin | _Finish | _Apply | _Reconcile
+@dataclass(frozen=True)
+class _Settle:
+    """An intent without an outcome, told apart before anything is decided on it:
+    another caller's in flight (waited for, bounded; `EffectInFlight` past that) or
+    one in doubt. The driver answers the entry to decide on (done, or in doubt)."""
+
+    entry: EffectRecord
+
+
+_Op = _Get | _Begin | _Finish | _Apply | _Reconcile | _Settle
 
 
 def _protocol(
@@ -225,6 +245,8 @@ def _protocol(
     """Yields the operations an effect needs; the driver sends back their results."""
     entry: EffectRecord | None = yield _Get()
     for _ in range(2):
+        if entry is not None and entry.status == "intent":
+            entry = yield _Settle(entry)
         action = policy.effect_action(entry, has_reconcile=has_reconcile, idempotent=idempotent)
         if action == "return_recorded":
             return entry
@@ -259,6 +281,14 @@ def _protocol(
             effect_key=effect_key,
         )
     raise AssertionError("unreachable: a recorded intent always decides")
+
+
+def _next_wait(waits: Generator[float, None, EffectRecord | None]) -> float | EffectRecord | None:
+    """The next pause of `_Call.settling`, or the entry it returns."""
+    try:
+        return next(waits)
+    except StopIteration as stop:
+        return cast("EffectRecord | None", stop.value)
 
 
 def _outcome_of(entry: EffectRecord, scope: StepScope) -> Any:
@@ -347,6 +377,39 @@ class _Call:
         if entry is None or entry.status != "intent" or entry.created_at != now:
             raise lost
         return entry
+
+    def may_be_in_flight(self, entry: EffectRecord) -> bool:
+        """Whether `entry`, an intent, was recorded under a claim other than this
+        call's (one store read tells whether that claim is still held)."""
+        return entry.claim is not None and entry.claim != self.scope.fence
+
+    def settling(self, entry: EffectRecord) -> Generator[float, None, EffectRecord | None]:
+        """While `entry` is another caller's intent in flight: the seconds to sleep
+        before looking again. Returns the entry to decide on: done (its outcome), or
+        in doubt (its claim given up, lapsed or taken over), or None (deleted).
+        `EffectInFlight` once `IN_FLIGHT_WAIT` has passed with the claim still held."""
+        s, store = self.scope, self.scope.remit.store
+        current: EffectRecord | None = entry
+        # The wait is the caller's real time; the lease's, the store's (`Remit.clock`).
+        deadline, pause = time.monotonic() + IN_FLIGHT_WAIT, 0.02
+        while current is not None and current.status == "intent" and current.claim is not None:
+            live = store.get_claim(s.run_id, current.claim.scope)
+            if not policy.intent_in_flight(current, live, s.fence, now=s.remit.clock()):
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                raise EffectInFlight(
+                    f"effect {self.key!r} was recorded by a caller whose claim on scope "
+                    f"{current.claim.scope!r} is still held, with no outcome yet: it may be "
+                    f"applying it now. Nothing was applied here; run again once it has "
+                    "finished (or its lease has lapsed)",
+                    run_id=s.run_id,
+                    effect_key=self.key,
+                )
+            yield min(pause, deadline - now)
+            pause = min(pause * 2, 0.5)
+            current = self._checked(store.get_effect(s.run_id, self.key))
+        return current
 
     def recheck(self) -> _Recorded | None:
         """Before an effect in doubt applies: its entry again, through the fenced
@@ -559,6 +622,12 @@ def _drive(
                 result = reconcile(op.idem)
                 if inspect.isawaitable(result):
                     _refuse_awaitable(call, "reconcile", result)
+            elif isinstance(op, _Settle):
+                result = op.entry
+                if call.may_be_in_flight(result):
+                    waits = call.settling(result)
+                    while isinstance(result := _next_wait(waits), float):
+                        time.sleep(result)
             else:
                 result = call.store_op(op)
     except StopIteration as stop:
@@ -631,6 +700,12 @@ async def _adrive(
                     result = await asyncio.to_thread(reconcile, op.idem)
                 if inspect.isawaitable(result):
                     result = await result
+            elif isinstance(op, _Settle):
+                result = op.entry
+                if call.may_be_in_flight(result):
+                    waits = call.settling(result)
+                    while isinstance(result := await asyncio.to_thread(_next_wait, waits), float):
+                        await asyncio.sleep(result)
             else:
                 result = await asyncio.to_thread(call.store_op, op)
     except StopIteration as stop:

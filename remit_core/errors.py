@@ -51,6 +51,12 @@ class EffectInDoubt(RemitError):
     """An effect may have been applied but its outcome was never recorded (P2)."""
 
 
+class EffectInFlight(EffectInDoubt):
+    """Another caller recorded the effect's intent under a claim it still holds and has
+    not recorded the outcome yet: it may be applying it now (P2). Nothing was applied
+    here; run again once that caller has finished or its lease has lapsed."""
+
+
 class Fenced(RemitError):
     """A write carried a fencing token that is no longer current (L2)."""
 

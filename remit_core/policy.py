@@ -19,6 +19,7 @@ from remit_core.records import (
     CheckpointRecord,
     Claim,
     EffectRecord,
+    FenceRef,
     InterruptRecord,
 )
 
@@ -218,6 +219,32 @@ def effect_action(
     if idempotent:
         return "reapply"
     return "in_doubt"
+
+
+def intent_in_flight(
+    entry: EffectRecord, live: Claim | None, own: FenceRef | None, *, now: float
+) -> bool:
+    """Whether an intent without an outcome is another caller's effect in flight
+    rather than one in doubt: its caller may be applying it this moment.
+
+    It is while the claim it was recorded under is still held by that holder, at
+    that fence, unexpired (`live`: that claim's scope now), and is not the
+    asker's own. Asking `reconcile` then, or applying it again, races the caller
+    (an effect with a key of the user's is one effect across a run's branches,
+    each with a claim of its own). An intent whose claim was given up, lapsed or
+    taken over is in doubt, as before (its holder is gone, or fenced: L1, L2).
+    So is one found by an asker whose own claim on that scope was taken over: it
+    waits for nobody, and its next fenced write is refused (L2).
+    """
+    held = entry.claim
+    if entry.status != "intent" or held is None or held == own:
+        return False
+    if own is not None and own.scope == held.scope:
+        if not fence_is_current(live, own.fence, own.holder):
+            return False
+    return fence_is_current(live, held.fence, held.holder) and (
+        live is not None and live.expires_at > now
+    )
 
 
 def idempotency_key(run_id: str, effect_key: str) -> str:

@@ -126,3 +126,7 @@ class EffectRecord:
     outcome: bytes | None = None
     created_at: float = 0.0
     done_at: float | None = None
+    #: The claim of the caller that recorded the intent (None: an unfenced caller,
+    #: or an entry older than the record of it): while that claim is still held,
+    #: the intent is in flight, not in doubt, to every other caller.
+    claim: FenceRef | None = None

@@ -33,7 +33,7 @@ from remit_core.errors import (
     HeadMoved,
     ResumeConflict,
 )
-from remit_core.records import MAIN_BRANCH, CheckpointRecord
+from remit_core.records import MAIN_BRANCH, CheckpointRecord, EffectRecord
 from remit_core.stores import open_store
 from spec.bfs import Trace
 from spec.configs import Config
@@ -331,6 +331,8 @@ class Impl:
         assert proc.gen is not None
         try:
             proc.op = proc.gen.send(result)
+            while isinstance(proc.op, effects._Settle):
+                proc.op = proc.gen.send(_settled(proc.call, proc.op.entry))
         except StopIteration:
             proc.gen = proc.call = proc.op = None
             proc.pc = "commit"
@@ -530,3 +532,17 @@ def settle(cfg: Config, labels: list[str], url: str, *, max_steps: int = 400) ->
         raise Divergence(f"no quiescence after {max_steps} fair steps")
     finally:
         impl.cleanup()
+
+
+def _settled(call: effects._Call | None, entry: EffectRecord) -> EffectRecord | None:
+    """An intent told apart, in flight or in doubt (`effects._Settle`), with reads only:
+    no step of the model. None of its intents is in flight: each branch keys effects
+    of its own, recorded under the branch's one claim, and a resumer that finds one
+    holds that claim itself, took it over (a new fence), or was taken over (a zombie,
+    whose next fenced write is refused)."""
+    assert call is not None
+    if not call.may_be_in_flight(entry):
+        return entry
+    got = effects._next_wait(call.settling(entry))
+    assert not isinstance(got, float), "an intent in flight: outside this model"
+    return got

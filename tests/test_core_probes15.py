@@ -20,6 +20,7 @@ from conftest import ENGINES, PG_URL, engine_url
 
 from remit_core import Remit, WriteRecord
 from remit_core.stores import open_store
+from remit_core.stores.base import SCHEMA_VERSION
 from remit_core.stores.postgres import PostgresStore
 
 #: A database of the test server whose default collation orders text as a language does.
@@ -105,7 +106,7 @@ def test_a_postgres_store_of_schema_5_is_migrated_to_character_order_keeping_its
     store.setup()
     remit = Remit(store)
     try:
-        assert remit.store.applied_migrations()[-1] == 6
+        assert remit.store.applied_migrations()[-1] == SCHEMA_VERSION
         history = remit.history(run_id)
         assert [r.checkpoint_id for r in history] == list(reversed(_BY_CHARACTER))
         assert [r.state for r in history] == [cid.encode() for cid in reversed(_BY_CHARACTER)]

@@ -24,12 +24,13 @@ Found:
   pruned, so the README's recipes that read a run's last snapshot (a child graph's
   result, a run that goes on from the last one's final state) failed once history was
   kept small. It returns the line as kept, oldest first.
-- P2 (core, reported; strict xfail): an effect with a key of its own names one effect
-  of the whole run, forks included, but what keeps two callers apart is the claim of a
-  branch. A fork whose node calls it while the line's live holder has recorded its
-  intent and not yet sent (stopped there) takes the intent for one in doubt, asks
-  `reconcile` (which truly answers "not sent") and sends it; the line then sends it
-  too. The fix belongs to the core's effect protocol.
+- P2 (found here, fixed in the core: tests/test_core_probes31.py): an effect with a key
+  of its own names one effect of the whole run, forks included, but what keeps two
+  callers apart is the claim of a branch. A fork whose node called it while the line's
+  live holder had recorded its intent and not yet sent (stopped there) took the intent
+  for one in doubt, asked `reconcile` (which truly answered "not sent") and sent it;
+  the line then sent it too. The fork now finds the intent in flight and is told to
+  come back (`EffectInFlight`), having sent nothing.
 
 Held: a charge in doubt (killed, or the payment call raising after it reached its
 target) stops every later attempt with `EffectInDoubt`, gives the claim back, leaves
@@ -38,7 +39,7 @@ the one charge. A new version recovering an old version's in-doubt charge reconc
 under the old key. An old-version worker on a run the new version wrote gets
 `VersionMismatch` from every entry point and holds no claim. A keyed mail on a fork of
 an ended run hands back the line's receipt; stopped after sending, the line's mail is
-reconciled by the fork, not sent again. Two runs with one user key each mail once,
+not sent again by the fork. Two runs with one user key each mail once,
 and one fork token used on two runs makes a branch of each.
 """
 
@@ -372,21 +373,10 @@ def test_a_keyed_mail_is_sent_once_across_a_fork_and_its_line(
     assert isinstance(shop_line(store_url, run_id)[-1], EndSnapshot)
 
 
-SENT_TWICE = (
-    "remit_core: an effect with a key of its own (`key=`) names one effect in the whole run, "
-    "forks included, but the claim that keeps its callers apart is the branch's: a caller on "
-    "a fork that finds the line's intent without an outcome takes it for one in doubt and "
-    "asks `reconcile`, which truly answers NOT_APPLIED while the line's live holder is about "
-    "to send; both send (reported, not fixed here: the protocol is the core's)"
-)
-
-
 @pytest.mark.parametrize(
     "point",
     [
-        pytest.param(
-            "effect.after_intent", marks=pytest.mark.xfail(strict=True, reason=SENT_TWICE)
-        ),
+        "effect.after_intent",
         "effect.after_apply",
     ],
 )
@@ -403,8 +393,8 @@ def test_a_keyed_mail_racing_on_a_fork_and_its_line_is_sent_once(
     the run: the service must be asked to send it once, and both lines end with that
     mail's receipt (or the fork is told to come back, having sent nothing).
 
-    Found: stopped before sending, the line's mail is sent by the fork too (the service's
-    key rule alone keeps the second one out); see `SENT_TWICE`."""
+    Found: stopped before sending, the line's mail was sent by the fork too (the
+    service's key rule alone kept the second one out)."""
     (world.folder / "reconcile").touch()
 
     async def to_mail() -> None:

@@ -26,6 +26,7 @@ from remit_core import (
     CheckpointInvalid,
     CheckpointRecord,
     CorruptRecord,
+    EffectRecord,
     Fenced,
     FenceRef,
     ForkWithoutIntent,
@@ -342,7 +343,10 @@ def test_sqlite_file_of_schema_1_is_migrated_and_keeps_its_data(tmp_path: Path) 
         blobs=[BlobRecord("r", "k", b"v")],
         writes=[write("r", "c03", "t", 0, b"w")],
     )
+    old.begin_effect("r", "mail", "idem", now=1.0)
     conn = old._connection()  # back to what version 1 left: tables only
+    for statement in _WITHOUT_EFFECT_CLAIMS:
+        conn.execute(statement)
     for name in ("remit_commit_blobs", "remit_commit"):
         conn.execute(f"DROP VIEW {name}")
     conn.execute("DELETE FROM remit_migrations WHERE version > 1")
@@ -350,6 +354,11 @@ def test_sqlite_file_of_schema_1_is_migrated_and_keeps_its_data(tmp_path: Path) 
     store = SQLiteStore(url)
     store.setup()
     assert store.applied_migrations() == list(range(1, SCHEMA_VERSION + 1))
+    # An intent recorded before migration 7 has no claim; one recorded after keeps it.
+    assert store.get_effect("r", "mail") == EffectRecord("r", "mail", "idem", "intent", None, 1.0)
+    claim = store.acquire_claim("r", "main", "A", now=0.0, lease=60.0)
+    entry, _ = store.begin_effect("r", "mail2", "idem2", now=2.0, fence=FenceRef.of(claim))
+    assert entry.claim == FenceRef.of(claim) == store.get_effect("r", "mail2").claim  # type: ignore[union-attr]
     assert [c.checkpoint_id for c in store.list_checkpoints("r", "")] == ["c03", "c02", "c01"]
     assert store.get_blobs("r", "", ["k"]) == {"k": b"v"}
     store.commit_checkpoint(
@@ -358,6 +367,13 @@ def test_sqlite_file_of_schema_1_is_migrated_and_keeps_its_data(tmp_path: Path) 
     assert head_id(store, "r") == "c04"
     assert store.get_blobs("r", "", ["k2"]) == {"k2": b"v2"}
     store.close()
+
+
+#: Back to an effect ledger before migration 7 (no record of an intent's claim).
+_WITHOUT_EFFECT_CLAIMS = tuple(
+    f"ALTER TABLE remit_effects DROP COLUMN {column}"
+    for column in ("claim_scope", "claim_fence", "claim_holder")
+)
 
 
 def _set_up_again(tmp_path: Path, *older: str) -> SQLiteStore:
@@ -390,6 +406,7 @@ def test_sqlite_file_of_schema_3_gets_commit_views_that_check_the_holder(
         "DROP VIEW remit_commit",
         "CREATE VIEW remit_commit AS SELECT 1 AS fence",
         "CREATE VIEW remit_commit_blobs AS SELECT * FROM remit_commit",
+        *_WITHOUT_EFFECT_CLAIMS,
         "DELETE FROM remit_migrations WHERE version >= 4",
     )
     claim = store.acquire_claim("r", "main", "A", now=0.0, lease=60.0)

@@ -36,6 +36,7 @@ from remit_core import (
     NOT_APPLIED,
     Claim,
     EffectInDoubt,
+    EffectInFlight,
     Fenced,
     FenceRef,
     ForkWithoutIntent,
@@ -44,6 +45,7 @@ from remit_core import (
     ResumeConflict,
     UnknownRecord,
     WriteRecord,
+    effects,
     open_store,
     policy,
     run_effect,
@@ -100,6 +102,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.views: dict[str, Claim] = {}
         self.interrupts: dict[str, tuple[str, bytes | None]] = {}
         self.effects: dict[str, str] = {}
+        #: The claim each intent was recorded under (None: an unfenced caller's).
+        self.intent_claims: dict[str, FenceRef | None] = {}
         self.sink: Counter[str] = Counter()
         self.idem: dict[str, str] = {}
         self.writes: dict[tuple[str, int], bytes] = {}
@@ -321,6 +325,17 @@ class StoreMachine(RuleBasedStateMachine):
         mode, entry = EFFECT_MODES[key], self.effects.get(key)
         fence = self.fence_of(holder)
         sink_before = self.sink[key]
+        # Another caller's intent whose claim is still held, unexpired: in flight.
+        recorded, row = self.intent_claims.get(key), self.row
+        in_flight = (
+            entry == "intent"
+            and recorded is not None
+            and recorded != fence
+            and not self.stale(fence)  # (a zombie waits for nobody: it is fenced)
+            and row is not None
+            and (row.holder, row.fence) == (recorded.holder, recorded.fence)
+            and row.expires_at > self.clock.now
+        )
         try:
             with step_scope(self.remit, self.run_id, "step", fence=fence):
                 result = run_effect(
@@ -330,21 +345,26 @@ class StoreMachine(RuleBasedStateMachine):
                     reconcile=(lambda _: self._reconcile(key)) if mode == "reconcile" else None,
                     idempotent=mode == "idempotent",
                 )
+        except EffectInFlight:
+            assert in_flight and self.sink[key] == sink_before
+            return
         except Crash:
-            assert entry != "done"
+            assert entry != "done" and not in_flight
             assert entry is not None or not self.stale(fence)
+            if entry is None:
+                self.intent_claims[key] = fence
             self.effects[key] = "intent"
             return
         except Fenced:
-            assert self.stale(fence) and entry != "done"
+            assert self.stale(fence) and entry != "done" and not in_flight
             if entry is None:
                 assert self.sink[key] == sink_before  # nothing applied without an intent
             return
         except EffectInDoubt:
-            assert entry == "intent" and mode == "neither"
+            assert entry == "intent" and mode == "neither" and not in_flight
             assert self.sink[key] == sink_before
             return
-        assert result == f"out-{key}"
+        assert result == f"out-{key}" and not in_flight
         if entry == "done":
             assert self.sink[key] == sink_before
         else:
@@ -391,7 +411,10 @@ class StoreMachine(RuleBasedStateMachine):
         assert stored == self.writes
 
 
-def test_store_against_model(store_url: str) -> None:
+def test_store_against_model(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An effect in flight is refused at once: the model's clock does not move while
+    # a caller waits, so waiting would only slow the run down.
+    monkeypatch.setattr(effects, "IN_FLIGHT_WAIT", 0.0)
     open_store(store_url)
     StoreMachine.url = store_url
     run_state_machine_as_test(

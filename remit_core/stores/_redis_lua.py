@@ -310,7 +310,8 @@ return 1
 """
 
 #: KEYS: fence claims, effects. ARGV: fence, member, idempotency key, now.
-#: Answers created (0/1) and the entry's columns (k, s, o, c, d).
+#: Answers created (0/1) and the entry's columns (k, s, o, c, d, w); a new intent
+#: keeps its caller's fence argument in w (the claim it was recorded under).
 BEGIN_EFFECT = (
     _PRELUDE
     + r"""
@@ -320,15 +321,16 @@ local m = ARGV[2]
 local created = 0
 if redis.call("HSETNX", KEYS[2], m .. NUL .. "s", "intent") == 1 then
   redis.call("HSET", KEYS[2], m .. NUL .. "k", ARGV[3], m .. NUL .. "c", ARGV[4])
+  if ARGV[1] ~= "" then redis.call("HSET", KEYS[2], m .. NUL .. "w", ARGV[1]) end
   created = 1
 end
 return {"ok", created, redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "s",
-        m .. NUL .. "o", m .. NUL .. "c", m .. NUL .. "d")}
+        m .. NUL .. "o", m .. NUL .. "c", m .. NUL .. "d", m .. NUL .. "w")}
 """
 )
 
 #: KEYS: fence claims, effects. ARGV: fence, member, outcome, now.
-#: Answers the entry's columns (k, s, o, c, d) after the move.
+#: Answers the entry's columns (k, s, o, c, d, w) after the move.
 FINISH_EFFECT = (
     _PRELUDE
     + r"""
@@ -340,7 +342,7 @@ if redis.call("HGET", KEYS[2], m .. NUL .. "s") == "intent" then
              m .. NUL .. "d", ARGV[4])
 end
 return {"ok", redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "s",
-        m .. NUL .. "o", m .. NUL .. "c", m .. NUL .. "d")}
+        m .. NUL .. "o", m .. NUL .. "c", m .. NUL .. "d", m .. NUL .. "w")}
 """
 )
 

@@ -80,7 +80,19 @@ MIGRATIONS: dict[int, list[str]] = {
     4: [],
     5: [],
     6: [],
+    # An effect's intent records the claim of the caller that wrote it (in flight
+    # while that claim is held; `policy.intent_in_flight`): `effect_claim_columns`.
+    7: [],
 }
+
+
+def effect_claim_columns(if_not_exists: str = "") -> list[str]:
+    """Migration 7's statements; `if_not_exists` where the engine has that clause."""
+    return [
+        f"ALTER TABLE remit_effects ADD COLUMN {if_not_exists}{column}"
+        for column in ("claim_scope TEXT", "claim_fence BIGINT", "claim_holder TEXT")
+    ]
+
 
 _CKPT_COLS = (
     "run_id, checkpoint_id, branch, parent_id, state, ns, seq, metadata, "
@@ -168,7 +180,10 @@ _CLAIM_RETURNING = " RETURNING holder, fence, expires_at"
 _TAKE_CLAIM = _TAKE_CLAIM_OF.format(row="VALUES (?, ?, ?, 1, ?)")
 _ACQUIRE_CLAIM = _TAKE_CLAIM + _CLAIM_RETURNING
 _CLAIM_ROW = "SELECT holder, fence, expires_at FROM remit_claims WHERE run_id = ? AND scope = ?"
-_EFFECT_COLS = "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at"
+_EFFECT_COLS = (
+    "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at, "
+    "claim_scope, claim_fence, claim_holder"
+)
 _WRITE_COLS = "run_id, checkpoint_id, task_id, idx, channel, value, ns, task_path"
 #: What a write to a taken slot does, by mode ("expect_absent" refuses it in code).
 _WRITE_CONFLICTS = {
@@ -286,11 +301,17 @@ def _effect(row: Sequence[Any]) -> EffectRecord:
             outcome=None if row[4] is None else bytes(row[4]),
             created_at=float(row[5]),
             done_at=None if row[6] is None else float(row[6]),
+            claim=None if row[7] is None else FenceRef(row[0], row[7], int(row[8]), row[9]),
         )
     except (ValueError, TypeError) as exc:  # (a column SQLite let hold other text)
         raise CorruptRecord(
             f"stored effect entry does not decode: {exc}", run_id=row[0], effect_key=row[1]
         ) from exc
+
+
+def _claim_columns(fence: FenceRef | None) -> tuple[str | None, int | None, str | None]:
+    """The claim an effect's intent is recorded under, as its three columns."""
+    return (None, None, None) if fence is None else (fence.scope, fence.fence, fence.holder)
 
 
 def _claim_of(run_id: str, scope: str, row: Sequence[Any] | None) -> Claim:
@@ -799,9 +820,10 @@ class SqlStore(Store):
         with self._txn() as txn:
             self._check_fence(txn, fence)
             cur = txn.execute(
-                f"INSERT INTO remit_effects ({_EFFECT_COLS}) VALUES (?, ?, ?, 'intent', ?, ?, ?) "
+                f"INSERT INTO remit_effects ({_EFFECT_COLS}) "
+                "VALUES (?, ?, ?, 'intent', NULL, ?, NULL, ?, ?, ?) "
                 "ON CONFLICT (run_id, effect_key) DO NOTHING",
-                (run_id, effect_key, idempotency_key, None, now, None),
+                (run_id, effect_key, idempotency_key, now, *_claim_columns(fence)),
             )
             created = cur.rowcount == 1
             failpoints.hit("effect.in_intent")

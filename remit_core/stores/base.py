@@ -29,8 +29,8 @@ from remit_core.records import (
 
 #: Migration steps are numbered from 1; a store records each applied number.
 #: A step may change one engine only (2 to 5: SQLite's one-statement commits; 6:
-#: PostgreSQL's order of ids).
-SCHEMA_VERSION = 6
+#: PostgreSQL's order of ids); 7 records the claim an effect's intent is written under.
+SCHEMA_VERSION = 7
 
 
 def url_options(url: str) -> dict[str, str]:

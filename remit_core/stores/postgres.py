@@ -47,6 +47,7 @@ from remit_core.stores._sql import (
     _ckpt_params,
     _claim_of,
     _flat,
+    effect_claim_columns,
     int_option,
 )
 from remit_core.stores.base import display_url, newer_schema, stale_fence, url_options
@@ -483,7 +484,8 @@ class PostgresStore(SqlStore):
                 ("remit_writes", "task_id"),
                 ("remit_interrupts", "interrupt_id"),
             )
-        ]
+        ],
+        7: effect_claim_columns("IF NOT EXISTS "),
     }
     _acquire_sql = _ACQUIRE_CLAIM_ASYNC
     #: A release does not wait for the WAL flush either. Lost in a server crash,

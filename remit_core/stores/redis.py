@@ -98,6 +98,7 @@ MIGRATIONS: dict[int, str] = {
     4: "no change to keys (fences carry their holder; the scripts check it)",
     5: "no change here (SQLite's one-statement commit that releases its claim)",
     6: "no change here (PostgreSQL orders ids by their characters, as Redis does)",
+    7: "no change to keys (an effect's intent keeps its caller's claim in field w)",
 }
 
 #: Every per-run key kind, in the order the copy and delete scripts expect.
@@ -217,6 +218,15 @@ def _fence_arg(fence: FenceRef | None) -> str:
     """ARGV[1] of a fenced script: "" or the fence number, ":", the escaped scope,
     NUL, the holder."""
     return "" if fence is None else f"{fence.fence}:{_esc(fence.scope)}{_SEP}{fence.holder}"
+
+
+def _fence_of(run_id: str, arg: bytes) -> FenceRef:
+    """The fence a `_fence_arg` was made of (a `ValueError` if it is not one)."""
+    number, _, rest = arg.partition(b":")
+    scope, sep, holder = rest.partition(b"\x00")
+    if not sep:
+        raise ValueError(f"not a claim: {arg[:60]!r}")
+    return FenceRef(run_id, _unesc(scope), int(number), holder.decode())
 
 
 def _raise_fenced(fence: FenceRef | None, reply: list[Any]) -> None:
@@ -929,7 +939,7 @@ class RedisStore(Store):
     # -- effect ledger -------------------------------------------------------
     @staticmethod
     def _effect(run_id: str, effect_key: str, values: list[bytes | None]) -> EffectRecord:
-        idem, status, outcome, created_at, done_at = values
+        idem, status, outcome, created_at, done_at, claim = values
         try:
             if idem is None or status is None or created_at is None:
                 raise ValueError("a field of the entry is missing")
@@ -942,6 +952,7 @@ class RedisStore(Store):
                 outcome=outcome,
                 created_at=float(created_at),
                 done_at=_float(done_at),
+                claim=None if claim is None else _fence_of(run_id, claim),
             )
         except ValueError as exc:  # (UnicodeDecodeError included)
             raise CorruptRecord(
@@ -985,7 +996,7 @@ class RedisStore(Store):
     def get_effect(self, run_id: str, effect_key: str) -> EffectRecord | None:
         member = _join(effect_key)
         values = self._cmd(
-            "HMGET", run_prefix(run_id) + "ef", *(member + "\x00" + c for c in "ksocd")
+            "HMGET", run_prefix(run_id) + "ef", *(member + "\x00" + c for c in "ksocdw")
         )
         return None if values[1] is None else self._effect(run_id, effect_key, values)
 

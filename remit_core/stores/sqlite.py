@@ -46,6 +46,7 @@ from remit_core.stores._sql import (
     _claim_of,
     _flat,
     _release_params,
+    effect_claim_columns,
     int_option,
 )
 from remit_core.stores.base import display_url, stale_fence, url_options
@@ -462,12 +463,13 @@ class SQLiteStore(SqlStore):
     """
 
     #: 2 and 3 made the commit views; 4 makes them anew, with the fence's holder;
-    #: 5 adds the commit that releases its claim.
+    #: 5 adds the commit that releases its claim; 7 is the shared one.
     _engine_migrations: dict[int, list[str]] = {
         2: [],
         3: [],
         4: _COMMIT_SCHEMA + _COMMIT_WITH_BLOBS_SCHEMA,
         5: _COMMIT_RELEASE_SCHEMA,
+        7: effect_claim_columns(),
     }
 
     def __init__(self, url: str) -> None:
