@@ -258,6 +258,10 @@ class Session:
         self.unsaved: list[tuple[int, WorkflowTick]] = []
         self.injections: deque[TickAddEvent] = deque()
         self.expected: set[int] = set()
+        # Events from outside that answer no interrupt (nothing of them is stored before
+        # they reach the control loop), by identity, until their tick is committed: the
+        # delivery is acknowledged only then (`deliver`).
+        self.storing: dict[int, asyncio.Future[None]] = {}
         # Open asks (interrupt id -> prompt) in journal order, as of the mirror, and
         # the ask each delivered answer (by event identity) consumed until it is reduced.
         self.asks: dict[str, dict[str, Any]] = dict(asks or {})
@@ -451,6 +455,21 @@ class Session:
     # -- ticks -----------------------------------------------------------------
     async def on_tick(self, tick: WorkflowTick) -> None:
         """Mirror the control loop's reduction of `tick`, and commit it if claimed."""
+        stored = self.storing.pop(id(tick.event), None) if isinstance(tick, TickAddEvent) else None
+        try:
+            await self._on_tick(tick)
+        except Exception as exc:
+            if stored is not None and not stored.done():
+                stored.set_exception(exc)
+            raise
+        except BaseException:
+            if stored is not None:
+                stored.cancel()
+            raise
+        if stored is not None and not stored.done():
+            stored.set_result(None)
+
+    async def _on_tick(self, tick: WorkflowTick) -> None:
         if self.lost is not None:
             raise self.lost
         async with self.lock():
@@ -798,11 +817,46 @@ class Session:
                     await self.stop_lost(exc)
                 raise
             assert self.inner is not None
+            stored: asyncio.Future[None] | None = None
             if isinstance(tick, TickAddEvent):
                 self.expected.add(id(tick.event))
                 for interrupt_id in targets.keys() & self.asks.keys():
                     self.answering[id(tick.event)] = interrupt_id
+                if not targets:
+                    stored = asyncio.get_running_loop().create_future()
+                    self.storing[id(tick.event)] = stored
             await self.inner.send_event(tick)
+        if stored is not None:
+            await self._until_stored(tick, stored)
+
+    async def _until_stored(self, tick: WorkflowTick, stored: asyncio.Future[None]) -> None:
+        """Wait until the tick of a delivered event that answers no interrupt is committed.
+
+        An answer to a waiter or an ask is stored (its interrupt consumed) before the
+        control loop sees it, and a recovery delivers it. Any other event (one a step
+        takes: a fan-in's next input) is stored only with its tick: acknowledged before
+        that, it was lost with a process that died right after the delivery returned,
+        and the run waited for ever for an event its sender was told was delivered. A
+        copy that stops first (lost to another resumer, cancelled, ended) stores nothing
+        more: the delivery is refused with `ResumeConflict`."""
+        stopped = ResumeConflict(
+            "this copy of the run stopped before the event was stored; the event was not delivered",
+            run_id=self.key,
+            checkpoint_id=self.head_id,
+        )
+        try:
+            while not stored.done():
+                if self.lost is not None:
+                    raise self.lost
+                if self.done:
+                    raise stopped
+                await asyncio.wait({stored}, timeout=_RECHECK)
+        finally:
+            if not stored.done():  # (given up: nobody is told of its outcome later)
+                self.storing.pop(id(getattr(tick, "event", None)), None)
+        if stored.cancelled():
+            raise stopped
+        stored.result()
 
     async def _claim_to_deliver(self, targets: Mapping[str, Any]) -> None:
         """Take the claim of a parked run to deliver an event to it, or `ResumeConflict`
