@@ -1149,48 +1149,63 @@ class Runs:
             elif not edited:
                 self._refuse_later_question_of_edited_subgraph(run, record, here)
             gone = self._asked_by_absent_nodes(loop, run, record, writes, here)
+            replaced = self._replaced_senders(loop, run, record, writes)
+            # Values a resumer that died consumed for the pause's other questions are
+            # owed to their tasks, which run again beside the one answered now: they go
+            # with the new answers, by id (otherwise those tasks asked again, and every
+            # answer to them was refused as consumed: the thread was stuck).
+            given_back = {} if edited else self._owed(run, writes, here)
+            self._refuse_replaced_owed(run, given_back, replaced)
             answered = self._consume(
                 run,
                 here,
                 resume,
                 edited=edited,
                 gone=gone,
-                replaced=self._replaced_senders(loop, run, record, writes),
+                replaced=replaced,
                 failed=self._failed(run, writes),
                 asked_again=self._asked_again(run, here, writes),
                 riding=self._command_writes(loop, run, record, prior, edited=edited),
             )
             command = loop.input
-            if isinstance(command, Command) and command.goto and not edited:
+            given_back = {iid: v for iid, v in given_back.items() if iid not in answered}
+            if isinstance(command, Command) and ((command.goto and not edited) or given_back):
                 # LangGraph hands a plain value to the first task of the step that asks,
                 # which may be a `Send` of the goto: by id it reaches only the question
                 # it was consumed for (the others ask theirs). A map is by id already.
-                loop.input = dataclasses.replace(command, resume=answered)
+                loop.input = dataclasses.replace(command, resume={**given_back, **answered})
             return None
         # (A fork re-asks: it never takes the values its base's branch consumed, L3.)
         if any(i.checkpoint_id != record.checkpoint_id for i in here):
             return self._owed_across_update(run, writes, here)
         replaced = self._replaced_senders(loop, run, record, writes)
-        owed = [
-            i.interrupt_id for i in here if i.status == "consumed" and i.interrupt_id in replaced
-        ]
-        if owed:
-            raise ResumeConflict(
-                "this interrupt's value was consumed by a resumer that stopped before its "
-                f"Send branch (index {replaced[owed[0]]}) finished, and this command's goto "
-                "replaces that branch: LangGraph would hand the value to the branch now at "
-                "its index, another question, or to none. Nothing was stored; continue with "
-                "invoke(None, config), or give the goto the pending branch's Send at the "
-                "same index first",
-                run_id=run.thread,
-                interrupt_id=owed[0],
-            )
+        self._refuse_replaced_owed(
+            run, {i.interrupt_id: None for i in here if i.status == "consumed"}, replaced
+        )
         self._redeliver(loop, run, writes, here)
         # What the ledger owes goes back by interrupt id; LangGraph's own resume write
         # is spent (its node took it, or takes it again by id): kept, it would answer
         # the node's next question with the previous answer.
         run.resume_spent = True
         return None
+
+    def _refuse_replaced_owed(
+        self, run: Run, owed: Mapping[str, Any], replaced: Mapping[str, int]
+    ) -> None:
+        """Refuse a command whose goto replaces the `Send` branch that a value a dead
+        resumer consumed (`owed`, by interrupt id) is owed to."""
+        lost = [iid for iid in owed if iid in replaced]
+        if lost:
+            raise ResumeConflict(
+                "this interrupt's value was consumed by a resumer that stopped before its "
+                f"Send branch (index {replaced[lost[0]]}) finished, and this command's goto "
+                "replaces that branch: LangGraph would hand the value to the branch now at "
+                "its index, another question, or to none. Nothing was stored; continue with "
+                "invoke(None, config), or give the goto the pending branch's Send at the "
+                "same index first",
+                run_id=run.thread,
+                interrupt_id=lost[0],
+            )
 
     def _command_writes(
         self,
@@ -1757,9 +1772,18 @@ class Runs:
         here: Sequence[InterruptRecord],
     ) -> None:
         """Give consumed values back to the tasks that did not finish with them (P5 recovery)."""
+        owed = self._owed(run, writes, here)
+        if owed:
+            loop.config["configurable"][CONFIG_KEY_RESUME_MAP] = owed
+
+    def _owed(
+        self, run: Run, writes: Sequence[WriteRecord], here: Sequence[InterruptRecord]
+    ) -> dict[str, Any]:
+        """The consumed values of `here` whose tasks did not finish with them (a
+        resumer died), by interrupt id."""
         consumed = [i for i in here if i.status == "consumed" and i.value is not None]
         if not consumed:
-            return
+            return {}
         finished = {
             w.task_id for w in writes if w.channel not in (INTERRUPT, RESUME, "__error__", CALLS)
         }
@@ -1787,8 +1811,7 @@ class Runs:
                 del owed[iid]
             else:
                 owed[iid] = self.saver._decode(latest.value, run_id=run.thread)
-        if owed:
-            loop.config["configurable"][CONFIG_KEY_RESUME_MAP] = owed
+        return owed
 
     # -- run end -----------------------------------------------------------------
     def attach(self, loop: PregelLoop, run: Run) -> None:
