@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -219,8 +221,21 @@ class Worker:
                     "timeout", error={"class": "timeout", "message": f"{timeout:.0f}s", "chain": []}
                 )
                 return self.outcome
-            time.sleep(delay)
+            self._pause(min(delay, max(0.0, deadline - time.monotonic()) + 0.001))
             delay = min(delay * 2, 0.05)
+
+    def _pause(self, delay: float) -> None:
+        """Sleep up to `delay`, waking as soon as the worker writes its result (it
+        does so just before it exits) rather than a whole polling interval later."""
+        try:
+            readable, _, _ = select.select([self.fd], [], [], delay)
+        except (OSError, ValueError):  # (no pipe to watch: a plain sleep)
+            time.sleep(delay)
+            return
+        if readable and self._drain():
+            # End of file: the worker is exiting (or a process it forked closed the
+            # pipe); its exit status follows, so poll briefly rather than spin.
+            time.sleep(0.001)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -244,6 +259,10 @@ def fork(fn: Callable[[], Any], *, barrier: Barrier | None = None) -> Worker:
     pid = os.fork()
     if pid == 0:  # the worker
         code = 0
+        # What the parent had stays out of this process's garbage collections: a full
+        # collection would otherwise walk (and so copy, page by page) the parent's
+        # whole heap, seconds of a loaded machine for every worker of a big parent.
+        gc.freeze()
         try:
             os.close(read_fd)
             if barrier is not None:
