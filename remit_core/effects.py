@@ -236,7 +236,21 @@ class _Settle:
     entry: EffectRecord
 
 
-_Op = _Get | _Begin | _Finish | _Apply | _Reconcile | _Settle
+@dataclass(frozen=True)
+class _Adopt:
+    """An intent in doubt, about to be reconciled or re-applied: moved to this
+    caller's claim first, as a compare-and-set on the claim it was decided on. The
+    driver answers (entry, adopted); not adopted, another caller moved it first (or
+    finished it), and the entry is decided again: in flight, so waited for."""
+
+    entry: EffectRecord
+
+
+_Op = _Get | _Begin | _Finish | _Apply | _Reconcile | _Settle | _Adopt
+
+#: How many times an effect's entry is decided before `EffectInFlight`: each round
+#: past the first follows another caller's write to it (its intent, or its adoption).
+_DECISIONS = 4
 
 
 def _protocol(
@@ -244,7 +258,7 @@ def _protocol(
 ) -> Generator[_Op, Any, Any]:
     """Yields the operations an effect needs; the driver sends back their results."""
     entry: EffectRecord | None = yield _Get()
-    for _ in range(2):
+    for _ in range(_DECISIONS):
         if entry is not None and entry.status == "intent":
             entry = yield _Settle(entry)
         action = policy.effect_action(entry, has_reconcile=has_reconcile, idempotent=idempotent)
@@ -260,6 +274,10 @@ def _protocol(
             failpoints.hit("effect.after_apply")
             return (yield _Finish(outcome))
         assert entry is not None
+        if action in ("reconcile", "reapply"):
+            entry, adopted = yield _Adopt(entry)
+            if not adopted:
+                continue  # another caller took it over (or finished it) first
         if action == "reconcile":
             outcome = yield _Reconcile(entry.idempotency_key)
             if outcome is NOT_APPLIED:
@@ -280,7 +298,12 @@ def _protocol(
             run_id=run_id,
             effect_key=effect_key,
         )
-    raise AssertionError("unreachable: a recorded intent always decides")
+    raise EffectInFlight(
+        f"effect {effect_key!r} was taken over by another caller each time it was "
+        "decided here; nothing was applied here: run again once they have finished",
+        run_id=run_id,
+        effect_key=effect_key,
+    )
 
 
 def _next_wait(waits: Generator[float, None, EffectRecord | None]) -> float | EffectRecord | None:
@@ -353,6 +376,11 @@ class _Call:
             except StoreUnavailable as lost:
                 entry, created = self._landed_intent(now, lost), True
             return self._checked(entry), created
+        if isinstance(op, _Adopt):
+            entry, adopted = store.adopt_effect(
+                s.run_id, self.key, held=op.entry.claim, fence=s.fence
+            )
+            return self._checked(entry), adopted
         assert isinstance(op, _Finish)
         now = s.remit.clock()
         entry = store.finish_effect(

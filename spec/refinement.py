@@ -331,8 +331,11 @@ class Impl:
         assert proc.gen is not None
         try:
             proc.op = proc.gen.send(result)
-            while isinstance(proc.op, effects._Settle):
-                proc.op = proc.gen.send(_settled(proc.call, proc.op.entry))
+            while isinstance(proc.op, effects._Settle | effects._Adopt):
+                if isinstance(proc.op, effects._Adopt):
+                    proc.op = proc.gen.send(_adopted(proc.op.entry))
+                else:
+                    proc.op = proc.gen.send(_settled(proc.call, proc.op.entry))
         except StopIteration:
             proc.gen = proc.call = proc.op = None
             proc.pc = "commit"
@@ -532,6 +535,16 @@ def settle(cfg: Config, labels: list[str], url: str, *, max_steps: int = 400) ->
         raise Divergence(f"no quiescence after {max_steps} fair steps")
     finally:
         impl.cleanup()
+
+
+def _adopted(entry: EffectRecord) -> tuple[EffectRecord, bool]:
+    """An intent in doubt adopted before it is reconciled or re-applied (`effects._Adopt`),
+    as no step of the model: adoption moves only the claim an intent was recorded under,
+    which the model does not hold, and no other caller of the model adopts it first
+    (each branch keys effects of its own, under the branch's one claim). Like the in-doubt
+    apply's re-read, its fenced write is left out: the model's zombie reconciles and
+    applies, and is refused at its next fenced write (`Finish`)."""
+    return entry, True
 
 
 def _settled(call: effects._Call | None, entry: EffectRecord) -> EffectRecord | None:

@@ -664,6 +664,7 @@ FENCED_PRIMITIVES = [
     "open_interrupts",
     "consume_interrupt",
     "begin_effect",
+    "adopt_effect",
     "finish_effect",
 ]
 
@@ -679,6 +680,8 @@ def _fenced_call(store: Store, name: str, run_id: str, fence: FenceRef) -> None:
         store.consume_interrupt(run_id, MAIN_BRANCH, "i1", b"v", consumer="z", now=1.0, fence=fence)
     elif name == "begin_effect":
         store.begin_effect(run_id, "e-new", "idem", now=1.0, fence=fence)
+    elif name == "adopt_effect":
+        store.adopt_effect(run_id, "e1", held=None, fence=fence)
     else:
         store.finish_effect(run_id, "e1", b"out", now=1.0, fence=fence)
 
@@ -690,7 +693,7 @@ def _observable(store: Store, run_id: str) -> tuple[Any, ...]:
         [(w.task_id, w.idx, w.value) for w in store.get_writes(run_id, "", "c01")],
         sorted((i.interrupt_id, i.status, i.value) for i in store.list_interrupts(run_id)),
         store.get_effect(run_id, "e-new"),
-        None if e1 is None else (e1.status, e1.outcome),
+        None if e1 is None else (e1.status, e1.outcome, e1.claim),
     )
 
 

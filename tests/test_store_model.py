@@ -351,8 +351,9 @@ class StoreMachine(RuleBasedStateMachine):
         except Crash:
             assert entry != "done" and not in_flight
             assert entry is not None or not self.stale(fence)
-            if entry is None:
-                self.intent_claims[key] = fence
+            # Recorded under this caller's claim: its new intent, or one in doubt it
+            # adopted before re-applying it.
+            self.intent_claims[key] = fence
             self.effects[key] = "intent"
             return
         except Fenced:

@@ -329,6 +329,31 @@ return {"ok", created, redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL ..
 """
 )
 
+#: KEYS: fence claims, effects. ARGV: fence, member, the fence argument of the
+#: claim the intent is expected under ("" for none). Moves an intent still recorded
+#: under that claim to the caller's (w); answers adopted (0/1), then the entry's
+#: columns (k, s, o, c, d, w), or nil columns if it is gone.
+ADOPT_EFFECT = (
+    _PRELUDE
+    + r"""
+local err = fenced()
+if err then return err end
+local m = ARGV[2]
+local adopted = 0
+if redis.call("HGET", KEYS[2], m .. NUL .. "s") == "intent"
+    and (redis.call("HGET", KEYS[2], m .. NUL .. "w") or "") == ARGV[3] then
+  if ARGV[1] == "" then
+    redis.call("HDEL", KEYS[2], m .. NUL .. "w")
+  else
+    redis.call("HSET", KEYS[2], m .. NUL .. "w", ARGV[1])
+  end
+  adopted = 1
+end
+return {"ok", adopted, redis.call("HMGET", KEYS[2], m .. NUL .. "k", m .. NUL .. "s",
+        m .. NUL .. "o", m .. NUL .. "c", m .. NUL .. "d", m .. NUL .. "w")}
+"""
+)
+
 #: KEYS: fence claims, effects. ARGV: fence, member, outcome, now.
 #: Answers the entry's columns (k, s, o, c, d, w) after the move.
 FINISH_EFFECT = (

@@ -34,7 +34,14 @@ from remit_core.records import (
     WriteMode,
     WriteRecord,
 )
-from remit_core.stores.base import Store, display_url, head_gone, newer_schema, stale_fence
+from remit_core.stores.base import (
+    Store,
+    display_url,
+    effect_deleted,
+    head_gone,
+    newer_schema,
+    stale_fence,
+)
 
 #: Numbered migration steps; each is a list of statements, applied once, in order.
 MIGRATIONS: dict[int, list[str]] = {
@@ -184,6 +191,8 @@ _EFFECT_COLS = (
     "run_id, effect_key, idempotency_key, status, outcome, created_at, done_at, "
     "claim_scope, claim_fence, claim_holder"
 )
+#: The columns of the claim an effect's intent was recorded under.
+_EFFECT_CLAIM = ("claim_scope", "claim_fence", "claim_holder")
 _WRITE_COLS = "run_id, checkpoint_id, task_id, idx, channel, value, ns, task_path"
 #: What a write to a taken slot does, by mode ("expect_absent" refuses it in code).
 _WRITE_CONFLICTS = {
@@ -307,6 +316,17 @@ def _effect(row: Sequence[Any]) -> EffectRecord:
         raise CorruptRecord(
             f"stored effect entry does not decode: {exc}", run_id=row[0], effect_key=row[1]
         ) from exc
+
+
+def _entry_read_back(txn: Txn, run_id: str, effect_key: str) -> EffectRecord:
+    """An effect's entry, read in the transaction that wrote it (`effect_deleted` if gone)."""
+    row = txn.execute(
+        f"SELECT {_EFFECT_COLS} FROM remit_effects WHERE run_id = ? AND effect_key = ?",
+        (run_id, effect_key),
+    ).fetchone()
+    if row is None:
+        raise effect_deleted(run_id, effect_key)
+    return _effect(row)
 
 
 def _claim_columns(fence: FenceRef | None) -> tuple[str | None, int | None, str | None]:
@@ -827,20 +847,39 @@ class SqlStore(Store):
             )
             created = cur.rowcount == 1
             failpoints.hit("effect.in_intent")
-            row = txn.execute(
-                f"SELECT {_EFFECT_COLS} FROM remit_effects WHERE run_id = ? AND effect_key = ?",
-                (run_id, effect_key),
-            ).fetchone()
-        if row is None:
-            # The entry was there for the insert and gone for this read (each statement
-            # reads its own snapshot): a delete of the run, unfenced, came between.
-            raise UnknownRecord(
-                "the effect's ledger entry was deleted meanwhile (the run was deleted); "
-                "nothing was recorded",
-                run_id=run_id,
-                effect_key=effect_key,
+            # (An entry there for the insert may be gone for this read, each statement
+            # reading its own snapshot: a delete of the run, unfenced, came between.)
+            entry = _entry_read_back(txn, run_id, effect_key)
+        return entry, created
+
+    def adopt_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        held: FenceRef | None,
+        fence: FenceRef | None = None,
+    ) -> tuple[EffectRecord, bool]:
+        with self._txn() as txn:
+            self._check_fence(txn, fence)
+            was = _claim_columns(held)
+            cur = txn.execute(
+                "UPDATE remit_effects SET claim_scope = ?, claim_fence = ?, claim_holder = ? "
+                "WHERE run_id = ? AND effect_key = ? AND status = 'intent' AND "
+                + " AND ".join(
+                    f"{column} IS NULL" if value is None else f"{column} = ?"
+                    for column, value in zip(_EFFECT_CLAIM, was, strict=True)
+                ),
+                (
+                    *_claim_columns(fence),
+                    run_id,
+                    effect_key,
+                    *(value for value in was if value is not None),
+                ),
             )
-        return _effect(row), created
+            adopted = cur.rowcount == 1
+            entry = _entry_read_back(txn, run_id, effect_key)
+        return entry, adopted
 
     def finish_effect(
         self,

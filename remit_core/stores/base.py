@@ -74,6 +74,17 @@ def newer_schema(applied: Iterable[int], where: str) -> VersionMismatch | None:
     )
 
 
+def effect_deleted(run_id: str, effect_key: str) -> UnknownRecord:
+    """The refusal of an effect write whose ledger entry was gone when it was read
+    back (the run was deleted meanwhile, unfenced): nothing was recorded."""
+    return UnknownRecord(
+        "the effect's ledger entry was deleted meanwhile (the run was deleted); "
+        "nothing was recorded",
+        run_id=run_id,
+        effect_key=effect_key,
+    )
+
+
 def head_gone(run_id: str, checkpoint_id: str | None) -> UnknownRecord:
     """The refusal of `move_head` to a checkpoint that is not stored (deleted
     meanwhile, e.g. by a prune that read the branches before the move)."""
@@ -332,6 +343,22 @@ class Store(ABC):
         fence: FenceRef | None = None,
     ) -> tuple[EffectRecord, bool]:
         """Record intent if the effect has no entry. Returns (entry, created)."""
+
+    @abstractmethod
+    def adopt_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        held: FenceRef | None,
+        fence: FenceRef | None = None,
+    ) -> tuple[EffectRecord, bool]:
+        """Move an intent recorded under `held` to the caller's claim (`fence`), as a
+        compare-and-set: only while it is still an intent recorded under `held`.
+        Returns (entry, adopted). A caller about to reconcile or re-apply an intent in
+        doubt adopts it first; another caller that decided on the same intent then
+        finds it moved (to a claim that is held: in flight) and waits instead of
+        applying it too. `UnknownRecord` if the entry is gone (the run was deleted)."""
 
     @abstractmethod
     def finish_effect(

@@ -83,6 +83,7 @@ from remit_core.stores import _redis_lua as lua
 from remit_core.stores.base import (
     Store,
     display_url,
+    effect_deleted,
     head_gone,
     newer_schema,
     stale_fence,
@@ -254,6 +255,7 @@ _SCRIPTS = (
     "ACQUIRE_CLAIM",
     "UPDATE_CLAIM",
     "BEGIN_EFFECT",
+    "ADOPT_EFFECT",
     "FINISH_EFFECT",
     "DELETE_CHECKPOINTS",
     "COPY_RUN",
@@ -971,6 +973,21 @@ class RedisStore(Store):
         keys = _Keys("", run_prefix(run_id) + "ef")
         args = [_join(effect_key), idempotency_key, repr(now)]
         reply = self._fenced_run("BEGIN_EFFECT", fence, run_id, keys, args)
+        return self._effect(run_id, effect_key, reply[2]), reply[1] == 1
+
+    def adopt_effect(
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        held: FenceRef | None,
+        fence: FenceRef | None = None,
+    ) -> tuple[EffectRecord, bool]:
+        keys = _Keys("", run_prefix(run_id) + "ef")
+        args = [_join(effect_key), _fence_arg(held)]
+        reply = self._fenced_run("ADOPT_EFFECT", fence, run_id, keys, args)
+        if reply[2][1] is None:
+            raise effect_deleted(run_id, effect_key)
         return self._effect(run_id, effect_key, reply[2]), reply[1] == 1
 
     def finish_effect(
