@@ -486,6 +486,32 @@ def _scope_or_fail(name: str) -> StepScope:
     return scope
 
 
+class _Handover:
+    """A turn's lock taken by a thread for a task that may stop waiting for it: whichever
+    of the two comes second gives the lock back (once), under a guard of its own."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._guard = threading.Lock()
+        self._abandoned = self._taken = False
+
+    def take(self) -> None:
+        """In the thread: wait for the lock; keep it for the task, or give it back."""
+        self._lock.acquire()
+        with self._guard:
+            if self._abandoned:
+                self._lock.release()
+            else:
+                self._taken = True
+
+    def abandon(self) -> None:
+        """On the task's side, once it stops waiting: the lock is not its to hold."""
+        with self._guard:
+            self._abandoned = True
+            if self._taken:
+                self._lock.release()
+
+
 class _Turns:
     """One effect occurrence applied by one caller of this process at a time.
 
@@ -553,12 +579,14 @@ class _Turns:
         lock = self._enter(key)
         try:
             if not lock.acquire(blocking=False):  # held: wait off the event loop
-                waiting = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
+                handover = _Handover(lock)
+                waiting = asyncio.ensure_future(asyncio.to_thread(handover.take))
                 try:
                     await asyncio.shield(waiting)
                 except asyncio.CancelledError:
-                    # The thread takes the lock all the same: give it back once it has.
-                    waiting.add_done_callback(lambda _: lock.release())
+                    # The thread takes the lock all the same (a cancelled wait, or the
+                    # loop shutting down, which cancels `waiting` too): give it back.
+                    handover.abandon()
                     raise
             try:
                 yield

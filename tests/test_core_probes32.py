@@ -20,9 +20,12 @@ the dead holder SIGKILLed after recording its intent.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ from remit_core import (
     Fenced,
     FenceRef,
     Remit,
+    arun_effect,
     effects,
     failpoints,
     policy,
@@ -288,3 +292,107 @@ def test_an_adoption_lost_to_another_caller_is_decided_again(
 
 def _receipt(who: str) -> bytes:
     return effects._sealed(f"receipt-{who}", KEY)
+
+
+def test_a_turn_abandoned_at_event_loop_shutdown_keeps_the_holder_alone(
+    store_url: str, run_id: str
+) -> None:
+    """A thread of the process is applying an effect (its turn held, its send slow); a
+    second thread waits for the same occurrence's turn, and a task waits for it too
+    (off the event loop, in a thread) when `asyncio.run` ends, cancelling the task
+    and the thread's future alike. The second thread still waits for the holder, then
+    returns its recorded outcome: one send. (Before, the cancelled future gave back
+    the lock the holder held; the second thread took it, asked the service, which had
+    not been sent to yet, and sent again.)"""
+    remit = Remit(store_url)
+    entered, finish = threading.Event(), threading.Event()
+    sent: list[str] = []
+
+    def call(who: str) -> Any:
+        def send(idem: str) -> str:
+            entered.set()
+            finish.wait(30)
+            sent.append(who)
+            return f"receipt-{who}"
+
+        def lookup(idem: str) -> Any:
+            return f"receipt-{sent[0]}" if sent else NOT_APPLIED
+
+        with step_scope(remit, run_id, "s"):
+            return run_effect("mail", send, key=KEY, reconcile=lookup)
+
+    results: dict[str, Any] = {}
+    holder = threading.Thread(target=lambda: results.setdefault("holder", call("holder")))
+    holder.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=lambda: results.setdefault("second", call("second")))
+    second.start()
+    time.sleep(0.2)  # the second thread waits for the turn
+
+    async def main() -> None:
+        async def waiter() -> Any:
+            with step_scope(remit, run_id, "s"):
+
+                async def send(idem: str) -> str:
+                    sent.append("waiter")
+                    return "receipt-waiter"
+
+                return await arun_effect("mail", send, key=KEY)
+
+        asyncio.get_running_loop().create_task(waiter())
+        await asyncio.sleep(0.2)  # the task is waiting for the turn; the loop ends
+
+    threading.Timer(1.0, finish.set).start()  # the holder finishes during the shutdown
+    asyncio.run(main())
+    holder.join(30)
+    second.join(30)
+    assert not second.is_alive()
+    assert sent == ["holder"]
+    assert results == {"holder": "receipt-holder", "second": "receipt-holder"}
+
+
+def test_a_turn_abandoned_at_event_loop_shutdown_is_given_back(store_url: str, run_id: str) -> None:
+    """A task waits (off the event loop, in a thread) for an effect's turn that a thread
+    of the same process holds; `asyncio.run` ends meanwhile, cancelling the task and
+    the thread's future alike. Once the holder finishes, the turn is free: a next
+    caller of the same occurrence gets the recorded outcome (it waited for ever
+    before: the future's cancellation gave back a lock the thread had not taken yet,
+    and the thread then took it for nobody)."""
+    remit = Remit(store_url)
+    entered, finish = threading.Event(), threading.Event()
+
+    def call(fn: Callable[[str], Any]) -> Any:
+        with step_scope(remit, run_id, "s"):
+            return run_effect("mail", fn, key=KEY)
+
+    def slow_send(idem: str) -> str:
+        entered.set()
+        finish.wait(30)
+        return "receipt-holder"
+
+    results: list[Any] = []
+    holder = threading.Thread(target=lambda: results.append(call(slow_send)))
+    holder.start()
+    assert entered.wait(30)
+
+    async def main() -> None:
+        async def waiter() -> Any:
+            with step_scope(remit, run_id, "s"):
+
+                async def send(idem: str) -> str:
+                    return "receipt-waiter"
+
+                return await arun_effect("mail", send, key=KEY)
+
+        asyncio.get_running_loop().create_task(waiter())
+        await asyncio.sleep(0.2)  # the task is waiting for the turn; the loop ends
+
+    threading.Timer(0.5, finish.set).start()  # the holder finishes during the shutdown
+    asyncio.run(main())
+    holder.join(30)
+    assert results == ["receipt-holder"]
+    later = threading.Thread(target=lambda: results.append(call(lambda idem: "again")))
+    later.start()
+    later.join(30)
+    assert not later.is_alive(), "the turn was never given back"
+    assert results == ["receipt-holder", "receipt-holder"]
