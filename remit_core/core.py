@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn, cast
 
@@ -416,6 +416,89 @@ os.register_at_fork(after_in_child=_count_fork)
 _holder_serial = itertools.count(1)
 
 
+#: How long a claim given up while effects of it are still running in this process
+#: is kept for them at most (`_EffectsInProgress`): past it, it is released anyway.
+HELD_FOR_EFFECTS = 120.0
+
+
+class _EffectsInProgress:
+    """The effect calls running in this process, per claim they run under (its fence).
+
+    A claim given up while one is still running (a step that raised while a sibling
+    of `asyncio.gather` was applying one, a cancel that cannot stop a blocking call
+    run in a thread) is kept, renewed, until the last ends, then released: until
+    then its intent is in flight to every other process, not in doubt (an intent is
+    in flight while the claim it was recorded under is held). Without that another
+    process could ask the target before the call landed, be told "not applied", and
+    apply it again. A claim of the same scope taken in this process meanwhile takes
+    it over at once (its own effect calls wait for the running one, by their turn).
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[FenceRef, int] = {}
+        self._held: dict[FenceRef, ClaimHandle] = {}
+
+    def enter(self, fence: FenceRef) -> None:
+        with self._lock:
+            self._counts[fence] = self._counts.get(fence, 0) + 1
+
+    def leave(self, fence: FenceRef) -> None:
+        with self._lock:
+            left = self._counts[fence] - 1
+            if left:
+                self._counts[fence] = left
+                return
+            del self._counts[fence]
+            handle = self._held.pop(fence, None)
+        if handle is not None:
+            with contextlib.suppress(Exception):  # (if it fails, the lease runs out: L1)
+                handle.release()
+
+    def keep(self, handle: ClaimHandle) -> bool:
+        """Whether `handle`'s claim has effect calls running here: then it is kept for
+        them (released when the last ends) and the caller does not release it."""
+        fence = handle.fence
+        with self._lock:
+            if not self._counts.get(fence):
+                self._held.pop(fence, None)
+                return False
+            self._held[fence] = handle
+            return True
+
+    def kept(self, run_id: str, scope: str, store: Store) -> ClaimHandle | None:
+        """The claim on (`run_id`, `scope`) of `store` kept here for its effects, if any."""
+        with self._lock:
+            for fence, handle in self._held.items():
+                if (fence.run_id, fence.scope) == (run_id, scope) and handle._store is store:
+                    return handle
+        return None
+
+
+_effects_in_progress = _EffectsInProgress()
+os.register_at_fork(after_in_child=_effects_in_progress._reset)
+
+
+def effect_calls(fence: FenceRef | None) -> contextlib.AbstractContextManager[None]:
+    """While an effect call runs under the claim of `fence` (`effects.run_effect`):
+    that claim, given up meanwhile, is kept until the call ends."""
+    if fence is None:
+        return contextlib.nullcontext()
+    return _effect_call(fence)
+
+
+@contextlib.contextmanager
+def _effect_call(fence: FenceRef) -> Iterator[None]:
+    _effects_in_progress.enter(fence)
+    try:
+        yield
+    finally:
+        _effects_in_progress.leave(fence)
+
+
 class ClaimHandle:
     """A held claim; renews its lease in the background until released.
 
@@ -432,6 +515,7 @@ class ClaimHandle:
         self._stopped = False
         self._released = False
         self._release_soon = False
+        self._kept_since: float | None = None  # given up, kept for its effects since
         self._renewing = threading.Lock()
         self._forks = _forks
         remit._track(self)
@@ -446,12 +530,19 @@ class ClaimHandle:
             ref = self._fence = FenceRef.of(self.claim)
         return ref
 
+    @property
+    def _store(self) -> Store:
+        return self._remit.store
+
     def _renew(self) -> bool:
         """One heartbeat; whether to keep renewing."""
+        kept = self._kept_since is not None and (
+            time.monotonic() - self._kept_since < HELD_FOR_EFFECTS
+        )
         with self._renewing:
             if self._stopped:
                 return False
-            if not self._release_soon:
+            if not self._release_soon or kept:
                 try:
                     self.claim = self._remit.store.renew_claim(
                         self.claim, now=self._remit.clock(), lease=self.lease
@@ -463,8 +554,8 @@ class ClaimHandle:
                     return True
                 return True
         with contextlib.suppress(Exception):  # (if it fails, the lease runs out: L1)
-            self.release()
-        return False
+            self.release(force=self._kept_since is not None)
+        return not self._stopped  # (kept for effect calls still running: renewed)
 
     @property
     def released(self) -> bool:
@@ -477,9 +568,16 @@ class ClaimHandle:
         work under the claim is over. A claim taken over is lost, not given up."""
         return self._released
 
-    def release(self) -> None:
+    def release(self, *, force: bool = False) -> None:
         """Stop renewing and give the claim up (no-op if it was taken over or
-        given up already: a second call makes no round trip)."""
+        given up already: a second call makes no round trip). While effect calls
+        of it still run in this process, it is kept for them, renewed, and
+        released when the last ends (`_EffectsInProgress`), unless `force`."""
+        if not force and not self.released and _effects_in_progress.keep(self):
+            if self._kept_since is None:
+                self._kept_since = time.monotonic()
+            self._release_soon = True  # (the lease keeper's fallback, past HELD_FOR_EFFECTS)
+            return
         with self._renewing:  # waits for a renewal in flight
             self._stopped = True
             if self.released:
@@ -610,7 +708,7 @@ class Remit:
             handles = [h for h in self._handles if h._forks == _forks]
         for handle in handles:
             try:
-                handle.release()
+                handle.release(force=True)
             except Exception:
                 handle.abandon()
         store, self.store = self.store, cast(Store, _ClosedStore(self.store.url))
@@ -756,6 +854,11 @@ class Remit:
             run_id, checkpoint_id, parent_id, state, ns, metadata, fork_token,
             schema_version, workflow_version, blobs, writes, fence, plan, allow_new_root,
         )  # fmt: skip
+        if release is not None and _effects_in_progress.keep(release):
+            # Effect calls of the claim still run here: it is kept for them, not given
+            # up with the commit (released when the last ends).
+            release.release()
+            release = None
         try:
             return self._commit(ask, release)
         except (ForkWithoutIntent, HeadMoved, Fenced) as exc:
@@ -1306,11 +1409,29 @@ class Remit:
         lease = self.lease if lease is None else checked_lease(lease)
         holder = holder or self._caller()
         try:
-            claim = self.store.acquire_claim(run_id, scope, holder, now=self.clock(), lease=lease)
+            try:
+                claim = self.store.acquire_claim(
+                    run_id, scope, holder, now=self.clock(), lease=lease
+                )
+            except ResumeConflict:
+                if not self._take_kept(run_id, scope):
+                    raise
+                claim = self.store.acquire_claim(
+                    run_id, scope, holder, now=self.clock(), lease=lease
+                )
         except StoreUnavailable as lost:
             claim = self._landed_claim(run_id, scope, holder, lost)
         failpoints.hit("claim.after_acquire")
         return ClaimHandle(self, claim, lease, heartbeat)
+
+    def _take_kept(self, run_id: str, scope: str) -> bool:
+        """Release a claim of this process on (`run_id`, `scope`) that was given up and
+        is only kept for effect calls still running: a new claim here takes over."""
+        kept = _effects_in_progress.kept(run_id, scope, self.store)
+        if kept is None:
+            return False
+        kept.release(force=True)
+        return True
 
     def _landed_claim(self, run_id: str, scope: str, holder: str, lost: StoreUnavailable) -> Claim:
         """The claim of a take that failed in flight, if it landed all the same.
@@ -1347,9 +1468,16 @@ class Remit:
         lease = self.lease if lease is None else checked_lease(lease)
         holder = self._caller()
         try:
-            claim, record, writes = self.store.acquire_claim_at_head(
-                run_id, branch, holder, now=self.clock(), lease=lease, ns=ns
-            )
+            try:
+                claim, record, writes = self.store.acquire_claim_at_head(
+                    run_id, branch, holder, now=self.clock(), lease=lease, ns=ns
+                )
+            except ResumeConflict:
+                if not self._take_kept(run_id, branch):
+                    raise
+                claim, record, writes = self.store.acquire_claim_at_head(
+                    run_id, branch, holder, now=self.clock(), lease=lease, ns=ns
+                )
         except ResumeConflict:
             raise
         except Exception:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from remit_core import codec, failpoints, policy
-from remit_core.core import check_fence_run, checked_id
+from remit_core.core import check_fence_run, checked_id, effect_calls
 from remit_core.errors import (
     CorruptRecord,
     EffectInDoubt,
@@ -617,7 +617,7 @@ def run_effect(
     _check_sync(name, fn, reconcile)
     scope = _scope_or_fail(checked_id("effect name", name, empty=True))
     call = _Call(scope, key if key is not None else scope.next_key(name))
-    with _turns.turn(call):
+    with effect_calls(scope.fence), _turns.turn(call):
         return _drive(call, fn, reconcile, idempotent)
 
 
@@ -720,8 +720,9 @@ async def arun_effect(
     _check_declared(name, fn, reconcile, idempotent)
     scope = _scope_or_fail(checked_id("effect name", name, empty=True))
     call = _Call(scope, key if key is not None else scope.next_key(name))
-    async with _turns.aturn(call):
-        return await _adrive(call, fn, reconcile, idempotent)
+    with effect_calls(scope.fence):
+        async with _turns.aturn(call):
+            return await _adrive(call, fn, reconcile, idempotent)
 
 
 async def _adrive(

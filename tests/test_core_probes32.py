@@ -396,3 +396,131 @@ def test_a_turn_abandoned_at_event_loop_shutdown_is_given_back(store_url: str, r
     later.join(30)
     assert not later.is_alive(), "the turn was never given back"
     assert results == ["receipt-holder", "receipt-holder"]
+
+
+# -- a claim given up while effect calls of it still run in its process ----------------
+
+
+def holder_of(url: str, run_id: str, scope: str = "main") -> str | None:
+    claim = Remit(url).store.get_claim(run_id, scope)
+    return None if claim is None else claim.holder
+
+
+def in_flight_after_release(
+    remit: Remit, run_id: str, give_up: Callable[[Any], None]
+) -> tuple[threading.Thread, threading.Event, threading.Event, list[Any]]:
+    """An effect call of a claim, running in a thread, past its intent; the claim is then
+    given up by `give_up(handle)` (the step ended: raised, or committed its last write)."""
+    entered, finish = threading.Event(), threading.Event()
+    got: list[Any] = []
+    handle = remit.claim(run_id, "main", lease=2.0)
+
+    def send(idem: str) -> str:
+        entered.set()
+        finish.wait(30)
+        return "receipt"
+
+    def call() -> None:
+        with step_scope(remit, run_id, "main:Mail", fence=handle.fence):
+            try:
+                got.append(run_effect("mail", send, key=KEY, reconcile=lambda idem: NOT_APPLIED))
+            except Fenced as exc:
+                got.append(type(exc).__name__)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    assert entered.wait(30)
+    give_up(handle)
+    return thread, finish, entered, got
+
+
+@pytest.mark.parametrize("how", ["release", "commit"])
+def test_a_claim_given_up_mid_effect_is_kept_until_the_call_ends(
+    store_url: str, run_id: str, how: str
+) -> None:
+    """The step gives its claim up (`release()`, or a commit with `release=`) while an
+    effect call of it still runs in a thread of the process. The claim is kept for
+    the call, renewed past its 2 s lease: another process is refused (`ResumeConflict`)
+    and, finding the intent, would wait for it (in flight). The call records its
+    outcome under the claim, which is released once the call ends."""
+    remit = Remit(store_url)
+
+    def give_up(handle: Any) -> None:
+        if how == "release":
+            handle.release()
+        else:
+            remit.commit(
+                run_id=run_id,
+                checkpoint_id="c1",
+                parent_id=None,
+                state=b"state",
+                fence=handle.fence,
+                release=handle,
+            )
+
+    thread, finish, _, got = in_flight_after_release(remit, run_id, give_up)
+    try:
+        time.sleep(2.5)  # past the lease: renewed
+        held = holder_of(store_url, run_id)
+        assert held, "the claim was given up with an effect call of it running"
+
+        def other_process() -> str:
+            try:
+                Remit(store_url).claim(run_id, "main")
+            except Exception as exc:
+                return type(exc).__name__
+            return "claimed"
+
+        assert fork(other_process).wait(60).value == "ResumeConflict"
+    finally:
+        finish.set()
+        thread.join(30)
+    assert got == ["receipt"]
+    entry = remit.store.get_effect(run_id, KEY)
+    assert entry is not None and entry.status == "done"
+    deadline = time.monotonic() + 30
+    while holder_of(store_url, run_id):
+        assert time.monotonic() < deadline, "the kept claim was never released"
+        time.sleep(0.05)
+    if how == "commit":
+        head = remit.store.get_head(run_id, "", "main")
+        assert head is not None and head.checkpoint_id == "c1"
+
+
+def test_a_claim_of_the_same_process_takes_a_kept_claim_over_at_once(
+    store_url: str, run_id: str
+) -> None:
+    """A retry in the same process (a worker's loop) claims the scope at once: the kept
+    claim is released for it, and the running call's outcome is refused under the old
+    fence (its intent stays, in doubt, for the retry's turn to reconcile)."""
+    remit = Remit(store_url)
+    thread, finish, _, got = in_flight_after_release(remit, run_id, lambda h: h.release())
+    try:
+        retry = Remit(store_url).claim(run_id, "main", lease=30)
+        assert holder_of(store_url, run_id) == retry.claim.holder
+        retry.release()
+    finally:
+        finish.set()
+        thread.join(30)
+    assert got == ["Fenced"]  # the old call's outcome write, under the old fence
+
+
+def test_a_kept_claim_is_released_once_held_past_its_limit(
+    store_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An effect call that never ends (a thread stuck in its target) keeps the claim at
+    most `HELD_FOR_EFFECTS` (0.5 s here): then the lease keeper releases it."""
+    from remit_core import core
+
+    monkeypatch.setattr(core, "HELD_FOR_EFFECTS", 0.5)
+    remit = Remit(store_url)
+    thread, finish, _, got = in_flight_after_release(remit, run_id, lambda h: h.release())
+    try:
+        deadline = time.monotonic() + 30
+        while holder_of(store_url, run_id):
+            assert time.monotonic() < deadline, "the kept claim was never released"
+            time.sleep(0.05)
+    finally:
+        finish.set()
+        thread.join(30)
+    assert got == ["Fenced"]  # its outcome came after the claim was released
