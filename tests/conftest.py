@@ -68,3 +68,11 @@ def _close_named_stores() -> Iterator[None]:
         closing = [stores._cache.pop(key) for key in named]
     for store in closing:
         store.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files holding a `slow` test first, the rest in their order: `--dist loadfile`
+    (with `--no-loadscope-reorder`, README.md) hands whole files to the workers in this
+    order, so a long file starts early instead of running alone at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)

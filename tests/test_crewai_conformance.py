@@ -21,6 +21,8 @@ from remit_crewai.probe import adapter
 TARGETS = {"sqlite": "sqlite", "postgresql": PG_URL, "redis": REDIS_URL}
 REPEAT = 5
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> Matrix:
