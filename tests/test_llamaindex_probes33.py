@@ -20,7 +20,9 @@ a result. It is now refused (`CorruptRecord`) without building it.
 
 Also pinned (this held): cancelling the task that awaits a handler, while its step is
 inside an `@effect` or while the run waits for an answer, leaves the stored run
-resumable; another process continues it from its prefix with the effect applied once.
+resumable; another process continues it from its prefix with the effect applied once
+(once the copy left inside the effect has come out of it: the core keeps a claim
+given up while an effect call of it still runs in its process).
 """
 
 from __future__ import annotations
@@ -328,7 +330,8 @@ def test_cancelling_the_task_awaiting_a_handler_leaves_the_run_resumable(
     the step is inside its effect, or while the run waits for an answer: the stored run
     is not ended, another process continues it from its prefix (no completed step
     entered again) with every effect applied once, and the copy left in this process
-    stores nothing afterwards."""
+    stores nothing afterwards. While the copy left here is still inside its effect,
+    the run's claim is kept for that call: another process is refused until it ends."""
     monkeypatch.setenv(DIR_VAR, str(tmp_path))
     run, parked = new_run(), where == "parked"
 
@@ -346,21 +349,30 @@ def test_cancelling_the_task_awaiting_a_handler_leaves_the_run_resumable(
             await awaiting
         assert rt.status(run) == ("waiting" if parked else "running")
         code = CONTINUE.format(tests=TESTS, root=ROOT, url=store_url, run=run, parked=parked)
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-c", code],
-            env={**os.environ, DIR_VAR: str(tmp_path)},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+
+        async def other_process() -> subprocess.CompletedProcess[str]:
+            return await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-c", code],
+                env={**os.environ, DIR_VAR: str(tmp_path)},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+
+        if not parked:
+            # The copy left here is still inside its effect: its claim is kept for it,
+            # so another process is refused (it would take the effect for one in
+            # doubt); once the copy comes out of it, the claim is given up.
+            refused = await other_process()
+            assert refused.returncode != 0 and "ResumeConflict" in refused.stderr, refused
+            _Gate.release.set()
+            await _Gate.left.wait()
+        done = await other_process()
         assert done.returncode == 0, done.stderr
         assert done.stdout.split()[-1] == ("charge-ada" if parked else "order")
         stored = [c.checkpoint_id for c in rt.checkpoints(run)]
-        if not parked:  # the copy left here comes out of its effect: it stores nothing
-            _Gate.release.set()
-            await _Gate.left.wait()
-            await asyncio.sleep(0.5)  # room for a wrong write; nothing below may change
+        await asyncio.sleep(0.5)  # room for a wrong write of the copy; nothing may change
         assert [c.checkpoint_id for c in rt.checkpoints(run)] == stored
         assert rt.status(run) == "completed"
         assert rt.result(run) == ("charge-ada" if parked else "order")
