@@ -218,7 +218,16 @@ class Body:
     stores exactly (None otherwise): a finished flow kicked off again runs nothing
     and returns it, as its first kickoff did. `prompt`: a pause's context as its
     interrupt holds it, so that a pause whose process died before opening the
-    interrupt can open it later.
+    interrupt can open it later. `before`: for the state `ask()` saves, the state the
+    asking step started from (empty if nothing was saved before it), which a restart
+    continues with: kept in the checkpoint itself, as the ones before it may have been
+    pruned (None in checkpoints written before it was kept). `edited`: for an edit made
+    on a pause or on its feedback method's completion (through earlier edits), that
+    checkpoint's `kind`, `method` and id (`checkpoint`), for the same reason; an edit of
+    a pause keeps its `prompt` too. `first`: for a fork's pause, or its feedback (or an
+    edit made on them), the branch the paused occurrence first ran on, when that is not
+    the fork's own (where its effects are keyed, `Session.keys_from`), for the same
+    reason.
     """
 
     state: dict[str, Any]
@@ -227,6 +236,9 @@ class Body:
     ledger: Ledger
     output: bytes | None = None
     prompt: bytes | None = None
+    before: dict[str, Any] | None = None
+    edited: dict[str, str] | None = None
+    first: str | None = None
 
 
 def encode(body: Body) -> bytes:
@@ -251,6 +263,9 @@ def encode(body: Body) -> bytes:
             **({} if not ledger.reasked else {"reasked": ledger.reasked}),
             **({} if body.output is None else {"output": body.output}),
             **({} if body.prompt is None else {"prompt": body.prompt}),
+            **({} if body.before is None else {"before": body.before}),
+            **({} if body.edited is None else {"edited": body.edited}),
+            **({} if body.first is None else {"first": body.first}),
         }
     )
 
@@ -298,6 +313,9 @@ def decode(data: bytes, *, run_id: str, checkpoint_id: str) -> Body:
             ),
             output=_bytes_or_none(raw.get("output")),
             prompt=_bytes_or_none(raw.get("prompt")),
+            before=_before(raw, "before"),
+            edited=_edited(raw, "edited"),
+            first=_first(raw, "first"),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptRecord(
@@ -415,6 +433,39 @@ def _routes(taken: Any, where: str, counts: dict[str, int]) -> tuple[str | None,
     return tuple(
         route for r, times in runs for route in [None if r is None else _str(r, where)] * times
     )
+
+
+def _before(raw: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The state an `ask` checkpoint keeps of the state before its step (`Body.before`)."""
+    if key not in raw:
+        return None
+    if raw["kind"] != "ask":
+        raise ValueError(f"only the state ask() saves keeps a {key!r} state")
+    return _mapping(raw[key], key, lambda value, _: value)
+
+
+def _edited(raw: dict[str, Any], key: str) -> dict[str, str] | None:
+    """The pause or feedback an edit was made on (`Body.edited`)."""
+    if key not in raw:
+        return None
+    if raw["kind"] != "edit":
+        raise ValueError(f"only an edit keeps the {key!r} pause it was made on")
+    edited = _mapping(raw[key], key, _str)
+    if set(edited) != {"kind", "method", "checkpoint"} or edited["kind"] not in (
+        "pause",
+        "feedback",
+    ):
+        raise ValueError(f"{key} names the kind, method and checkpoint of a pause or feedback")
+    return edited
+
+
+def _first(raw: dict[str, Any], key: str) -> str | None:
+    """The branch a fork's paused occurrence first ran on (`Body.first`)."""
+    if key not in raw:
+        return None
+    if raw["kind"] not in ("pause", "feedback", "edit"):
+        raise ValueError(f"only a pause, its feedback or an edit keeps a {key!r} branch")
+    return _str(raw[key], key)
 
 
 def _bytes_or_none(value: Any) -> bytes | None:

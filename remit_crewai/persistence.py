@@ -59,7 +59,7 @@ from remit_core.errors import (
     UnknownRecord,
     VersionMismatch,
 )
-from remit_core.records import MAIN_BRANCH, CheckpointRecord, InterruptRecord
+from remit_core.records import MAIN_BRANCH, BranchRecord, CheckpointRecord, InterruptRecord
 from remit_core.schema import StateSchema, field_path
 from remit_core.stores import check_url, open_store
 from remit_crewai._ledger import (
@@ -327,12 +327,14 @@ class RemitFlowPersistence(FlowPersistence):
                     ledger = ledger.routing(method_name, session.routes.pop(ran))
                 if ran in session.answered:
                     ledger = ledger.noting(session.answered.pop(ran))
-            output = None
+            output, before = None, None
             if kind == "step":
                 output = _output_of(session, method_name)
             elif kind == "feedback":
                 output = _resumed_output(session)
-            self._commit(session, plain, method_name, kind, ledger, output)
+            else:
+                before = self._before_this_ask(session)
+            self._commit(session, plain, method_name, kind, ledger, output, before=before)
             if kind == "step":
                 session.end_occurrence(method_name, occurrence)
 
@@ -524,6 +526,12 @@ class RemitFlowPersistence(FlowPersistence):
             body = decode(record.state, run_id=run_id, checkpoint_id=checkpoint_id)
             if body.kind != "edit":
                 break
+            if body.edited is not None:  # (the pause itself may have been pruned since)
+                if body.edited["kind"] != "pause" or body.prompt is None:
+                    return None
+                method = body.edited["method"]
+                occurrence = f"{method}#{body.ledger.occurrence(method)}"
+                return body.edited["checkpoint"], occurrence, body.prompt
             checkpoint_id = record.parent_id
         if checkpoint_id is None or body.kind != "pause" or body.prompt is None:
             return None
@@ -563,15 +571,18 @@ class RemitFlowPersistence(FlowPersistence):
             return flow_id_of(run_id, remit.plan(run_id, checkpoint_id).branch)
         created = remit.fork(run_id, checkpoint_id, fork_token)
         paused_at, body = base, decode(base.state, run_id=run_id, checkpoint_id=checkpoint_id)
-        while body.kind == "edit" and paused_at.parent_id is not None:
+        while body.kind == "edit" and body.edited is None and paused_at.parent_id is not None:
             # An edit of a paused flow leaves it paused: the fork waits for that feedback too.
             parent = remit.checkpoint(run_id, paused_at.parent_id)
             if parent is None:
                 break
             paused_at = parent
             body = decode(parent.state, run_id=run_id, checkpoint_id=parent.checkpoint_id)
-        if body.kind == "pause":
-            interrupt_id = f"{body.method}#{body.ledger.occurrence(body.method)}"
+        method = body.method if body.kind == "pause" else None
+        if body.kind == "edit" and body.edited is not None and body.edited["kind"] == "pause":
+            method = body.edited["method"]  # (the pause itself may have been pruned since)
+        if method is not None:
+            interrupt_id = f"{method}#{body.ledger.occurrence(method)}"
             paused = remit.interrupt(run_id, interrupt_id, branch=paused_at.branch)
             if paused is not None:
                 remit.open_interrupts(
@@ -593,11 +604,7 @@ class RemitFlowPersistence(FlowPersistence):
         made = None if fork_token is None else self.remit.fork_branch(run_id, fork_token)
         if made is None or made.base_id is None:
             return current.head_id
-        parents = {r.checkpoint_id: r.parent_id for r in self.remit.history(run_id, verify=False)}
-        cursor: str | None = current.head_id
-        while cursor is not None and cursor != made.base_id:
-            cursor = parents.get(cursor)
-        if cursor is None:
+        if not self._on_line(run_id, current, made.base_id):
             raise ForkWithoutIntent(
                 f"fork token {fork_token!r} already made fork {flow_id_of(run_id, made.branch)!r} "
                 f"from checkpoint {made.base_id!r}, which is not on the line of {flow_id!r}: "
@@ -606,6 +613,26 @@ class RemitFlowPersistence(FlowPersistence):
                 checkpoint_id=made.base_id,
             )
         return made.base_id
+
+    def _on_line(self, run_id: str, line: BranchRecord, checkpoint_id: str) -> bool:
+        """Whether checkpoint `checkpoint_id` is on the line of branch `line`: one of the
+        branch's own up to its head, or on the line of the branch it was forked from, up to
+        its base. Read from the branches, not by walking the checkpoints between: a prune
+        may have deleted those (it keeps every fork base and head)."""
+        wanted = self.remit.checkpoint(run_id, checkpoint_id)
+        current: BranchRecord | None = line
+        bound, seen = line.head_seq, set()
+        while wanted is not None and current is not None and current.branch not in seen:
+            seen.add(current.branch)
+            if wanted.branch == current.branch:
+                return wanted.seq <= bound
+            base = (
+                None if current.base_id is None else self.remit.checkpoint(run_id, current.base_id)
+            )
+            if base is None:
+                return False
+            bound, current = base.seq, self.remit.branch(run_id, branch=base.branch)
+        return False
 
     def checkpoints(self, flow_id: str) -> list[SavedCheckpoint]:
         """The flow's checkpoints, newest first, along its line back to the start.
@@ -700,8 +727,18 @@ class RemitFlowPersistence(FlowPersistence):
             # runs no workflow code: it keeps the version that wrote the flow, which an
             # operator's persistence made without one would otherwise lock out (P4).
             version = self.workflow_version if head is None else head.workflow_version
+            edited, prompt, first = _edited_pause(head)
             self._commit(
-                session, plain, "", "edit", session.ledger, session.output, version=version
+                session,
+                plain,
+                "",
+                "edit",
+                session.ledger,
+                session.output,
+                prompt=prompt,
+                edited=edited,
+                first=first,
+                version=version,
             )
 
     # -- sessions ------------------------------------------------------------
@@ -1047,6 +1084,9 @@ class RemitFlowPersistence(FlowPersistence):
         output: bytes | None = None,
         *,
         prompt: bytes | None = None,
+        before: dict[str, Any] | None = None,
+        edited: dict[str, str] | None = None,
+        first: str | None = None,
         version: str | None = None,
     ) -> CheckpointRecord:
         """Commit `plain` as the session's new head, fenced, stamped with workflow `version`
@@ -1066,6 +1106,10 @@ class RemitFlowPersistence(FlowPersistence):
             own = flow.persistence
             if version is None and isinstance(own, RemitFlowPersistence) and self._stores_for(flow):
                 version = own.workflow_version
+        if kind in ("pause", "feedback") and session.branch != MAIN_BRANCH:
+            occurrence = f"{method}#{ledger.occurrence(method)}"
+            ran = self._first_ran(session, session.head, occurrence)
+            first = None if ran[1] == session.branch else ran[1]
         try:
             plan = policy.plan_continue(
                 session.run_id,
@@ -1087,7 +1131,7 @@ class RemitFlowPersistence(FlowPersistence):
             run_id=session.run_id,
             checkpoint_id=f"{plan.seq:012d}-{uuid.uuid4().hex[:12]}",
             parent_id=session.head,
-            state=encode(Body(plain, method, kind, ledger, output, prompt)),
+            state=encode(Body(plain, method, kind, ledger, output, prompt, before, edited, first)),
             metadata={
                 "flow_id": session.flow_id,
                 "method": method,
@@ -1486,8 +1530,20 @@ class RemitFlowPersistence(FlowPersistence):
             body = decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
             if body.kind != "ask":
                 return body.state if asked else None
+            if body.before is not None:
+                return body.before
+            # (Written before asks kept it: the checkpoints before it hold it.)
             asked, checkpoint_id = True, record.parent_id
         return {} if asked else None
+
+    def _before_this_ask(self, session: Session) -> dict[str, Any]:
+        """The state the step that asks now started from (`Body.before`): that of the asks
+        before it in this step, else the head's (empty if nothing was saved yet). Kept in
+        the ask's checkpoint, as the checkpoints before it may be pruned meanwhile."""
+        if session.head is None:
+            return {}
+        before = self._state_before_asks(session)
+        return session.state if before is None else before
 
     def _given_since_head(self, session: Session) -> list[InterruptRecord]:
         """The feedback consumed on the flow's line after its head was written: at most that
@@ -1514,6 +1570,9 @@ class RemitFlowPersistence(FlowPersistence):
                 return f"{body.method}#{body.ledger.occurrence(body.method)}"
             if body.kind != "edit":
                 return None
+            if body.edited is not None:  # (the pause itself may have been pruned since)
+                method = body.edited["method"]
+                return f"{method}#{body.ledger.occurrence(method)}"
             checkpoint_id = record.parent_id
         return None
 
@@ -1552,26 +1611,54 @@ class RemitFlowPersistence(FlowPersistence):
         on a fork made from the pause, the effects that occurrence applied
         before the fork are the shared prefix's, met again under their keys and
         not applied a second time (P3)."""
-        paused: str | None = None
-        first = session.branch
-        for record, body in self._fork_line(session):
-            if body.kind == "edit":
-                continue
-            occurrence = f"{body.method}#{body.ledger.occurrence(body.method)}"
-            if body.kind not in ("pause", "feedback") or paused not in (None, occurrence):
-                break
-            paused, first = occurrence, record.branch
+        if session.branch == MAIN_BRANCH:
+            return {}
+        paused, first = self._first_ran(session, session.head, None)
         return {} if paused is None or first == session.branch else {paused: first}
 
+    def _first_ran(
+        self, session: Session, checkpoint_id: str | None, paused: str | None
+    ) -> tuple[str | None, str]:
+        """The occurrence the pause (or its feedback, through edits) at `checkpoint_id` of
+        the session's line is, if it is `paused` (any, if None), and the branch it first
+        ran on: walked back through the pauses of that occurrence, or read where a
+        checkpoint keeps it (`Body.first`; the ones before may have been pruned)."""
+        first = session.branch
+        while checkpoint_id is not None:
+            record = self.remit.checkpoint(session.run_id, checkpoint_id)
+            if record is None:
+                break
+            body = decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
+            method = body.method
+            if body.kind == "edit":
+                if body.edited is None:
+                    checkpoint_id = record.parent_id
+                    continue
+                method = body.edited["method"]
+            elif body.kind not in ("pause", "feedback"):
+                break
+            occurrence = f"{method}#{body.ledger.occurrence(method)}"
+            if paused not in (None, occurrence):
+                break
+            paused = occurrence
+            if body.first is not None:
+                return paused, body.first
+            if body.kind != "edit":
+                first = record.branch
+            checkpoint_id = record.parent_id
+        return paused, first
+
     def _fork_line(self, session: Session) -> Iterator[tuple[CheckpointRecord, Body]]:
-        """The checkpoints of a fork's line from its head back (none for the main line)."""
+        """The checkpoints of a fork's line from its head back (none for the main line);
+        an edit made on a pause or feedback leads straight to it (`Body.edited`)."""
         checkpoint_id = None if session.branch == MAIN_BRANCH else session.head
         while checkpoint_id is not None:
             record = self.remit.checkpoint(session.run_id, checkpoint_id)
             if record is None:
                 return
-            yield record, decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
-            checkpoint_id = record.parent_id
+            body = decode(record.state, run_id=session.run_id, checkpoint_id=checkpoint_id)
+            yield record, body
+            checkpoint_id = record.parent_id if body.edited is None else body.edited["checkpoint"]
 
     def _step_session(self, flow: Flow[Any]) -> Session:
         """The session a step of `flow` runs under: its own, a resumer's it adopts, or new."""
@@ -1825,6 +1912,27 @@ def _left_by_run(flow: Flow[Any], session: Session) -> None:
     ex = current_execution.get()
     if ex is not None and ex.flow() is flow:
         ex.left[session.flow_id] = session.head
+
+
+def _edited_pause(
+    head: CheckpointRecord | None,
+) -> tuple[dict[str, str] | None, bytes | None, str | None]:
+    """What an edit made on `head` keeps of the pause or feedback `head` ends (through
+    earlier edits): which one it is, the pause's prompt and the branch its occurrence
+    first ran on (`Body.edited`, `Body.first`). A prune may delete that checkpoint once
+    the edit is the head, and a resume or restart still needs them."""
+    if head is None:
+        return None, None, None
+    body = decode(head.state, run_id=head.run_id, checkpoint_id=head.checkpoint_id)
+    if body.kind == "edit":
+        return body.edited, body.prompt, body.first
+    if body.kind not in ("pause", "feedback"):
+        return None, None, None
+    edited = {"kind": body.kind, "method": body.method, "checkpoint": head.checkpoint_id}
+    first = body.first
+    if first is None and head.branch != MAIN_BRANCH:
+        first = head.branch  # (the fork's own: where the edit's line ran it)
+    return edited, body.prompt if body.kind == "pause" else None, first
 
 
 def _as_saved(flow_id: str, state: dict[str, Any]) -> dict[str, Any]:
