@@ -458,6 +458,11 @@ class _EffectsInProgress:
             with contextlib.suppress(Exception):  # (if it fails, the lease runs out: L1)
                 handle.release()
 
+    def busy(self, fence: FenceRef) -> bool:
+        """Whether effect calls under the claim of `fence` run here."""
+        with self._lock:
+            return bool(self._counts.get(fence))
+
     def keep(self, handle: ClaimHandle) -> bool:
         """Whether `handle`'s claim has effect calls running here: then it is kept for
         them (released when the last ends) and the caller does not release it."""
@@ -854,11 +859,16 @@ class Remit:
             run_id, checkpoint_id, parent_id, state, ns, metadata, fork_token,
             schema_version, workflow_version, blobs, writes, fence, plan, allow_new_root,
         )  # fmt: skip
-        if release is not None and _effects_in_progress.keep(release):
-            # Effect calls of the claim still run here: it is kept for them, not given
-            # up with the commit (released when the last ends).
+        if release is not None and _effects_in_progress.busy(release.fence):
+            # Effect calls of the claim still run here: it is not given up with the
+            # commit but after it, by `release()`, which keeps it for them.
+            stored = self._commit_giving_up(ask, None)
             release.release()
-            release = None
+            return stored
+        return self._commit_giving_up(ask, release)
+
+    def _commit_giving_up(self, ask: _CommitAsk, release: ClaimHandle | None) -> CheckpointRecord:
+        """`commit` of a checked `ask`, giving up `release` with it."""
         try:
             return self._commit(ask, release)
         except (ForkWithoutIntent, HeadMoved, Fenced) as exc:

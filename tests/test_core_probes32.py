@@ -257,7 +257,7 @@ def test_adopt_effect_refuses_a_stale_fence_and_a_deleted_entry(
 
 
 def test_an_adoption_lost_to_another_caller_is_decided_again(
-    store_url: str, run_id: str, tmp_path: Path
+    store_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In one process, without a race: the caller decided on the intent under the
     line's claim, but the fork's caller (still holding its claim, unexpired) adopted it
@@ -276,7 +276,8 @@ def test_an_adoption_lost_to_another_caller_is_decided_again(
         calls.append(kwargs["fence"].holder)
         return real(*args, **kwargs)
 
-    remit.store.adopt_effect = adopt_after_the_fork  # type: ignore[method-assign]
+    # (the store is shared by URL in this process: put back after the test)
+    monkeypatch.setattr(remit.store, "adopt_effect", adopt_after_the_fork)
     mailer = Mailer(tmp_path, callers=1)
     with remit.claim(run_id, "main", lease=30) as handle:
         with step_scope(remit, run_id, "main:Mail", fence=handle.fence):
