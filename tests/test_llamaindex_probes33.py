@@ -368,6 +368,12 @@ def test_cancelling_the_task_awaiting_a_handler_leaves_the_run_resumable(
             assert refused.returncode != 0 and "ResumeConflict" in refused.stderr, refused
             _Gate.release.set()
             await _Gate.left.wait()
+            # (the gate opens inside the effect: its call records the outcome, then
+            # gives the kept claim up)
+            deadline = asyncio.get_running_loop().time() + 30
+            while (claim := rt.remit.store.get_claim(run, "main")) and claim.holder:
+                assert asyncio.get_running_loop().time() < deadline, "the claim stayed kept"
+                await asyncio.sleep(0.02)
         done = await other_process()
         assert done.returncode == 0, done.stderr
         assert done.stdout.split()[-1] == ("charge-ada" if parked else "order")
